@@ -1,0 +1,31 @@
+"""`python -m preprocess <command> --help`. Each command lives in its own module with an `Args` dataclass and `run`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "inspect": ("preprocess.inspect", "summarize a LeRobot dataset and optionally decode every frame"),
+    "stats": ("preprocess.stats", "write DreamZero's metadata.json statistics for one or more datasets"),
+    "shards": ("preprocess.shards", "build WebDataset shards with precomputed encoder outputs"),
+    "check": ("preprocess.check", "verify a shard directory against its manifest"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tyro
+
+    argv = sys.argv[1:] if argv is None else argv
+    available = {name: spec for name, spec in COMMANDS.items() if importlib.util.find_spec(spec[0]) is not None}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in available:
+        lines = [f"  {name:<8} {help_}" for name, (_, help_) in available.items()]
+        print("usage: python -m preprocess <command> [--help]\n\ncommands:\n" + "\n".join(lines))
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    module = importlib.import_module(available[argv[0]][0])
+    args = tyro.cli(module.Args, args=argv[1:], prog=f"python -m preprocess {argv[0]}", description=module.__doc__)
+    module.run(args)
+
+
+if __name__ == "__main__":
+    main()

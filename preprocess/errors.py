@@ -1,0 +1,18 @@
+"""The one error type for bad input data: it always names the file, the episode and the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class DatasetError(Exception):
+    """A dataset file cannot be used. `str(err)` reads `<file>: episode <n>: <reason>`."""
+
+    def __init__(self, path: str | Path | None, episode: int | None, reason: str):
+        self.path = None if path is None else Path(path)
+        self.episode = episode
+        self.reason = reason
+        where = [str(self.path) if self.path is not None else "<dataset>"]
+        if episode is not None:
+            where.append(f"episode {episode}")
+        super().__init__(": ".join(where + [reason]))
