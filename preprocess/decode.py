@@ -46,9 +46,9 @@ def decode_video(
     unique = np.unique(indices)  # sorted: one front-to-back pass
     try:
         if backend == "torchcodec":
-            frames, pts, total = _decode_torchcodec(path, unique, required_frames)
+            frames, pts = _decode_torchcodec(path, unique, required_frames)
         else:
-            frames, pts, total = _decode_pyav(path, unique, fps, required_frames)
+            frames, pts = _decode_pyav(path, unique, fps, required_frames)
     except _Short as short:
         raise DatasetError(path, episode, f"short video: {short}") from None
     except DatasetError:
@@ -56,8 +56,6 @@ def decode_video(
     except Exception as err:  # decoders raise RuntimeError, av.error.*, ValueError for damaged input
         raise DatasetError(path, episode, f"cannot decode video ({backend}): {type(err).__name__}: {err}") from err
 
-    if required_frames is not None and total is not None and total < required_frames:
-        raise DatasetError(path, episode, f"short video: {total} frames in the file, the episode needs {required_frames}")
     if expected_pts is not None:
         expected = np.asarray(expected_pts, dtype=np.float64)
         got = pts[np.searchsorted(unique, indices)]
@@ -83,10 +81,12 @@ def _decode_torchcodec(path: Path, unique: np.ndarray, required: int | None):
 
     decoder = VideoDecoder(str(path), dimension_order="NHWC", seek_mode="exact")
     total = decoder.metadata.num_frames
-    if total is not None and (unique[-1] >= total or (required is not None and total < required)):
-        raise _Short(f"{total} frames in the file, frames up to {max(int(unique[-1]) + 1, required or 0)} needed")
+    if total is not None and required is not None and total < required:
+        raise _Short(f"{total} frames in the file, the episode needs {required}")
+    if total is not None and unique[-1] >= total:
+        raise _Short(f"frame {int(unique[-1])} requested, the file has {total} frames")
     batch = decoder.get_frames_at(unique.tolist())
-    return batch.data.numpy(), batch.pts_seconds.numpy().astype(np.float64), total
+    return batch.data.numpy(), batch.pts_seconds.numpy().astype(np.float64)
 
 
 def _decode_pyav(path: Path, unique: np.ndarray, fps: float | None, required: int | None):
@@ -97,6 +97,8 @@ def _decode_pyav(path: Path, unique: np.ndarray, fps: float | None, required: in
         stream.thread_type = "AUTO"
         rate = fps or float(stream.average_rate or stream.guessed_rate)
         total = stream.frames or None
+        if total is not None and required is not None and total < required:
+            raise _Short(f"{total} frames in the file, the episode needs {required}")
         start = stream.start_time or 0
         first = int(unique[0])
         if first > 0:  # jump to the keyframe before the first wanted frame, then decode forward
@@ -115,7 +117,7 @@ def _decode_pyav(path: Path, unique: np.ndarray, fps: float | None, required: in
         if wanted:  # the file ended (or skipped frames) before everything we want was seen
             missing = min(wanted)
             raise _Short(f"frame {missing} requested, the video has no frame there (decoded up to frame {index})")
-    return np.stack(frames), np.asarray(pts), total
+    return np.stack(frames), np.asarray(pts)
 
 
 def decode_image_cells(cells: Sequence[bytes], path: str | Path, episode: int | None, column: str) -> np.ndarray:
