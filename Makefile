@@ -12,7 +12,9 @@ OUT ?= shards/$(DATASET)
 SAMPLE ?= sample_data
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo sample-data clean help
+ARGS ?=
+
+.PHONY: setup test demo sample-data shards check-shards clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -39,6 +41,12 @@ demo: sample-data  ## sample data -> read every episode and decode its frames
 	$(PY) -m preprocess inspect $(SAMPLE)/droid --decode
 	$(PY) -m preprocess inspect $(SAMPLE)/libero --decode
 	$(PY) -m preprocess inspect $(SAMPLE)/libero-v3 --decode
+
+shards: $(STAMP)  ## build shards: make shards DATASET={droid,libero,franka_pnp} [SRC=lerobot_root] [OUT=dir] [ARGS="..."]
+	$(PY) -m preprocess shards --dataset $(DATASET) --out $(OUT) $(if $(SRC),--src $(SRC)) $(ARGS)
+
+check-shards: $(STAMP)  ## integrity check of a shard directory: make check-shards [OUT=dir]
+	$(PY) -m preprocess check $(OUT)
 
 clean:  ## remove the virtual environment and generated data
 	rm -rf $(VENV) $(SAMPLE)

@@ -1,0 +1,105 @@
+"""Sample members: how one training sample's tensors and metadata become tar members, and back.
+
+The contract (docs/FORMAT.md): keys are dot-free; every tensor is an `.npy` member, bf16 stored as its uint16 bits;
+a member whose zstd stream is smaller pays for it and is stored as `.npy.zst`; `meta.json` records every tensor's
+dtype and shape so a reader can restore and verify it. The trainer and the integrity check decode with this module.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import numpy as np
+import torch
+import zstandard
+
+META = "meta.json"
+ZSTD_LEVEL = 3
+COMPRESS_MODES = ("auto", "none", "all")
+# zstd is kept only where it saves at least this fraction: bf16 latents are near-incompressible noise.
+MIN_SAVING = 0.10
+
+
+def to_numpy_bits(value: np.ndarray | torch.Tensor) -> tuple[np.ndarray, str]:
+    """An array to store and its logical dtype name; bf16 becomes its uint16 bit pattern."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        if tensor.dtype == torch.bfloat16:
+            return tensor.view(torch.uint16).numpy(), "bfloat16"
+        value = tensor.numpy()
+    return np.ascontiguousarray(value), str(value.dtype)
+
+
+def from_numpy_bits(array: np.ndarray, dtype: str) -> np.ndarray | torch.Tensor:
+    """Inverse of `to_numpy_bits`: bf16 comes back as a torch tensor, everything else as numpy."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(array.astype(np.uint16, copy=False)).view(torch.bfloat16)
+    if str(array.dtype) != dtype:
+        raise ValueError(f"stored dtype {array.dtype} does not match recorded dtype {dtype}")
+    return array
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def encode_sample(key: str, tensors: dict[str, Any], meta: dict, compress: str = "auto") -> list[tuple[str, bytes]]:
+    """Tar members of one sample, in a fixed order: tensors sorted by name, then meta.json."""
+    if "." in key or "/" in key or not key:
+        raise ValueError(f"sample key {key!r} must be non-empty and contain no '.' or '/'")
+    if compress not in COMPRESS_MODES:
+        raise ValueError(f"compress must be one of {COMPRESS_MODES}")
+    members, records = [], {}
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    for name in sorted(tensors):
+        if "." in name:
+            raise ValueError(f"tensor name {name!r} must not contain '.'")
+        array, dtype = to_numpy_bits(tensors[name])
+        raw = npy_bytes(array)
+        packed = compressor.compress(raw) if compress != "none" else raw
+        use_zstd = compress == "all" or (compress == "auto" and len(packed) <= (1 - MIN_SAVING) * len(raw))
+        members.append((f"{key}.{name}.npy" + (".zst" if use_zstd else ""), packed if use_zstd else raw))
+        records[name] = {"dtype": dtype, "shape": list(array.shape), "zstd": use_zstd}
+    meta = {**meta, "tensors": records}
+    members.append((f"{key}.{META}", json.dumps(meta, sort_keys=True).encode()))
+    return members
+
+
+def split_member_name(name: str) -> tuple[str, str]:
+    """`key.latents.npy.zst` -> (`key`, `latents.npy.zst`); keys are dot-free, so the first dot splits."""
+    key, _, suffix = name.partition(".")
+    return key, suffix
+
+
+def decode_members(members: dict[str, bytes]) -> tuple[dict, dict[str, np.ndarray | torch.Tensor]]:
+    """{suffix: bytes} of one sample (suffixes as `split_member_name` gives) -> (meta, tensors).
+
+    Raises ValueError naming the member for anything that does not match meta.json.
+    """
+    if META not in members:
+        raise ValueError(f"no {META} member")
+    meta = json.loads(members[META])
+    records = meta.get("tensors", {})
+    tensors = {}
+    seen = {META}
+    decompressor = zstandard.ZstdDecompressor()
+    for name, record in records.items():
+        suffix = f"{name}.npy" + (".zst" if record["zstd"] else "")
+        if suffix not in members:
+            raise ValueError(f"member {suffix} listed in {META} is missing")
+        seen.add(suffix)
+        data = members[suffix]
+        if record["zstd"]:
+            data = decompressor.decompress(data)
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+        if list(array.shape) != record["shape"]:
+            raise ValueError(f"member {suffix} has shape {list(array.shape)}, {META} says {record['shape']}")
+        tensors[name] = from_numpy_bits(array, record["dtype"])
+    extra = sorted(set(members) - seen)
+    if extra:
+        raise ValueError(f"members {extra} are not listed in {META}")
+    return meta, tensors
