@@ -254,11 +254,13 @@ class LeRobotDataset:
 
     # -- episodes
 
-    def episode(self, episode_index: int, columns: Sequence[str] = ()) -> Episode:
-        """One episode with the asked parquet columns, its cameras and its instructions. Validates lengths."""
+    def episode(self, episode_index: int, columns: Sequence[str] = (), cameras: bool = True) -> Episode:
+        """One episode with the asked parquet columns, its instructions and (unless `cameras=False`, which skips
+        reading image cells and checking videos) its cameras. Validates lengths."""
         info = self.episode_info(episode_index)
         annotation_cols = list(self.modality.annotation.values()) or (["task_index"] if "task_index" in self.features else [])
-        image_cols = [self.modality.video[s] for s in self.modality.video if self.camera_storage(self.modality.video[s]) == "image"]
+        video = self.modality.video if cameras else {}
+        image_cols = [key for key in video.values() if self.camera_storage(key) == "image"]
         wanted = list(dict.fromkeys([*columns, *annotation_cols, *image_cols, "timestamp"]))
         table = self._episode_table(info, wanted)
         if table.num_rows != info.length:
@@ -270,11 +272,11 @@ class LeRobotDataset:
                 raise DatasetError(info.data_path, episode_index, f"column {c!r} holds NaN or inf")
         timestamps = table.column("timestamp").to_numpy().astype(np.float64) if "timestamp" in table.column_names else None
 
-        cameras: dict[str, FrameSource] = {}
-        for short, key in self.modality.video.items():
+        sources: dict[str, FrameSource] = {}
+        for short, key in video.items():
             if self.camera_storage(key) == "image":
                 cells = tuple(_image_bytes(v) for v in table.column(key).to_pylist())
-                cameras[short] = ParquetImageFrames(info.data_path, episode_index, key, cells)
+                sources[short] = ParquetImageFrames(info.data_path, episode_index, key, cells)
             else:
                 path = info.video_paths[key]
                 if not path.is_file():
@@ -285,14 +287,14 @@ class LeRobotDataset:
                     n = round((info.video_to_timestamp[key] - from_ts) * vfps)
                     if n != info.length:
                         raise DatasetError(path, episode_index, f"video span holds {n} frames, episode has {info.length} rows")
-                cameras[short] = VideoFrames(path, episode_index, info.length, vfps, from_ts, timestamps)
+                sources[short] = VideoFrames(path, episode_index, info.length, vfps, from_ts, timestamps)
 
         annotations = {c: self._instructions(table, c, info) for c in annotation_cols}
-        return Episode(episode_index, info.length, cols, cameras, annotations)
+        return Episode(episode_index, info.length, cols, sources, annotations)
 
-    def episodes(self, columns: Sequence[str] = (), indices: Sequence[int] | None = None) -> Iterator[Episode]:
+    def episodes(self, columns: Sequence[str] = (), indices: Sequence[int] | None = None, cameras: bool = True) -> Iterator[Episode]:
         for i in self.episode_indices if indices is None else indices:
-            yield self.episode(i, columns)
+            yield self.episode(i, columns, cameras)
 
     # -- internals
 
