@@ -1,0 +1,161 @@
+"""CLIP ViT-H/14 vision tower (transformers), features after block 31 of 32 for frame 0 -> [257, 1280].
+
+Reference (dreamzero_data.md §3.2 step 9, dreamzero_model.md §2.3): frame 0 of the model-resolution canvas in [-1, 1]
+-> bicubic 224x224 (align_corners=False, aspect squashed) -> x*0.5+0.5 -> CLIP mean/std -> ViT-H/14 output of the
+31st block, no final LayerNorm or projection. The reference runs it under bf16 autocast; the default here is bf16
+weights (same bf16 matmuls; LayerNorm affine in bf16 instead of fp32 -- within bf16 rounding).
+
+Loads a Diffusers `image_encoder/` folder (transformers CLIPVisionModel[WithProjection]) and Wan's
+`models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth` (visual keys renamed, text tower ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from preprocess.weights import WeightsError, check_keys, expect_kind, read_state_dict
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+VIT_H_14 = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                patch_size=14, image_size=224, projection_dim=1024, hidden_act="gelu", layer_norm_eps=1e-5)
+HEAD_DIM = 80  # ViT-H/14: 1280 / 16; Wan's file does not record the head count
+_WAN_TO_HF = [  # Wan open-clip visual name -> CLIPVisionModelWithProjection name (to_qkv handled apart)
+    (r"^visual\.patch_embedding\.weight$", "vision_model.embeddings.patch_embedding.weight"),
+    (r"^visual\.pre_norm\.(weight|bias)$", r"vision_model.pre_layrnorm.\1"),
+    (r"^visual\.post_norm\.(weight|bias)$", r"vision_model.post_layernorm.\1"),
+    (r"^visual\.transformer\.(\d+)\.norm1\.(weight|bias)$", r"vision_model.encoder.layers.\1.layer_norm1.\2"),
+    (r"^visual\.transformer\.(\d+)\.norm2\.(weight|bias)$", r"vision_model.encoder.layers.\1.layer_norm2.\2"),
+    (r"^visual\.transformer\.(\d+)\.attn\.proj\.(weight|bias)$", r"vision_model.encoder.layers.\1.self_attn.out_proj.\2"),
+    (r"^visual\.transformer\.(\d+)\.mlp\.0\.(weight|bias)$", r"vision_model.encoder.layers.\1.mlp.fc1.\2"),
+    (r"^visual\.transformer\.(\d+)\.mlp\.2\.(weight|bias)$", r"vision_model.encoder.layers.\1.mlp.fc2.\2"),
+]
+
+
+def wan_clip_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Wan `visual.*` tensors -> transformers names (q/k/v split from `to_qkv`, `head` transposed to the projection)."""
+    out = {}
+    for key, value in state.items():
+        if key == "visual.cls_embedding":
+            out["vision_model.embeddings.class_embedding"] = value.reshape(-1)
+        elif key == "visual.pos_embedding":
+            out["vision_model.embeddings.position_embedding.weight"] = value.reshape(value.shape[-2:])
+        elif key == "visual.head":
+            out["visual_projection.weight"] = value.t()
+        elif m := re.match(r"^visual\.transformer\.(\d+)\.attn\.to_qkv\.(weight|bias)$", key):
+            for name, part in zip("qkv", value.chunk(3, dim=0)):
+                out[f"vision_model.encoder.layers.{m[1]}.self_attn.{name}_proj.{m[2]}"] = part
+        else:
+            for pattern, repl in _WAN_TO_HF:
+                if re.match(pattern, key):
+                    out[re.sub(pattern, repl, key)] = value
+                    break
+    return out
+
+
+def hf_clip_to_wan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `wan_clip_to_hf`, used to write Wan-layout files and to name expected Wan keys in errors."""
+    out = {}
+    for key, value in state.items():
+        if key == "vision_model.embeddings.class_embedding":
+            out["visual.cls_embedding"] = value.reshape(1, 1, -1)
+        elif key == "vision_model.embeddings.position_embedding.weight":
+            out["visual.pos_embedding"] = value.unsqueeze(0)
+        elif key == "visual_projection.weight":
+            out["visual.head"] = value.t()
+        elif m := re.match(r"^vision_model\.encoder\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)$", key):
+            parts = [state[key.replace("q_proj", f"{n}_proj")] for n in "qkv"]
+            out[f"visual.transformer.{m[1]}.attn.to_qkv.{m[2]}"] = torch.cat(parts, dim=0)
+        elif re.search(r"\.self_attn\.[kv]_proj\.", key) or key.endswith("position_ids"):
+            continue
+        else:
+            for pattern, repl in _WAN_TO_HF:
+                hf_pattern = "^" + re.escape(repl).replace(r"\\1", r"(\d+|weight|bias)").replace(r"\\2", r"(weight|bias)") + "$"
+                if m := re.match(hf_pattern, key):
+                    wan = pattern.strip("^$")
+                    for group in m.groups():
+                        wan = re.sub(r"\(\\d\+\)|\(weight\|bias\)", group, wan, count=1)
+                    out[wan.replace("\\.", ".")] = value
+                    break
+    return out
+
+
+class ImageEncoder:
+    """Frozen CLIP vision tower. `encode(frames_bchw in [-1, 1])` -> [B, 257, 1280] features of block 31."""
+
+    def __init__(self, model, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
+        vision = model.vision_model
+        vision.encoder.layers = vision.encoder.layers[:-1]  # the last block's output is never used
+        self.model = vision.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.image_size = model.config.image_size
+        self.mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
+        self.std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
+
+    def preprocess(self, frames_bchw: torch.Tensor) -> torch.Tensor:
+        """[-1, 1] frames (any size) -> normalized 224x224 pixels, float32."""
+        x = F.interpolate(frames_bchw.float(), size=(self.image_size,) * 2, mode="bicubic", align_corners=False)
+        return (x * 0.5 + 0.5 - self.mean) / self.std
+
+    @torch.no_grad()
+    def encode(self, frames_bchw: torch.Tensor, batch_size: int = 0) -> torch.Tensor:
+        step = batch_size or frames_bchw.shape[0]
+        out = []
+        for i in range(0, frames_bchw.shape[0], step):
+            pixels = self.preprocess(frames_bchw[i:i + step]).to(device=self.device, dtype=self.dtype)
+            out.append(self.model(pixel_values=pixels).last_hidden_state)
+        return torch.cat(out)
+
+
+def _config_from_wan_state(state: dict[str, torch.Tensor]):
+    from transformers import CLIPVisionConfig
+
+    dim, _, patch, _ = state["visual.patch_embedding.weight"].shape
+    grid = int(round((state["visual.pos_embedding"].shape[1] - 1) ** 0.5))
+    layers = len({k.split(".")[2] for k in state if k.startswith("visual.transformer.")})
+    return CLIPVisionConfig(**{**VIT_H_14, "hidden_size": dim, "patch_size": patch, "image_size": grid * patch,
+                               "num_hidden_layers": layers, "num_attention_heads": max(1, dim // HEAD_DIM),
+                               "intermediate_size": state["visual.transformer.0.mlp.0.weight"].shape[0],
+                               "projection_dim": state["visual.head"].shape[1]})
+
+
+def load_image_encoder(path: str | Path, device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.bfloat16) -> ImageEncoder:
+    """Load a Diffusers `image_encoder/` folder or Wan's open-clip `.pth`, strictly."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    path = Path(path)
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.exists():
+            raise WeightsError(path, "an image_encoder/ folder needs config.json")
+        config_dict = json.loads(config_file.read_text())
+        if config_dict.get("model_type") not in ("clip_vision_model", "clip"):
+            raise WeightsError(config_file, f"model_type is {config_dict.get('model_type')!r}, not a CLIP vision model")
+        config = CLIPVisionConfig.from_dict(config_dict.get("vision_config", config_dict))
+        state = read_state_dict(path)
+        expect_kind(path, state, ("hf-clip-vision",), "image encoder")
+        model = CLIPVisionModelWithProjection(config)
+        expected = {k: v.shape for k, v in model.state_dict().items() if not k.endswith("position_ids")}
+        if "CLIPVisionModelWithProjection" not in config_dict.get("architectures", []):
+            expected.pop("visual_projection.weight")  # a plain CLIPVisionModel folder has no projection (unused)
+        check_keys(path, state, expected)
+    else:
+        state = read_state_dict(path)
+        expect_kind(path, state, ("wan-clip", "hf-clip-vision"), "image encoder")
+        if "visual.patch_embedding.weight" not in state:
+            raise WeightsError(path, "a transformers-layout CLIP file needs its config.json: pass the folder")
+        extra = sorted(k for k in state if not k.startswith(("visual.", "textual.")) and k != "log_scale")
+        visual = {k: v for k, v in state.items() if k.startswith("visual.")}
+        model = CLIPVisionModelWithProjection(_config_from_wan_state(state))
+        expected_wan = {k: v.shape for k, v in hf_clip_to_wan(model.state_dict()).items()}
+        check_keys(path, {**visual, **{k: state[k] for k in extra}}, expected_wan)
+        state = wan_clip_to_hf(visual)
+    model.load_state_dict(state, strict=False)  # completeness and shapes were checked above
+    return ImageEncoder(model, device, dtype)

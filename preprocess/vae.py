@@ -1,0 +1,198 @@
+"""Wan VAE encoder (Wan2.1: 16 channels, 8x; Wan2.2 "VAE38": 48 channels, 16x) through diffusers' AutoencoderKLWan.
+
+Output = what DreamZero's head feeds its DiT (dreamzero_model.md §2.3, dreamzero_data.md §3.2 step 8): the posterior
+mean of an untiled encode in bf16, normalized per channel as `(mu - mean_c) * (1 / std_c)` with both constants cast to
+bf16 first, exactly like the reference's `VideoVAE_.encode(x, scale)` with `scale = [mean, 1.0 / std]`. The 14B
+first-frame input `y` = [4-channel mask ; VAE([frame 0, zeros])] (step 10).
+
+Loads the original Wan `.pth` files (keys renamed here) and Diffusers `vae/` folders; both are checked key by key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from preprocess.weights import WeightsError, check_keys, expect_kind, read_state_dict, load_strict
+
+# Per-channel latent statistics of the released VAEs (the reference's WanVideoVAE / WanVideoVAE38 constants).
+WAN21_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+              0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
+WAN21_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+             3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
+WAN22_MEAN = [-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
+              -0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825,
+              -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+              -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230,
+              -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748,
+              0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667]
+WAN22_STD = [0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013,
+             0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978,
+             0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+             0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093,
+             0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
+             0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744]
+
+# diffusers configs of the released VAEs; `base_dim`/`decoder_base_dim` are read from the file (tiny checkpoints).
+VARIANTS = {
+    "wan2.1": dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                   temperal_downsample=[False, True, True], latents_mean=WAN21_MEAN, latents_std=WAN21_STD),
+    "wan2.2": dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                   attn_scales=[], temperal_downsample=[False, True, True], latents_mean=WAN22_MEAN,
+                   latents_std=WAN22_STD, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                   scale_factor_spatial=16),
+}
+KIND_OF_VARIANT = {"wan2.1": "wan2.1-vae", "wan2.2": "wan2.2-vae"}
+
+
+def variant_of_config(config: dict) -> str:
+    return "wan2.2" if config.get("patch_size") == 2 or config.get("z_dim") == 48 else "wan2.1"
+
+
+def wan_vae_key(key: str, variant: str, num_res_blocks: int = 2) -> str:
+    """The original Wan checkpoint name of a diffusers AutoencoderKLWan key."""
+    nrb = num_res_blocks
+    k = re.sub(r"^quant_conv\.", "conv1.", key)
+    k = re.sub(r"^post_quant_conv\.", "conv2.", k)
+    k = re.sub(r"^(encoder|decoder)\.conv_in\.", r"\1.conv1.", k)
+    k = re.sub(r"^(encoder|decoder)\.norm_out\.", r"\1.head.0.", k)
+    k = re.sub(r"^(encoder|decoder)\.conv_out\.", r"\1.head.2.", k)
+    k = re.sub(r"\.mid_block\.resnets\.0\.", ".middle.0.", k)
+    k = re.sub(r"\.mid_block\.attentions\.0\.", ".middle.1.", k)
+    k = re.sub(r"\.mid_block\.resnets\.1\.", ".middle.2.", k)
+    if variant == "wan2.1":
+        k = re.sub(r"^encoder\.down_blocks\.(\d+)\.", r"encoder.downsamples.\1.", k)
+        k = re.sub(r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.",
+                   lambda m: f"decoder.upsamples.{int(m[1]) * (nrb + 2) + int(m[2])}.", k)
+        k = re.sub(r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.",
+                   lambda m: f"decoder.upsamples.{int(m[1]) * (nrb + 2) + nrb + 1}.", k)
+    else:
+        k = re.sub(r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.downsamples.\1.downsamples.\2.", k)
+        k = re.sub(r"^encoder\.down_blocks\.(\d+)\.downsampler\.", rf"encoder.downsamples.\1.downsamples.{nrb}.", k)
+        k = re.sub(r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.", r"decoder.upsamples.\1.upsamples.\2.", k)
+        k = re.sub(r"^decoder\.up_blocks\.(\d+)\.upsampler\.", rf"decoder.upsamples.\1.upsamples.{nrb + 1}.", k)
+    # inside residual blocks (never matches the renamed top-level/head names above)
+    if re.search(r"\.(middle\.[02]|(down|up)samples\.\d+(\.(down|up)samples\.\d+)?)\.", k):
+        k = re.sub(r"\.norm1\.gamma$", ".residual.0.gamma", k)
+        k = re.sub(r"\.conv1\.(weight|bias)$", r".residual.2.\1", k)
+        k = re.sub(r"\.norm2\.gamma$", ".residual.3.gamma", k)
+        k = re.sub(r"\.conv2\.(weight|bias)$", r".residual.6.\1", k)
+        k = re.sub(r"\.conv_shortcut\.", ".shortcut.", k)
+    return k
+
+
+def _config_from_wan_state(state: dict[str, torch.Tensor], variant: str) -> dict:
+    """The diffusers config of an original-layout state dict: released dims, widths read from the tensors."""
+    config = dict(VARIANTS[variant])
+    config["base_dim"] = int(state["encoder.conv1.weight"].shape[0])
+    if variant == "wan2.2":
+        config["decoder_base_dim"] = int(state["decoder.head.2.weight"].shape[1])
+    return config
+
+
+@dataclass
+class VaeInfo:
+    """What a loaded VAE is, for shard metadata."""
+
+    variant: str  # "wan2.1" | "wan2.2"
+    z_dim: int
+    spatial: int  # pixels per latent cell
+    temporal: int  # frames per latent frame after the first
+    path: str
+
+
+class WanVAE:
+    """Frozen Wan VAE encoder. `encode(videos_bcthw)` -> normalized posterior mean, bf16 [B, C, 1+(T-1)/4, H/s, W/s]."""
+
+    def __init__(self, model, info: VaeInfo, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
+        # plain Module.to: diffusers' own .to() warns about fp32-pinned modules, which AutoencoderKLWan has none of
+        self.model = torch.nn.Module.to(model, device=device, dtype=dtype).eval().requires_grad_(False)
+        self.model.disable_tiling()  # reference: tiled=False
+        self.info = info
+        self.device = torch.device(device)
+        self.dtype = dtype
+        mean = torch.tensor(model.config.latents_mean, dtype=torch.float32)
+        inv_std = 1.0 / torch.tensor(model.config.latents_std, dtype=torch.float32)
+        # the reference casts mean and 1/std (computed in fp32) to the latent dtype before normalizing
+        self.mean = mean.to(device=self.device, dtype=dtype).view(1, -1, 1, 1, 1)
+        self.inv_std = inv_std.to(device=self.device, dtype=dtype).view(1, -1, 1, 1, 1)
+
+    @torch.no_grad()
+    def encode(self, videos_bcthw: torch.Tensor, batch_size: int = 0) -> torch.Tensor:
+        """Videos in [-1, 1], T = 1 + 4k, H and W multiples of the spatial factor. `batch_size` 0 = all at once."""
+        b, c, t, h, w = videos_bcthw.shape
+        s = self.info.spatial
+        if c != 3 or (t - 1) % 4 or h % s or w % s:
+            raise ValueError(f"VAE input must be [B, 3, 1+4k, H, W] with H, W multiples of {s}; got {list(videos_bcthw.shape)}")
+        step = batch_size or b
+        out = []
+        for i in range(0, b, step):
+            x = videos_bcthw[i:i + step].to(device=self.device, dtype=self.dtype)
+            mu = self.model.encode(x).latent_dist.mean
+            out.append((mu - self.mean) * self.inv_std)
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def encode_first_frame(self, frame0_bchw: torch.Tensor, num_frames: int, batch_size: int = 0) -> torch.Tensor:
+        """The 14B i2v input `y`: [mask (4 ch, 1 on latent frame 0) ; VAE([frame 0, zeros x (T-1)])] -> [B, 4+C, T', h, w].
+        Zeros are mid-grey in [-1, 1] space, as in the reference."""
+        b, c, h, w = frame0_bchw.shape
+        clip = torch.zeros(b, c, num_frames, h, w, dtype=self.dtype, device=frame0_bchw.device)
+        clip[:, :, 0] = frame0_bchw.to(self.dtype)
+        y = self.encode(clip, batch_size)
+        mask = torch.zeros(b, 4, *y.shape[2:], dtype=y.dtype, device=y.device)
+        mask[:, :, 0] = 1
+        return torch.cat([mask, y], dim=1)
+
+
+def load_vae(path: str | Path, variant: str | None = None, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.bfloat16, keep_decoder: bool = False) -> WanVAE:
+    """Load `Wan2.1_VAE.pth` / `Wan2.2_VAE.pth` (or `.safetensors`) or a Diffusers `vae/` folder, strictly.
+    `variant` ("wan2.1" | "wan2.2") is checked against the file when given. The decoder is checked, then dropped
+    unless `keep_decoder` (offline encoding never decodes)."""
+    from diffusers import AutoencoderKLWan
+
+    path = Path(path)
+    if variant not in (None, "wan2.1", "wan2.2"):
+        raise ValueError(f"unknown VAE variant {variant!r}; expected 'wan2.1' or 'wan2.2'")
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.exists():
+            raise WeightsError(path, "a Diffusers VAE folder needs config.json (pass the vae/ folder itself)")
+        config = json.loads(config_file.read_text())
+        if config.get("_class_name") != "AutoencoderKLWan":
+            raise WeightsError(config_file, f"_class_name is {config.get('_class_name')!r}, not 'AutoencoderKLWan'")
+        found = variant_of_config(config)
+        state = read_state_dict(path)
+        expect_kind(path, state, ("diffusers-vae",), "VAE")
+        model = AutoencoderKLWan.from_config(config)
+        if variant and found != variant:
+            raise WeightsError(path, f"this is a {_describe(found)}, but a {_describe(variant)} was asked for")
+        load_strict(model, path, state)
+    else:
+        state = read_state_dict(path)
+        kind = expect_kind(path, state, ("wan2.1-vae", "wan2.2-vae", "diffusers-vae"), "VAE")
+        if kind == "diffusers-vae":
+            raise WeightsError(path, "a Diffusers-layout VAE file needs its config.json: pass the vae/ folder")
+        found = "wan2.2" if kind == "wan2.2-vae" else "wan2.1"
+        if variant and found != variant:
+            raise WeightsError(path, f"this is a {_describe(found)}, but a {_describe(variant)} was asked for")
+        model = AutoencoderKLWan(**_config_from_wan_state(state, found))
+        table = {wan_vae_key(k, found): k for k in model.state_dict()}
+        check_keys(path, state, {wk: model.state_dict()[dk].shape for wk, dk in table.items()})
+        model.load_state_dict({dk: state[wk] for wk, dk in table.items()}, strict=True)
+    if model.config.z_dim != VARIANTS[found]["z_dim"]:
+        raise WeightsError(path, f"{model.config.z_dim} latent channels; a {_describe(found)} has {VARIANTS[found]['z_dim']}")
+    if not keep_decoder:
+        model.decoder = None
+        model.post_quant_conv = None
+    spatial = 16 if found == "wan2.2" else 8
+    return WanVAE(model, VaeInfo(found, model.config.z_dim, spatial, 4, str(path)), device, dtype)
+
+
+def _describe(variant: str) -> str:
+    return {"wan2.1": "Wan2.1 VAE (16 latent channels, 8x)", "wan2.2": "Wan2.2 VAE38 (48 latent channels, 16x)"}[variant]

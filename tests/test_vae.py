@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from preprocess.vae import VARIANTS, load_vae
+from preprocess.weights import WeightsError, read_state_dict
+from tests._tiny import tiny_dir  # noqa: F401
+
+FILES = {"wan2.1": "wan2.1/Wan2.1_VAE.pth", "wan2.2": "wan2.2/Wan2.2_VAE.pth"}
+
+
+def clip(b=2, t=9, h=16, w=32, seed=0):
+    return torch.rand(b, 3, t, h, w, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+@pytest.mark.parametrize("variant,channels,factor", [("wan2.1", 16, 8), ("wan2.2", 48, 16)])
+def test_both_formats_same_latents(tiny_dir, variant, channels, factor):
+    pth = load_vae(tiny_dir / FILES[variant], variant)
+    folder = load_vae(tiny_dir / variant / "vae", variant)
+    assert pth.info.variant == folder.info.variant == variant and pth.info.spatial == factor
+    x = clip(b=1, t=33)  # DreamZero's clip length: 33 frames -> 9 latent frames
+    z = pth.encode(x)
+    assert z.shape == (1, channels, 9, 16 // factor, 32 // factor) and z.dtype == torch.bfloat16
+    assert torch.equal(z, folder.encode(x))
+    assert torch.equal(z, pth.encode(x))  # deterministic
+    assert pth.model.decoder is None  # dropped after the strict check
+
+
+@pytest.mark.parametrize("variant", ["wan2.1", "wan2.2"])
+def test_normalization_and_batch_invariance(tiny_dir, variant):
+    vae = load_vae(tiny_dir / FILES[variant], variant)
+    x = clip(b=3)
+    z = vae.encode(x)
+    one = torch.cat([vae.encode(x[i:i + 1]) for i in range(3)])
+    torch.testing.assert_close(z.float(), one.float(), atol=0.05, rtol=0.02)  # bf16 tolerance
+    assert torch.equal(vae.encode(x, batch_size=1), one)
+    mu = vae.model.encode(x.bfloat16()).latent_dist.mean
+    mean = torch.tensor(VARIANTS[variant]["latents_mean"]).bfloat16().view(1, -1, 1, 1, 1)
+    inv_std = (1.0 / torch.tensor(VARIANTS[variant]["latents_std"])).bfloat16().view(1, -1, 1, 1, 1)
+    assert torch.equal(z, (mu - mean) * inv_std)
+
+
+@pytest.mark.parametrize("variant,channels", [("wan2.1", 16), ("wan2.2", 48)])
+def test_first_frame_y(tiny_dir, variant, channels):
+    vae = load_vae(tiny_dir / FILES[variant], variant)
+    x = clip(b=2)
+    y = vae.encode_first_frame(x[:, :, 0], num_frames=9)
+    s = vae.info.spatial
+    assert y.shape == (2, 4 + channels, 3, 16 // s, 32 // s) and y.dtype == torch.bfloat16
+    assert torch.all(y[:, :4, 0] == 1) and torch.all(y[:, :4, 1:] == 0)
+    expected = vae.encode(torch.cat([x[:, :, :1], torch.zeros_like(x[:, :, 1:])], dim=2))
+    assert torch.equal(y[:, 4:], expected)
+    # latent frame 0 depends on pixel frame 0 only (causal VAE): equals the video latents' frame 0
+    torch.testing.assert_close(y[:, 4:, 0].float(), vae.encode(x)[:, :, 0].float(), atol=0.05, rtol=0.02)
+
+
+def test_wrong_variant_is_recognized(tiny_dir):
+    with pytest.raises(WeightsError) as err:
+        load_vae(tiny_dir / FILES["wan2.1"], "wan2.2")
+    assert str(err.value) == (f"{tiny_dir / FILES['wan2.1']}: this is a Wan2.1 VAE (16 latent channels, 8x), "
+                              "but a Wan2.2 VAE38 (48 latent channels, 16x) was asked for")
+    with pytest.raises(WeightsError, match="this is a Wan2.2 VAE38 .* but a Wan2.1 VAE"):
+        load_vae(tiny_dir / "wan2.2" / "vae", "wan2.1")
+    with pytest.raises(WeightsError, match="this file is a umT5 encoder, Wan layout .* but the VAE needs"):
+        load_vae(tiny_dir / "umt5" / "models_t5_umt5-xxl-enc-bf16.pth")
+
+
+def test_missing_unexpected_and_misshaped_keys(tiny_dir, tmp_path):
+    state = read_state_dict(tiny_dir / FILES["wan2.1"])
+    bad = dict(state)
+    del bad["encoder.middle.1.proj.bias"]
+    bad["encoder.extra.weight"] = torch.zeros(1)
+    bad["conv1.bias"] = torch.zeros(5)
+    torch.save(bad, tmp_path / "Wan2.1_VAE.pth")
+    with pytest.raises(WeightsError) as err:
+        load_vae(tmp_path / "Wan2.1_VAE.pth")
+    assert str(err.value) == (f"{tmp_path / 'Wan2.1_VAE.pth'}: missing keys: encoder.middle.1.proj.bias; "
+                              "unexpected keys: encoder.extra.weight; wrong shapes: conv1.bias (5,) != (32,)")

@@ -1,0 +1,53 @@
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from preprocess.weights import WeightsError, check_keys, expect_kind, read_state_dict, recognize
+from tests._tiny import tiny_dir  # noqa: F401
+
+
+def test_read_formats(tmp_path, tiny_dir):
+    state = {"a.weight": torch.ones(2, 3), "b": torch.zeros(4)}
+    torch.save({"state_dict": state}, tmp_path / "x.pth")
+    save_file(state, str(tmp_path / "x.safetensors"))
+    for f in ("x.pth", "x.safetensors"):
+        got = read_state_dict(tmp_path / f)
+        assert set(got) == set(state) and torch.equal(got["a.weight"], state["a.weight"])
+    sharded = read_state_dict(tiny_dir / "umt5" / "text_encoder")  # via model.safetensors.index.json
+    assert "encoder.final_layer_norm.weight" in sharded and "shared.weight" in sharded
+
+
+def test_recognize_every_tiny_file(tiny_dir):
+    kinds = {
+        "wan2.1/Wan2.1_VAE.pth": "wan2.1-vae", "wan2.2/Wan2.2_VAE.pth": "wan2.2-vae",
+        "wan2.1/vae": "diffusers-vae", "wan2.2/vae": "diffusers-vae",
+        "umt5/models_t5_umt5-xxl-enc-bf16.pth": "wan-umt5", "umt5/text_encoder": "hf-umt5",
+        "clip/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth": "wan-clip", "clip/image_encoder": "hf-clip-vision",
+    }
+    for rel, kind in kinds.items():
+        assert recognize(read_state_dict(tiny_dir / rel)) == kind, rel
+
+
+def test_check_keys_message():
+    state = {"a": torch.zeros(2), "b": torch.zeros(3), "extra": torch.zeros(1)}
+    expected = {"a": torch.Size([2]), "b": torch.Size([4]), "c": torch.Size([1])}
+    with pytest.raises(WeightsError) as err:
+        check_keys("/w/model.pth", state, expected)
+    assert str(err.value) == "/w/model.pth: missing keys: c; unexpected keys: extra; wrong shapes: b (3,) != (4,)"
+    check_keys("/w/model.pth", {"a": torch.zeros(2)}, {"a": torch.Size([2]), "t": torch.Size([1])}, {"t"})
+
+
+def test_wrong_kind_and_bad_files(tmp_path, tiny_dir):
+    state = read_state_dict(tiny_dir / "wan2.1" / "Wan2.1_VAE.pth")
+    with pytest.raises(WeightsError, match="this file is a Wan2.1 VAE .* but the text encoder needs a umT5"):
+        expect_kind("f.pth", state, ("wan-umt5",), "text encoder")
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(WeightsError, match="junk.pth: cannot read weights"):
+        read_state_dict(tmp_path / "junk.pth")
+    with pytest.raises(WeightsError, match="file does not exist"):
+        read_state_dict(tmp_path / "missing.safetensors")
+    torch.save({"a": 1}, tmp_path / "notstate.pth")
+    with pytest.raises(WeightsError, match="not a state dict"):
+        read_state_dict(Path(tmp_path / "notstate.pth"))
