@@ -1,0 +1,78 @@
+"""The §3.6 training mask: a slice-by-slice transcription of the table vs the vectorised mask."""
+
+import pytest
+import torch
+
+from train.attention import TokenLayout, count_allowed_pairs, dense_mask, flex_block_mask, masked_attention
+
+
+def table_mask(lay: TokenLayout) -> torch.Tensor:
+    """dreamzero_model.md §3.6, written as slice assignments over [C | N | A | S]."""
+    fs, nfpb, A, S, W = (lay.frame_seqlen, lay.num_frame_per_block, lay.num_action_per_block,
+                         lay.num_state_per_block, lay.local_attn_size)
+    K, V = lay.num_blocks, lay.video_len
+    C0, N0, A0, S0 = 0, V, 2 * V, 2 * V + K * A
+    m = torch.zeros(lay.seq_len, lay.seq_len, dtype=torch.bool)
+
+    def frames(base, lo, hi):  # token range of latent frames [lo, hi) of a video copy
+        return slice(base + lo * fs, base + hi * fs)
+
+    m[frames(C0, 0, 1), frames(C0, 0, 1)] = True  # clean frame 0
+    m[frames(N0, 0, 1), frames(N0, 0, 1)] = True  # noisy frame 0: only itself
+    for b in range(K):
+        blk = (1 + b * nfpb, 1 + (b + 1) * nfpb)
+        end = blk[1]
+        start = max(1, end - W) if W > 0 else 1
+        q = frames(C0, *blk)
+        m[q, frames(C0, 0, 1)] = True
+        m[q, frames(C0, start, end)] = True
+        for q in (frames(N0, *blk), slice(A0 + b * A, A0 + (b + 1) * A)):
+            m[q, frames(C0, 0, blk[0])] = True  # clean frame 0 + earlier clean blocks
+            m[q, frames(N0, *blk)] = True
+            m[q, A0 + b * A: A0 + (b + 1) * A] = True
+            m[q, S0 + b * S: S0 + (b + 1) * S] = True
+        m[S0 + b * S: S0 + (b + 1) * S, S0 + b * S: S0 + (b + 1) * S] = True
+    return m
+
+
+LAYOUTS = {
+    "tiny": TokenLayout(9, 4, 2, 4, 1, 9),
+    "tiny-window": TokenLayout(9, 4, 2, 4, 1, 3),  # window active: older clean blocks drop out
+    "5b-libero": TokenLayout(9, 50, 2, 16, 1, 9),
+    "5b-droid": TokenLayout(9, 50, 2, 24, 1, 9),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_mask_matches_table(name):
+    lay = LAYOUTS[name]
+    assert torch.equal(dense_mask(lay), table_mask(lay))
+    assert count_allowed_pairs(lay) == int(table_mask(lay).sum())
+
+
+def test_spec_pair_counts():
+    # dreamzero_model.md §3.6: (q,k) pairs per layer
+    assert LAYOUTS["5b-libero"].seq_len == 968 and count_allowed_pairs(LAYOUTS["5b-libero"]) == 272_092
+    assert LAYOUTS["5b-droid"].seq_len == 1000 and count_allowed_pairs(LAYOUTS["5b-droid"]) == 286_204
+    big = TokenLayout(9, 880, 2, 24, 1, 9)
+    assert big.seq_len == 15_940 and count_allowed_pairs(big) == 76_576_484
+
+
+def test_window_is_active_in_small_window_layout():
+    m = dense_mask(LAYOUTS["tiny-window"])
+    fs = 4
+    last_clean_block_row = (1 + 3 * 2) * fs  # first token of clean frame 7 (block 3)
+    assert m[last_clean_block_row, 0]  # frame 0 always visible
+    assert not m[last_clean_block_row, 1 * fs]  # frame 1 is outside a 3-frame window ending at frame 9
+    assert m[last_clean_block_row, 6 * fs]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_matches_dense_on_cpu():
+    lay = LAYOUTS["tiny"]
+    bm = flex_block_mask(lay, "cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, lay.seq_len, 16, generator=g) for _ in range(3))
+    ref = masked_attention(q, k, v, dense_mask(lay))
+    out = masked_attention(q, k, v, bm)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,158 @@
+"""The DiT training forward: shapes, causality, odd latent height, gradients, flex = dense."""
+
+import pytest
+import torch
+
+from train.model import build_model, pad_text, preset, random_batch, rope_tables
+from train.loss import FlowMatchScheduler, action_ids, sample_timestep_ids
+
+
+def _run(model, batch, t_frames=None, t_actions=None, noisy=None, noisy_actions=None):
+    cfg = model.cfg
+    B, nf = batch.latents.shape[0], batch.latents.shape[2]
+    g = torch.Generator().manual_seed(5)
+    ids = sample_timestep_ids(B, nf, cfg.num_frame_per_block, g)
+    sch = FlowMatchScheduler()
+    t_frames = sch.timesteps[ids].float() if t_frames is None else t_frames
+    t_actions = (sch.timesteps[action_ids(ids, cfg.num_frame_per_block, cfg.num_action_per_block)].float()
+                 if t_actions is None else t_actions)
+    noisy = torch.randn(batch.latents.shape, generator=g) if noisy is None else noisy
+    noisy_actions = torch.randn(batch.actions.shape, generator=g) if noisy_actions is None else noisy_actions
+    return model(noisy, t_frames, batch.latents, noisy_actions, t_actions, batch.state, batch.text, batch.clip,
+                 batch.y)
+
+
+def _nonzero_head(model):
+    with torch.no_grad():  # the reference zero-inits the output head; give it weights so outputs move
+        model.head.head.weight.normal_(0, 0.02)
+    return model
+
+
+def test_forward_shapes_tiny():
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    batch = random_batch(model.cfg, 2, (9, 4, 6), generator=torch.Generator().manual_seed(0))
+    video, action = _run(model, batch)
+    assert video.shape == (2, 4, 9, 4, 6)
+    assert action.shape == (2, 16, model.cfg.action_dim)
+    assert torch.isfinite(video).all() and torch.isfinite(action).all()
+
+
+def test_odd_latent_height_is_floored_like_the_reference():
+    # 5B DROID: 11 latent rows; the (1,2,2) patch conv floors to 5 token rows, the last row is never seen
+    torch.manual_seed(0)
+    model = _nonzero_head(build_model("tiny"))
+    batch = random_batch(model.cfg, 1, (9, 5, 4), generator=torch.Generator().manual_seed(0))
+    video, _ = _run(model, batch, noisy=torch.randn(1, 4, 9, 5, 4))
+    assert video.shape == (1, 4, 9, 4, 4)
+    noisy = torch.randn(1, 4, 9, 5, 4)
+    a = _run(model, batch, noisy=noisy)[0]
+    noisy[..., 4, :] += 10.0  # the dropped row has no influence
+    b = _run(model, batch, noisy=noisy)[0]
+    torch.testing.assert_close(a, b)
+
+
+def test_i2v_tiny_uses_y():
+    torch.manual_seed(0)
+    model = _nonzero_head(build_model("tiny", model_type="i2v", in_dim=4 + 8))
+    batch = random_batch(model.cfg, 1, (9, 4, 4), generator=torch.Generator().manual_seed(0))
+    assert batch.y.shape == (1, 8, 9, 4, 4)
+    a = _run(model, batch)[0]
+    batch.y[:, 4:] += 1.0
+    b = _run(model, batch)[0]
+    assert not torch.allclose(a, b)
+    batch.y = None
+    with pytest.raises(ValueError, match="needs y"):
+        _run(model, batch)
+
+
+def test_block_causality():
+    """Noisy block i and action chunk i see clean blocks < i and their own block only (§3.6)."""
+    torch.manual_seed(0)
+    model = _nonzero_head(build_model("tiny"))
+    batch = random_batch(model.cfg, 1, (9, 4, 4), generator=torch.Generator().manual_seed(0))
+    noisy = torch.randn(1, 4, 9, 4, 4)
+    noisy_actions = torch.randn(1, 16, model.cfg.action_dim)
+    v0, a0 = _run(model, batch, noisy=noisy, noisy_actions=noisy_actions)
+    # change the noisy frames of block 1 (latent frames 3, 4): only block 1 moves
+    n2 = noisy.clone()
+    n2[:, :, 3:5] += 1.0
+    v1, a1 = _run(model, batch, noisy=n2, noisy_actions=noisy_actions)
+    changed = (v1 - v0).abs().amax(dim=(0, 1, 3, 4)) > 1e-6
+    assert changed.tolist() == [False, False, False, True, True, False, False, False, False]
+    moved = (a1 - a0).abs().amax(dim=(0, 2)) > 1e-6
+    assert moved.tolist() == [False] * 4 + [True] * 4 + [False] * 8
+    # change clean frame 3 (block 1): noisy blocks 2, 3 and their actions move; 0, 1 and frame 0 do not
+    batch.latents[:, :, 3] += 1.0
+    v2, a2 = _run(model, batch, noisy=noisy, noisy_actions=noisy_actions)
+    changed = (v2 - v0).abs().amax(dim=(0, 1, 3, 4)) > 1e-6
+    assert changed.tolist() == [False] * 5 + [True] * 4
+    moved = (a2 - a0).abs().amax(dim=(0, 2)) > 1e-6
+    assert moved.tolist() == [False] * 8 + [True] * 8
+
+
+def test_rope_clean_and_noisy_share_positions():
+    cfg = preset("5b-libero")
+    lay = cfg.layout(9)
+    cos, sin = rope_tables(lay, (5, 10), cfg.head_dim, "cpu")
+    assert cos.shape == (968, 64)
+    torch.testing.assert_close(cos[:450], cos[450:900])
+    # action j and state k: 1D rope over all 64 pairs, positions j and k
+    assert torch.allclose(cos[900 + 3, 0], torch.cos(torch.tensor(3.0)))
+    assert torch.allclose(cos[964 + 2, 0], torch.cos(torch.tensor(2.0)))
+
+
+def test_gradients_reach_every_parameter():
+    torch.manual_seed(0)
+    model = _nonzero_head(build_model("tiny"))
+    batch = random_batch(model.cfg, 2, (9, 4, 4), generator=torch.Generator().manual_seed(0))
+    video, action = _run(model, batch)
+    (video.square().mean() + action.square().mean()).backward()
+    dead = [n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().max() == 0]
+    assert dead == []
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_path_matches_dense_path_cpu():
+    """Eager FlexAttention on CPU (no backward there) gives the dense-mask SDPA output."""
+    torch.manual_seed(0)
+    model = _nonzero_head(build_model("tiny"))
+    batch = random_batch(model.cfg, 1, (9, 4, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dense = _run(model, batch)
+        model.attention_backend = "flex"
+        flex = _run(model, batch)
+    assert [type(m).__name__ for m in model._masks.values()] == ["Tensor", "BlockMask"]
+    torch.testing.assert_close(flex[0], dense[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(flex[1], dense[1], atol=1e-5, rtol=1e-4)
+
+
+def test_pad_text_modes():
+    a, b = torch.ones(3, 8), torch.ones(5, 8) * 2
+    per = pad_text([a, b], text_len=6)
+    assert per.shape == (2, 6, 8)
+    assert per[0, :3].eq(1).all() and per[0, 3:].eq(0).all() and per[1, :5].eq(2).all() and per[1, 5:].eq(0).all()
+    quirk = pad_text([a, b], text_len=6, mode="batch_min")
+    assert quirk[1, :3].eq(2).all() and quirk[1, 3:].eq(0).all()
+
+
+def test_bad_action_count_is_rejected():
+    model = build_model("tiny")
+    batch = random_batch(model.cfg, 1, (9, 4, 4))
+    with pytest.raises(ValueError, match="actions"):
+        _run(model, batch, noisy_actions=torch.randn(1, 12, model.cfg.action_dim),
+             t_actions=torch.zeros(1, 12))
+
+
+def test_bf16_autocast_and_bf16_params():
+    """The two precisions the trainer uses: fp32 params under bf16 autocast, and bf16 params (FSDP2)."""
+    torch.manual_seed(0)
+    model = _nonzero_head(build_model("tiny"))
+    batch = random_batch(model.cfg, 1, (9, 4, 4), dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        video, action = _run(model, batch, noisy=batch.latents.clone(), noisy_actions=batch.actions.clone())
+    (video.float().square().mean() + action.float().square().mean()).backward()
+    assert torch.isfinite(video.float()).all()
+    model.to(torch.bfloat16)
+    video, _ = _run(model, batch, noisy=batch.latents.clone(), noisy_actions=batch.actions.clone())
+    assert video.dtype == torch.bfloat16 and torch.isfinite(video.float()).all()

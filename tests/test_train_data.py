@@ -1,0 +1,136 @@
+"""Trainer data path on synthetic shards written by the project's writer: order, equal shares, resume, decoding."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from preprocess.check import check
+from preprocess.state_action import normalize_q99, pad_with_mask
+from train.config import DataConfig
+from train.data import ShardIndex, ShardLoader, SampleReader, batch_windows, batches_per_epoch, window_name
+from train.model import preset
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("make_synthetic_shards", ROOT / "scripts" / "make_synthetic_shards.py")
+synthetic = sys.modules.setdefault("make_synthetic_shards", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(synthetic)
+
+TINY = preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """25 windows x 2 variants in shards of 7 (the last one short), 5 synthetic episodes."""
+    out = tmp_path_factory.mktemp("shards") / "tiny"
+    synthetic.make_synthetic_shards(out, "tiny", episodes=5, windows_per_episode=5, augment_variants=2,
+                                    samples_per_shard=7, seed=3)
+    return out
+
+
+def _loader(shards, rank=0, world=2, workers=0, **kw):
+    return ShardLoader(DataConfig(shards=shards, micro_batch_size=2, num_workers=workers, **kw), TINY, rank, world,
+                       torch.device("cpu"))
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def test_synthetic_shards_pass_the_integrity_check(shards):
+    assert check(shards) == []
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert [s["count"] for s in manifest["shards"]] == [7] * 7 + [1]
+    index = ShardIndex(shards)
+    assert len(index) == 25
+    assert all(len(w.variants) == 2 for w in index.windows)
+    assert window_name("droid-e000012-s00034-v1") == "droid-e000012-s00034"
+
+
+def test_epoch_split_is_disjoint_equal_and_seeded():
+    n, world, micro = 25, 2, 2
+    nb = batches_per_epoch(n, world, micro)
+    assert nb == 6  # 25 windows -> 12 per rank -> 6 micro-batches; one window rests each epoch
+    for epoch in range(2):
+        per_rank = [np.concatenate([batch_windows(n, 0, epoch * nb + b, r, world, micro)[1] for b in range(nb)])
+                    for r in range(world)]
+        assert [len(p) for p in per_rank] == [12, 12]
+        assert not set(per_rank[0]) & set(per_rank[1])
+    e0 = batch_windows(n, 0, 0, 0, world, micro)
+    assert e0[0] == 0 and np.array_equal(e0[1], batch_windows(n, 0, 0, 0, world, micro)[1])
+    assert batch_windows(n, 0, nb, 0, world, micro)[0] == 1
+    orders = {tuple(np.concatenate([batch_windows(n, s, e * nb + b, 0, world, micro)[1] for b in range(nb)]))
+              for s in (0, 1) for e in (0, 1)}
+    assert len(orders) == 4  # seed and epoch both change the permutation
+
+
+def test_order_is_independent_of_workers_and_resume_is_exact(shards):
+    ref = _take(iter(_loader(shards, workers=0)), 9)
+    multi = _take(iter(_loader(shards, workers=2)), 9)
+    for a, b in zip(ref, multi):
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    first = _loader(shards, workers=2)
+    it = iter(first)
+    _take(it, 4)
+    state = first.state_dict()
+    resumed = _loader(shards, workers=2)
+    resumed.load_state_dict(state)
+    for a, b in zip(ref[4:], _take(iter(resumed), 5)):
+        assert int(a["batch"]) == int(b["batch"])
+        torch.testing.assert_close(a["latents"], b["latents"], rtol=0, atol=0)
+        torch.testing.assert_close(a["text"], b["text"], rtol=0, atol=0)
+
+
+def test_world_size_change_is_refused_unless_reshuffle(shards):
+    first = _loader(shards)
+    it = iter(first)
+    _take(it, 3)
+    state = first.state_dict()
+    with pytest.raises(SystemExit, match="reshuffle-on-resize"):
+        _loader(shards, world=1).load_state_dict(state)
+    single = _loader(shards, world=1, reshuffle_on_resize=True)
+    single.load_state_dict(state)
+    assert single.next_batch == single.batches_per_epoch  # the next epoch's permutation, under the new world size
+
+
+def test_batch_is_normalized_padded_and_text_is_a_table_row(shards):
+    index = ShardIndex(shards)
+    reader = SampleReader(index, TINY)
+    window = index.windows[0]
+    rng = np.random.default_rng(0)
+    sample = reader.sample(window, rng, variant=1, column="annotation.human.action.task_description")
+    meta, raw = reader.raw(*window.variants[1])
+    assert meta["variant"] == 1
+    state, mask = pad_with_mask(normalize_q99(torch.from_numpy(raw["state"]), index.q01["state"], index.q99["state"]),
+                                TINY.max_state_dim)
+    torch.testing.assert_close(sample["state"], state)
+    assert sample["state"].shape == (4, 8) and sample["actions"].shape == (16, 8)
+    assert sample["action_mask"][:, :7].all() and not sample["action_mask"][:, 7:].any()
+    assert sample["actions"].abs().max() <= 1
+    torch.testing.assert_close(sample["latents"], raw["latents"], rtol=0, atol=0)
+    assert sample["latents"].dtype == torch.bfloat16
+    batch = next(iter(_loader(shards)))
+    text = batch["text"]
+    assert text.shape == (2, TINY.text_len, TINY.text_dim) and text.dtype == torch.bfloat16
+    for i, w in enumerate(batch["window"].tolist()):
+        meta, _ = reader.raw(*index.windows[w].variants[0])
+        table = reader.text(next(iter(meta["prompt_ids"].values())))
+        torch.testing.assert_close(text[i, : len(table)], table, rtol=0, atol=0)
+        assert not text[i, len(table):].any()
+    reader.close()
+
+
+def test_variant_is_drawn_per_visit(shards):
+    index = ShardIndex(shards)
+    reader = SampleReader(index, TINY)
+    window = index.windows[3]
+    seen = {reader.sample(window, np.random.default_rng([0, epoch, 3, 1]))["latents"].float().sum().item()
+            for epoch in range(8)}
+    assert len(seen) == 2  # both stored variants come up over epochs
+    reader.close()

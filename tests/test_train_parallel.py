@@ -1,0 +1,107 @@
+"""Parallelism, optimizer and checkpoint pieces in one process (gloo, world size 1)."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from train import checkpoint
+from train.config import CheckpointConfig, OptimConfig, ParallelConfig
+from train.loss import FlowMatchScheduler, flow_matching_loss
+from train.model import build_model, random_batch
+from train.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
+from train.parallel import apply_ac, parallelize
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group(tmp_path_factory):
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    with torch.no_grad():
+        model.head.head.weight.normal_(0, 0.02)  # the reference zero-inits the head; give gradients a path
+    return model
+
+
+def _loss_and_grads(model):
+    batch = random_batch(model.cfg, 2, (9, 4, 4), generator=torch.Generator().manual_seed(1))
+    loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), generator=torch.Generator().manual_seed(2))
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_names_loss_and_grads(mode):
+    ref_loss, ref_grads = _loss_and_grads(_model())
+    model = _model()
+    apply_ac(model, mode)
+    assert set(model.state_dict()) == set(build_model("tiny").state_dict())  # official names survive the wrapper
+    loss, grads = _loss_and_grads(model)
+    torch.testing.assert_close(loss, ref_loss)
+    grads = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in grads.items()}
+    assert grads.keys() == ref_grads.keys()
+    for k in grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], msg=k)
+
+
+def test_fsdp_mixed_precision_trains_with_fp32_masters_and_official_names(tmp_path):
+    model = _model()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    parallelize(model, ParallelConfig(param_dtype="bfloat16", activation_checkpoint="full"))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    opt = build_optimizer(model, OptimConfig(lr=1e-3), torch.device("cpu"))
+    loss, _ = _loss_and_grads(model)
+    assert torch.isfinite(loss)
+    norm = clip_grad_norm(model, 1.0)
+    assert norm > 0 and not isinstance(norm, torch.distributed.tensor.DTensor)
+    opt.step()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    assert full.keys() == reference.keys()
+    assert not torch.equal(full["blocks.0.self_attn.q.weight"], reference["blocks.0.self_attn.q.weight"])
+    cfg = CheckpointConfig(dir=tmp_path / "run", keep_last=2)
+    sched = build_scheduler(opt, OptimConfig(), 10)
+    for step in (1, 2, 3):
+        checkpoint.save(cfg, step, model, opt, {"step": step, "scheduler": sched.state_dict()})
+    (cfg.dir / "step-000009").mkdir()  # a save killed before DCP wrote .metadata: not a checkpoint
+    assert [s for s, _ in checkpoint.complete_checkpoints(cfg.dir)] == [2, 3]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    extra = checkpoint.load(checkpoint.step_dir(cfg.dir, 3), model, opt)
+    assert extra["step"] == 3 and extra["same_rank"]
+    restored = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for k in full:
+        torch.testing.assert_close(restored[k], full[k], rtol=0, atol=0)
+
+
+def test_adamw_defaults_and_schedule():
+    cfg = OptimConfig()
+    assert (cfg.lr, cfg.betas, cfg.weight_decay, cfg.grad_clip) == (1e-5, (0.95, 0.999), 1e-5, 1.0)
+    warm, steps = 5, 105
+    assert lr_factor(0, warm, steps) == pytest.approx(0.2)
+    assert lr_factor(4, warm, steps) == pytest.approx(1.0)
+    assert lr_factor(5, warm, steps) == pytest.approx(1.0)
+    assert lr_factor(55, warm, steps) == pytest.approx(0.5)
+    assert lr_factor(105, warm, steps) == pytest.approx(0.0)
+    assert lr_factor(55, warm, steps, min_ratio=0.1) == pytest.approx(0.1 + 0.9 * 0.5)
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    sched = build_scheduler(opt, cfg, 100)  # warmup 5 % = 5 steps
+    lrs = []
+    for _ in range(100):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(cfg.lr / 5) and lrs[4] == pytest.approx(cfg.lr)
+    assert lrs[52] == pytest.approx(cfg.lr * 0.5 * (1 + math.cos(math.pi * 47 / 95)))
+    assert opt.param_groups[0]["betas"] == (0.95, 0.999) and opt.param_groups[0]["weight_decay"] == 1e-5

@@ -1,0 +1,48 @@
+"""AdamW, linear warmup + cosine decay, global gradient-norm clipping (dreamzero_model.md §5)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from train.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW on every trainable parameter with the same weight decay (RLinf; O exempts biases and LayerNorms)."""
+    fused = device.type == "cuda" if cfg.fused is None else cfg.fused
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             fused=fused)
+
+
+def warmup_steps(cfg: OptimConfig, steps: int) -> int:
+    return cfg.warmup_steps if cfg.warmup_steps >= 0 else int(math.ceil(cfg.warmup_ratio * steps))
+
+
+def lr_factor(step: int, warmup: int, steps: int, min_ratio: float = 0.0) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup from lr/warmup to lr
+    over `warmup` steps, then a half cosine to `min_ratio` x lr at `steps`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warm = warmup_steps(cfg, steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warm, steps, cfg.min_lr_ratio))
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (over every rank's shards), clipped to `max_norm` when it is > 0."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # sums the squared shard norms over ranks
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters()], max_norm, norm, foreach=True)
+    return norm

@@ -1,0 +1,100 @@
+"""Parallelism applied from outside to an unmodified CausalWanModel, torchtitan's order:
+activation checkpointing per block -> torch.compile per block -> fully_shard per block -> fully_shard(root).
+
+The model keeps its official parameter names: the checkpoint wrapper and compile's `_orig_mod` are stripped by
+torch.distributed.checkpoint's state-dict helpers, which checkpoint.py uses for saving and exporting.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from train.config import ParallelConfig
+from train.model import LayerNorm
+
+FP32_NORMS = (LayerNorm,)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# Selective recompute keeps the outputs of these (the expensive ops) and recomputes the cheap elementwise rest.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.convolution.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _SAVE_OPS or "flex_attention" in str(op):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    """Wrap every block for recompute: 'full' recomputes the whole block in backward, 'selective' only the
+    cheap ops (matmul, conv and attention outputs are kept)."""
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing must be none, full or selective, got {mode!r}")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    kwargs = {"preserve_rng_state": False}
+    if mode == "selective":
+        kwargs["context_fn"] = _selective_context
+    for i, block in enumerate(model.blocks):
+        model.blocks.register_module(str(i), checkpoint_wrapper(block, **kwargs))
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
+    """torch.compile each block separately (all blocks share one graph: same shapes, same code)."""
+    for i, block in enumerate(model.blocks):
+        model.blocks.register_module(str(i), torch.compile(block, backend=backend, fullgraph=True))
+
+
+def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
+    """fully_shard every block, then the root (embeddings, head, encoders). Parameters stay fp32 (the masters);
+    forward/backward gather them in `param_dtype`; gradients are reduce-scattered in `reduce_dtype`."""
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    # train.model.LayerNorm normalises in fp32 (x.float()) and its affine weight must then be fp32 too (layer_norm
+    # refuses fp32 input with bf16 weight): such norms get their own group that keeps fp32 parameters.
+    fp32_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for module in model.modules():
+        if isinstance(module, FP32_NORMS) and module.weight is not None and mp.param_dtype != torch.float32:
+            fully_shard(module, mesh=mesh, mp_policy=fp32_mp, reshard_after_forward=cfg.reshard_after_forward)
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        # the last block's parameters are needed again first in backward: keep them gathered
+        reshard = cfg.reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+
+
+def parallelize(model: nn.Module, cfg: ParallelConfig, mesh=None) -> nn.Module:
+    apply_ac(model, cfg.activation_checkpoint)
+    if cfg.compile:
+        apply_compile(model)
+    apply_fsdp(model, cfg, mesh)
+    return model
+
+
+def param_summary(model: nn.Module) -> dict[str, int]:
+    """Parameter count per top-level module (over the full, unsharded shapes)."""
+    counts: dict[str, int] = defaultdict(int)
+    for name, p in model.named_parameters():
+        counts[name.split(".", 1)[0]] += p.numel()
+    return dict(counts)
