@@ -1,0 +1,191 @@
+"""`python -m preprocess shards` end to end on the sample datasets with tiny checkpoints, and the integrity check."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from preprocess.check import check
+from preprocess.members import decode_members
+from preprocess.write import iter_tar_samples, sha256_file
+from tests.conftest import ROOT
+
+FAST = ["--anchor-stride", "16", "--samples-per-shard", "4", "--episodes-per-unit", "2", "--batch-size", "2"]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "ckpt"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_checkpoints.py"), "--out", str(out)],
+                   check=True, capture_output=True)
+    return out
+
+
+def shards_cmd(src: Path, out: Path, dataset: str, tiny: Path, *extra: str, model: str = "5b") -> list[str]:
+    from preprocess.shards import VAE_OF_MODEL, tiny_checkpoint_paths
+
+    paths = tiny_checkpoint_paths(tiny, VAE_OF_MODEL[model])
+    weights = [a for name, p in paths.items() for a in (f"--{name.replace('_', '-')}", str(p))]
+    return [sys.executable, "-m", "preprocess", "shards", "--dataset", dataset, "--src", str(src), "--out", str(out),
+            "--model", model, *weights, *FAST, *extra]
+
+
+def build(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(shards_cmd(*args, **kwargs), cwd=ROOT, capture_output=True, text=True, check=True)
+
+
+def manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def droid_shards(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "droid"
+    build(droid_root, out, "droid", tiny_checkpoints)
+    return out
+
+
+def test_droid_shards_pass_check_and_hold_the_reference_shapes(droid_shards, droid_root):
+    assert check(droid_shards) == []
+    m = manifest(droid_shards)
+    assert m["embodiment"] == "oxe_droid" and m["model"] == "5b"
+    # Sample DROID episodes: lengths 192, 62, 97, 133 -> 96, 0, 1, 37 distinct windows; every 16th kept.
+    assert m["totals"]["samples"] == 6 + 0 + 1 + 3
+    assert [s["count"] for s in m["shards"]] == [4, 4, 2]
+    assert m["skipped"] == [{"episode": 1, "reason": "shorter than one window (62 rows, a full window needs 97)"}]
+    samples = [s for shard in m["shards"] for s in iter_tar_samples(droid_shards / shard["shard"])]
+    episodes_in_first_shard = {decode_members(s[1])[0]["episode"] for s in samples[:4]}
+    assert len(episodes_in_first_shard) > 1  # mixed across episodes at write time
+    meta, tensors = decode_members(samples[0][1])
+    assert tensors["state"].shape == (4, 8) and tensors["action"].shape == (96, 8)
+    assert tensors["clip"].shape[0] == 257
+    assert tensors["latents"].ndim == 4 and tensors["latents"].shape[1] == 9  # [C, 9, h, w]
+    assert len(meta["prompt_ids"]) == 3
+    prompts = json.loads((droid_shards / "text" / "prompts.json").read_text())
+    assert all(p in prompts for p in meta["prompt_ids"].values())
+    assert prompts[meta["prompt_ids"]["annotation.language.language_instruction"]]["text"].startswith(
+        "A multi-view video shows that a robot ")
+
+
+@pytest.mark.parametrize("layout,dataset", [("libero_root", "libero"), ("libero_v3_root", "libero")])
+def test_libero_layouts_pass_check(layout, dataset, request, tmp_path, tiny_checkpoints):
+    out = tmp_path / "shards"
+    build(request.getfixturevalue(layout), out, dataset, tiny_checkpoints)
+    assert check(out) == []
+    m = manifest(out)
+    # LIBERO lengths 168, 47, 73, 109 -> 96, 0, 1, 37 windows of extent 72; every 16th kept.
+    assert m["totals"]["samples"] == 6 + 0 + 1 + 3
+    sample = next(iter_tar_samples(out / m["shards"][0]["shard"]))[1]
+    _, tensors = decode_members(sample)
+    assert tensors["action"].shape == (64, 7) and tensors["state"].shape == (4, 8)
+
+
+def test_rerun_is_byte_identical_and_array_jobs_match(droid_shards, droid_root, tiny_checkpoints, tmp_path):
+    again = tmp_path / "again"
+    build(droid_root, again, "droid", tiny_checkpoints)
+    assert manifest(again)["shards"] == manifest(droid_shards)["shards"]
+
+    split = tmp_path / "split"
+    for unit in (1, 0):
+        out = build(droid_root, split, "droid", tiny_checkpoints, "--unit-index", str(unit), "--num-units", "2")
+        assert "--stage finalize" in out.stdout
+    assert not (split / "manifest.json").exists()
+    build(droid_root, split, "droid", tiny_checkpoints, "--stage", "finalize")
+    assert manifest(split)["shards"] == manifest(droid_shards)["shards"]
+
+    # Re-running a finished directory rewrites nothing.
+    before = {p.name: p.stat().st_mtime_ns for p in split.glob("shard-*")}
+    build(droid_root, split, "droid", tiny_checkpoints)
+    assert {p.name: p.stat().st_mtime_ns for p in split.glob("shard-*")} == before
+
+
+def test_kill_and_resume(droid_shards, droid_root, tiny_checkpoints, tmp_path):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(shards_cmd(droid_root, out, "droid", tiny_checkpoints), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not list((out / "work").glob("unit-*.json")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists()
+    for tar in out.glob("shard-*.tar"):  # whatever is visible is complete
+        with tarfile.open(tar) as t:
+            t.getmembers()
+    for index in (out / "work").glob("unit-*.json"):  # a unit's JSON only ever follows its complete tar
+        assert json.loads(index.read_text())["sha256"] == sha256_file(index.with_suffix(".tar"))
+    build(droid_root, out, "droid", tiny_checkpoints)
+    assert check(out) == []
+    assert manifest(out)["shards"] == manifest(droid_shards)["shards"]
+
+
+def test_bad_episode_is_skipped_with_reason_or_stops_with_fail_fast(droid_root, tiny_checkpoints, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(droid_root, src)
+    video = src / "videos/chunk-000/observation.images.wrist_image_left/episode_000003.mp4"
+    video.write_bytes(video.read_bytes()[:2000])
+    out = tmp_path / "out"
+    result = build(src, out, "droid", tiny_checkpoints)
+    m = manifest(out)
+    assert [f["episode"] for f in m["failures"]] == [3]
+    assert str(video) in m["failures"][0]["reason"] and "episode 3" in m["failures"][0]["reason"]
+    assert "FAILED episode 3" in result.stdout
+    assert m["totals"]["samples"] == 6 + 1 and check(out) == []
+
+    failed = subprocess.run(shards_cmd(src, tmp_path / "ff", "droid", tiny_checkpoints, "--fail-fast"), cwd=ROOT,
+                            capture_output=True, text=True)
+    assert failed.returncode != 0 and "episode 3" in failed.stderr
+
+
+def corrupt_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_check_finds_corruption(droid_shards, tmp_path):
+    first = manifest(droid_shards)["shards"][0]["shard"]
+
+    flipped = corrupt_copy(droid_shards, tmp_path / "flip")
+    data = bytearray((flipped / first).read_bytes())
+    data[700] ^= 0xFF
+    (flipped / first).write_bytes(bytes(data))
+    assert f"{first}: sha256 differs from the manifest" in check(flipped)
+
+    truncated = corrupt_copy(droid_shards, tmp_path / "trunc")
+    (truncated / first).write_bytes((truncated / first).read_bytes()[:5000])
+    problems = check(truncated)
+    assert any(p.startswith(f"{first}: truncated or unreadable tar") for p in problems), problems
+    assert any(p.startswith(f"{first}: ") and "bytes, the manifest says" in p for p in problems)
+
+    deleted = corrupt_copy(droid_shards, tmp_path / "del")
+    members = [(i, t.extractfile(i).read()) for t in [tarfile.open(deleted / first)] for i in t.getmembers()]
+    victim = next(i.name for i, _ in members if i.name.endswith(".clip.npy") or ".clip.npy" in i.name)
+    with tarfile.open(deleted / first, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for info, data in members:
+            if info.name != victim:
+                tar.addfile(info, __import__("io").BytesIO(data))
+    key = victim.split(".")[0]
+    problems = check(deleted)
+    assert any(p.startswith(f"{first}: sample {key}: member clip.npy") and "missing" in p for p in problems), problems
+
+    assert check(tmp_path / "nowhere") == [f"{tmp_path / 'nowhere' / 'manifest.json'}: missing (an unfinished run, or not a shard directory)"]
+
+
+def test_check_cli_exit_codes(droid_shards, tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "preprocess", "check", str(droid_shards)], cwd=ROOT,
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.startswith("OK:")
+    bad = corrupt_copy(droid_shards, tmp_path / "bad")
+    os.remove(bad / manifest(bad)["shards"][1]["shard"])
+    failed = subprocess.run([sys.executable, "-m", "preprocess", "check", str(bad)], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert failed.returncode == 1 and "shard-000001.tar: missing" in failed.stdout
