@@ -101,7 +101,7 @@ class ImageEncoder:
     def preprocess(self, frames_bchw: torch.Tensor) -> torch.Tensor:
         """[-1, 1] frames (any size) -> normalized 224x224 pixels, float32."""
         x = F.interpolate(frames_bchw.float(), size=(self.image_size,) * 2, mode="bicubic", align_corners=False)
-        return (x * 0.5 + 0.5 - self.mean) / self.std
+        return (x * 0.5 + 0.5 - self.mean.to(x.device)) / self.std.to(x.device)
 
     @torch.no_grad()
     def encode(self, frames_bchw: torch.Tensor, batch_size: int = 0) -> torch.Tensor:

@@ -39,14 +39,21 @@ def timed(fn, device: str, warmup: int, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def compute_dtype(args) -> torch.dtype:
+    """As `preprocess shards --dtype auto`: bf16 on CUDA (the reference), float32 on CPU (bf16 conv3d is slow there)."""
+    return torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+
+
 def bench_vae(variant: str, shape: tuple[int, int, int], batch: int, args) -> dict:
     from diffusers import AutoencoderKLWan
 
     config = dict(VARIANTS[variant])
     if args.quick:
         config.update(base_dim=8, **({"decoder_base_dim": 8} if variant == "wan2.2" else {}))
-    vae = WanVAE(AutoencoderKLWan(**config), VaeInfo(variant, config["z_dim"], 16 if variant == "wan2.2" else 8, 4,
-                                                     "random"), args.device)
+    with torch.device(args.device):  # random init where the model runs: full-size models init slowly on a CPU
+        model = AutoencoderKLWan(**config)
+    vae = WanVAE(model, VaeInfo(variant, config["z_dim"], 16 if variant == "wan2.2" else 8, 4,
+                                                     "random"), args.device, dtype=compute_dtype(args))
     vae.model.decoder = None
     t, h, w = shape
     x = torch.rand(batch, 3, t, h, w, device=args.device) * 2 - 1
@@ -62,7 +69,9 @@ def bench_umt5(args) -> dict:
     from transformers import UMT5Config, UMT5EncoderModel
 
     cfg = dict(UMT5_XXL, **({"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4} if args.quick else {}))
-    enc = TextEncoder(UMT5EncoderModel(UMT5Config(**cfg)), tokenizer=None, device=args.device)
+    with torch.device(args.device):
+        model = UMT5EncoderModel(UMT5Config(**cfg))
+    enc = TextEncoder(model, tokenizer=None, device=args.device, dtype=compute_dtype(args))
     ids = torch.randint(3, 1000, (args.text_batch, args.prompt_tokens), device=args.device)
     mask = torch.ones_like(ids)
     sec = timed(lambda: enc.model(input_ids=ids, attention_mask=mask), args.device, args.warmup, args.iters)
@@ -74,7 +83,9 @@ def bench_clip(args) -> dict:
 
     cfg = dict(VIT_H_14, **({"hidden_size": 160, "intermediate_size": 320, "num_hidden_layers": 3,
                              "num_attention_heads": 2} if args.quick else {}))
-    enc = ImageEncoder(CLIPVisionModelWithProjection(CLIPVisionConfig(**cfg)), args.device)
+    with torch.device(args.device):
+        model = CLIPVisionModelWithProjection(CLIPVisionConfig(**cfg))
+    enc = ImageEncoder(model, args.device, dtype=compute_dtype(args))
     x = torch.rand(args.clip_batch, 3, 160, 320, device=args.device) * 2 - 1
     sec = timed(lambda: enc.encode(x), args.device, args.warmup, args.iters)
     return {f"clip_b{args.clip_batch}_frames_per_s": args.clip_batch / sec}

@@ -14,9 +14,6 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from train.config import ParallelConfig
-from train.model import LayerNorm
-
-FP32_NORMS = (LayerNorm,)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -70,12 +67,6 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
     """fully_shard every block, then the root (embeddings, head, encoders). Parameters stay fp32 (the masters);
     forward/backward gather them in `param_dtype`; gradients are reduce-scattered in `reduce_dtype`."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
-    # train.model.LayerNorm normalises in fp32 (x.float()) and its affine weight must then be fp32 too (layer_norm
-    # refuses fp32 input with bf16 weight): such norms get their own group that keeps fp32 parameters.
-    fp32_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for module in model.modules():
-        if isinstance(module, FP32_NORMS) and module.weight is not None and mp.param_dtype != torch.float32:
-            fully_shard(module, mesh=mesh, mp_policy=fp32_mp, reshard_after_forward=cfg.reshard_after_forward)
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again first in backward: keep them gathered
