@@ -11,10 +11,12 @@ DATASET ?= droid
 OUT ?= shards/$(DATASET)
 SAMPLE ?= sample_data
 PYTEST_ARGS ?=
+PRESET ?= tiny
+NPROC ?= 2
 
 ARGS ?=
 
-.PHONY: setup test demo sample-data shards check-shards clean help
+.PHONY: setup test demo sample-data shards check-shards train clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -37,16 +39,21 @@ sample-data: $(STAMP)  ## write the three sample LeRobot datasets into $(SAMPLE)
 	$(PY) scripts/make_sample_dataset.py --layout libero --out $(SAMPLE)/libero --episodes 4 --seed 0
 	$(PY) scripts/make_sample_dataset.py --layout libero-v3 --out $(SAMPLE)/libero-v3 --episodes 4 --seed 0
 
-demo: sample-data  ## sample data -> read every episode and decode its frames
-	$(PY) -m preprocess inspect $(SAMPLE)/droid --decode
-	$(PY) -m preprocess inspect $(SAMPLE)/libero --decode
-	$(PY) -m preprocess inspect $(SAMPLE)/libero-v3 --decode
+demo: $(STAMP)  ## sample DROID dataset -> shards (tiny encoders) -> integrity check -> 2-process CPU training
+	$(PY) -m preprocess shards --dataset droid --out build/demo/shards --anchor-stride 4 --samples-per-shard 16
+	$(PY) -m preprocess check build/demo/shards
+	rm -rf build/demo/run
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 train/main.py --preset tiny \
+	  --data.shards build/demo/shards --checkpoint.dir build/demo/run --steps 30 --metrics.interval 5
 
 shards: $(STAMP)  ## build shards: make shards DATASET={droid,libero,franka_pnp} [SRC=lerobot_root] [OUT=dir] [ARGS="..."]
 	$(PY) -m preprocess shards --dataset $(DATASET) --out $(OUT) $(if $(SRC),--src $(SRC)) $(ARGS)
+
+train: $(STAMP)  ## train: make train PRESET={tiny,libero-5b,droid-5b,droid-14b} OUT=shard_dir [NPROC=n] [ARGS="..."]
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) train/main.py --preset $(PRESET) --data.shards $(OUT) $(ARGS)
 
 check-shards: $(STAMP)  ## integrity check of a shard directory: make check-shards [OUT=dir]
 	$(PY) -m preprocess check $(OUT)
 
 clean:  ## remove the virtual environment and generated data
-	rm -rf $(VENV) $(SAMPLE)
+	rm -rf $(VENV) $(SAMPLE) build

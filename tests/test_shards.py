@@ -189,3 +189,20 @@ def test_check_cli_exit_codes(droid_shards, tmp_path):
     failed = subprocess.run([sys.executable, "-m", "preprocess", "check", str(bad)], cwd=ROOT,
                             capture_output=True, text=True)
     assert failed.returncode == 1 and "shard-000001.tar: missing" in failed.stdout
+
+
+def test_tiny_trainer_runs_on_pipeline_shards(droid_shards, tmp_path):
+    """The shards `preprocess shards` writes are what `train/main.py` reads: the tiny preset takes its widths from
+    them; a real preset whose widths differ is refused with the fields named."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "train/main.py",
+           "--data.shards", str(droid_shards), "--metrics.no-progress"]
+    out = subprocess.run(run + ["--preset", "tiny", "--steps", "4", "--metrics.interval", "2",
+                                "--checkpoint.dir", str(tmp_path / "tiny")], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 4 | loss" in out.stdout
+    assert (tmp_path / "tiny" / "export" / "model.safetensors").is_file()
+    refused = subprocess.run(run + ["--preset", "droid-5b", "--checkpoint.dir", str(tmp_path / "5b")], cwd=ROOT,
+                             capture_output=True, text=True)
+    assert refused.returncode != 0
+    assert "does not fit --model.name 5b: text_dim: model 4096, shards 32, image_dim: model 1280, shards 160" in (
+        refused.stdout + refused.stderr)

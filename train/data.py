@@ -107,6 +107,27 @@ def batch_windows(num_windows: int, seed: int, g: int, rank: int, world_size: in
     return epoch, mine[b * micro : (b + 1) * micro]
 
 
+def data_dims(root: Path | str) -> dict:
+    """The DiTConfig fields a shard directory fixes: latent channels (+ y), tokens per latent frame, actions per block,
+    text and CLIP widths, longest prompt. The tiny preset takes them from the data; real presets are checked."""
+    index = ShardIndex(root)
+    reader = SampleReader(index, None)
+    try:
+        shard, key = index.windows[0].variants[0]
+        _, t = reader.raw(shard, key)
+        with reader._text_table() as table:
+            text_dim = table.get_slice(next(iter(table.keys()))).get_shape()[-1]
+    finally:
+        reader.close()
+    c, frames, h, w = t["latents"].shape
+    blocks = (frames - 1) // 2  # num_frame_per_block = 2
+    prompts = json.loads((index.root / index.manifest["text_table"]["prompts"]).read_text())
+    dims = {"model_type": "i2v" if "y" in t else "ti2v", "in_dim": c + (t["y"].shape[0] if "y" in t else 0),
+            "out_dim": c, "frame_seqlen": (h // 2) * (w // 2), "num_action_per_block": t["action"].shape[0] // blocks,
+            "text_dim": int(text_dim), "image_dim": int(t["clip"].shape[-1]), "image_len": int(t["clip"].shape[0])}
+    return dims | {"text_len": max(p["tokens"] for p in prompts.values())}
+
+
 class SampleReader:
     """Random access to samples (pread at member offsets) and decoding into model inputs; one per worker."""
 
@@ -134,10 +155,14 @@ class SampleReader:
         except ValueError as err:
             raise ValueError(f"{self.index.shards[shard]}: sample {key}: {err}") from None
 
+    def _text_table(self):
+        from safetensors import safe_open
+
+        return safe_open(str(self.index.text_table), framework="pt")
+
     def text(self, prompt_id: str) -> torch.Tensor:
         if self._text is None:
-            from safetensors import safe_open
-            self._text = safe_open(str(self.index.text_table), framework="pt")
+            self._text = self._text_table()
         return self._text.get_tensor(prompt_id)
 
     def sample(self, window: Window, rng: np.random.Generator, variant: int = -1, column: str = "") -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # `torchrun train/main.py`: make the repository importable
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from train import checkpoint
 from train.config import Config, parse_args
-from train.data import ShardLoader
+from train.data import ShardLoader, data_dims
 from train.flops import dit_flops
 from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.metrics import MetricsLogger, device_peak_flops
@@ -49,9 +49,26 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def model_config(cfg: Config):
+    """The preset's DiT config, matched to the shards: the tiny preset takes its data-facing widths from them (so it
+    trains on shards of any shape, e.g. those built with tiny encoders); a real preset must agree with them."""
+    dims = data_dims(cfg.data.shards)
+    model_cfg = preset(cfg.model.name)
+    if cfg.model.name == "tiny":
+        return replace(model_cfg, **dims)
+    text_len = dims.pop("text_len")
+    wrong = {k: (getattr(model_cfg, k), v) for k, v in dims.items() if getattr(model_cfg, k) != v}
+    if wrong or text_len > model_cfg.text_len:
+        details = ", ".join(f"{k}: model {m}, shards {d}" for k, (m, d) in wrong.items())
+        if text_len > model_cfg.text_len:
+            details += f"{', ' if details else ''}longest prompt {text_len} tokens > text_len {model_cfg.text_len}"
+        raise SystemExit(f"{cfg.data.shards} does not fit --model.name {cfg.model.name}: {details}")
+    return model_cfg
+
+
 def build(cfg: Config, device: torch.device) -> CausalWanModel:
     """Same init on every rank, then parallelize; parameters end up as fp32 shards on `device`."""
-    model_cfg = preset(cfg.model.name)
+    model_cfg = model_config(cfg)
     torch.manual_seed(cfg.seed)
     if cfg.model.init_device == "meta":
         if cfg.model.init_from is not None:
