@@ -84,6 +84,9 @@ class Args:
     """Windows per encoder batch."""
     workers: int = 1
     """Local executor: units processed in parallel (each worker decodes, transforms and encodes its units)."""
+    threads_per_worker: int | None = None
+    """Torch threads per unit (default: CPU cores / workers). Float reductions depend on it, so byte-identical
+    reruns need the same value; it is recorded in the manifest."""
     executor: Literal["local", "ray"] = "local"
     """local: a process pool on this machine; ray: one Ray task per unit (pip install 'wampipe[ray]')."""
     ray_address: str | None = None
@@ -136,6 +139,7 @@ class Job:
     seed: int
     decode_backend: str
     fail_fast: bool
+    threads: int
 
 
 # ---------------------------------------------------------------- one unit
@@ -207,7 +211,7 @@ def _episode_samples(job: Job, ds: LeRobotDataset, emb: Embodiment, index: int):
 
 def process_unit(job: Job, unit: int, episodes: list[int]) -> dict:
     """Decode, transform and encode the unit's episodes; spill its samples. Returns the unit's JSON record."""
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(job.threads)  # fixed: conv reductions (and so the stored bits) depend on it
     ds, emb = LeRobotDataset(job.src), get_embodiment(job.embodiment)
     encoders = Encoders(job)
     failures, skipped, prompts, done = [], [], {}, []
@@ -278,7 +282,7 @@ def run_units(job: Job, units: list[list[int]], args: Args) -> None:
 
         ray.init(address=args.ray_address, ignore_reinit_error=True, log_to_driver=False)
         gpus = 1 if job.device.startswith("cuda") else 0
-        task = ray.remote(num_gpus=gpus)(process_unit)
+        task = ray.remote(num_gpus=gpus, num_cpus=job.threads)(process_unit)
         refs = [task.remote(job, u, units[u]) for u in todo]
         while refs:
             ready, refs = ray.wait(refs, num_returns=1)
@@ -389,7 +393,8 @@ def finalize(job: Job, units: list[list[int]], args: Args) -> dict:
         "transform": {"anchor_stride": job.anchor_stride, "augment_variants": job.augment_variants,
                       "view_hw": list(get_embodiment(job.embodiment).view_size(job.model)),
                       "target_hw": list(get_embodiment(job.embodiment).preset(job.model).target_hw),
-                      "vae_variant": VAE_OF_MODEL[job.model], "decode_backend": job.decode_backend},
+                      "vae_variant": VAE_OF_MODEL[job.model], "decode_backend": job.decode_backend,
+                      "threads_per_worker": job.threads},
         "encoders": {"vae": weights_identity(Path(job.vae)), "image_encoder": weights_identity(Path(job.image_encoder)),
                      "text_encoder": weights_identity(Path(args.text_encoder)),
                      "tokenizer": weights_identity(Path(args.tokenizer)), "dtype": job.dtype},
@@ -460,7 +465,8 @@ def run(args: Args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     job = Job(str(args.src), str(args.out), args.dataset, emb.tag, args.model, str(args.vae), str(args.image_encoder),
               args.device, args.dtype, args.batch_size, args.anchor_stride, args.augment_variants, args.compress,
-              args.seed, args.decode_backend, args.fail_fast)
+              args.seed, args.decode_backend, args.fail_fast,
+              args.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, args.workers)))
     print(f"{args.src}: {len(ds)} episodes -> {len(units)} units -> {args.out}")
     if args.stage in ("all", "units"):
         run_units(job, units, args)

@@ -102,6 +102,11 @@ def test_rerun_is_byte_identical_and_array_jobs_match(droid_shards, droid_root, 
     build(droid_root, split, "droid", tiny_checkpoints, "--stage", "finalize")
     assert manifest(split)["shards"] == manifest(droid_shards)["shards"]
 
+    # Ray (a local instance started by the run): one task per unit, same bytes as the local pool.
+    ray_out = tmp_path / "ray"
+    build(droid_root, ray_out, "droid", tiny_checkpoints, "--executor", "ray")
+    assert manifest(ray_out)["shards"] == manifest(droid_shards)["shards"]
+
     # Re-running a finished directory rewrites nothing.
     before = {p.name: p.stat().st_mtime_ns for p in split.glob("shard-*")}
     build(droid_root, split, "droid", tiny_checkpoints)
