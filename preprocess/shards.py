@@ -33,7 +33,7 @@ from preprocess.lerobot import LeRobotDataset
 from preprocess.members import encode_sample
 from preprocess.prompts import window_prompts
 from preprocess.state_action import columns_for, slice_keys, window_state_action
-from preprocess.views import sample_video
+from preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
 from preprocess.windows import episode_windows
 from preprocess import write
 
@@ -191,16 +191,22 @@ def _episode_samples(job: Job, ds: LeRobotDataset, emb: Embodiment, index: int):
     needed = np.unique(np.concatenate([w.video_rows for w in windows]))
     position = np.full(episode.length, -1, np.int64)
     position[needed] = np.arange(len(needed))
-    frames = [episode.cameras[c].read(needed, backend=job.decode_backend) for c in emb.cameras]
+    frames = np.stack([episode.cameras[c].read(needed, backend=job.decode_backend) for c in emb.cameras])
+    height, width = frames.shape[2:4]
+    model_video = None
+    if not job.augment_variants:  # one deterministic, per-frame transform: apply it to each frame once per episode
+        params = eval_params(height, width)
+        model_video = episode_model_video(episode_canvas(frames, emb, job.model, params), emb.preset(job.model).target_hw)
     for window in windows:
         state, action = window_state_action(states, actions, window, emb)
         prompts = window_prompts(episode, window.start, emb)
-        views = [f[position[window.video_rows]] for f in frames]
+        rows = position[window.video_rows]
         for variant in range(max(1, job.augment_variants)):
-            generator = None
-            if job.augment_variants:
+            if model_video is not None:
+                video = model_video[:, rows]
+            else:
                 generator = torch.Generator().manual_seed(_variant_seed(job.seed, index, window.start, variant))
-            video, _, params = sample_video(views, emb, job.model, generator=generator)
+                video, _, params = sample_video(list(frames[:, rows]), emb, job.model, generator=generator)
             meta = {
                 "dataset": job.dataset, "embodiment": emb.tag, "episode": index, "window_start": window.start,
                 "anchor_multiplicity": window.weight, "variant": variant, "augmentation": params,

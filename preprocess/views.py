@@ -158,11 +158,32 @@ def make_canvas(views_vthwc: np.ndarray, layout: CanvasLayout) -> np.ndarray:
 
 def to_model_video(canvas_thwc: np.ndarray, target_hw: tuple[int, int]) -> torch.Tensor:
     """uint8 [T, H, W, 3] -> float32 [3, T, h, w] in [-1, 1] at the model resolution (the VAE's input)."""
-    x = torch.from_numpy(np.ascontiguousarray(canvas_thwc)).permute(0, 3, 1, 2).to(torch.float32) / 255.0
-    x = (x - 0.5) / 0.5
+    x = torch.from_numpy(np.ascontiguousarray(canvas_thwc)).permute(0, 3, 1, 2).to(torch.float32)
+    x.div_(255.0).sub_(0.5).div_(0.5)  # the reference's /255 then Normalize(0.5, 0.5), in place
     if tuple(x.shape[-2:]) != tuple(target_hw):
         x = F.interpolate(x, size=tuple(target_hw), mode="bilinear", align_corners=False, antialias=False)
     return x.permute(1, 0, 2, 3).contiguous()
+
+
+def episode_canvas(frames_vthwc: np.ndarray, embodiment: Embodiment, preset: str, params: dict,
+                   chunk: int = 64) -> np.ndarray:
+    """uint8 canvas [T, H', W', 3] of every frame of an episode under one fixed transform (the eval transform).
+
+    Every op up to the canvas works frame by frame, so a window's canvas is this array indexed by its rows: the
+    offline builder transforms each frame once instead of once per window (DROID: every row is in ~32 windows).
+    Frames are processed `chunk` at a time to bound the float32 temporaries.
+    """
+    view_hw = embodiment.view_size(preset)
+    parts = [make_canvas(transform_views(frames_vthwc[:, i : i + chunk], view_hw, params), embodiment.layout)
+             for i in range(0, frames_vthwc.shape[1], chunk)]
+    return np.concatenate(parts)
+
+
+def episode_model_video(canvas_thwc: np.ndarray, target_hw: tuple[int, int], chunk: int = 64) -> torch.Tensor:
+    """`to_model_video` of a whole episode's canvas, `chunk` frames at a time: float32 [3, T, h, w]. Per frame, so a
+    window's model input is this tensor indexed by its rows (the offline builder's eval path)."""
+    return torch.cat([to_model_video(canvas_thwc[i : i + chunk], target_hw) for i in range(0, len(canvas_thwc), chunk)],
+                     dim=1)
 
 
 def sample_video(

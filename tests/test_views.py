@@ -11,9 +11,10 @@ from PIL import Image
 from preprocess.embodiments import get_embodiment
 from preprocess.lerobot import LeRobotDataset
 from preprocess.views import (
-    adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation, draw_train_params, eval_params, make_canvas,
-    sample_video, to_model_video, transform_views,
+    adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation, draw_train_params, episode_canvas,
+    episode_model_video, eval_params, make_canvas, sample_video, to_model_video, transform_views,
 )
+from preprocess.windows import episode_windows
 
 
 def distinct_views(v: int, t: int, h: int, w: int) -> np.ndarray:
@@ -145,3 +146,21 @@ def test_droid_window_on_sample_dataset(droid_root, preset, canvas_hw, model_hw)
     h, w = emb.view_size(preset)
     wrist = transform_views(np.stack(views)[2:], (h, w), params)[0]
     assert (canvas[:, :h, 0::2] == wrist).all() and (canvas[:, :h, 1::2] == wrist).all()
+
+
+@pytest.mark.parametrize("preset", ["5b", "14b"])
+def test_episode_canvas_equals_per_window_transform(droid_root, preset):
+    """The shard builder transforms each frame once per episode; a window's video must equal the per-window path."""
+    emb = get_embodiment("oxe_droid")
+    episode = LeRobotDataset(droid_root).episode(3)
+    frames = np.stack([episode.cameras[c].read() for c in emb.cameras])  # [V, L, H, W, 3]
+    canvas = episode_canvas(frames, emb, preset, eval_params(*frames.shape[2:4]), chunk=40)
+    windows = episode_windows(episode.length, emb.window)
+    for window in (windows[0], windows[len(windows) // 2], windows[-1]):
+        video, window_canvas, _ = sample_video(list(frames[:, window.video_rows]), emb, preset)
+        np.testing.assert_array_equal(canvas[window.video_rows], window_canvas)
+        assert torch.equal(to_model_video(canvas[window.video_rows], emb.preset(preset).target_hw), video)
+    whole = episode_model_video(canvas, emb.preset(preset).target_hw, chunk=40)
+    for window in windows[:: max(1, len(windows) // 4)]:
+        video, _, _ = sample_video(list(frames[:, window.video_rows]), emb, preset)
+        assert torch.equal(whole[:, window.video_rows], video)

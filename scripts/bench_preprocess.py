@@ -1,0 +1,97 @@
+"""Preprocessing throughput per CPU core (decode + windows + views, no encoders) and bytes per sample by member.
+
+Runs the shard builder's own per-episode sample producer (`preprocess.shards._episode_samples`: decode each video
+once, cut every window, crop/resize/canvas/model-resize) on generated sample datasets, pinned to one core with one
+torch thread, for DROID at the 5B (176x320) and 14B (352x640) sizes and LIBERO at 160x320. The encoders are
+measured separately (scripts/bench_encode.py, on a GPU); with them on a GPU, a farm of N cores produces about
+min(N x this rate, the GPU's VAE rate) samples/s.
+
+Bytes per sample: exact raw sizes of every member at the real shapes (bf16 latents, CLIP, y; float32 state and
+action; meta.json), and the zstd ratio `--compress auto` gets on the members whose content is real here (state,
+action, meta). Latent and CLIP compressibility needs real encoder weights and is not measured here.
+
+    python scripts/bench_preprocess.py [--episodes 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from preprocess.embodiments import get_embodiment  # noqa: E402
+from preprocess.lerobot import LeRobotDataset  # noqa: E402
+from preprocess.members import encode_sample  # noqa: E402
+from preprocess.shards import DATASETS, Job, _episode_samples  # noqa: E402
+from tests.conftest import make_sample  # noqa: E402
+
+# (dataset preset, model recipe) -> encoder output shapes per sample (dreamzero_model.md §0)
+ENCODED = {
+    ("droid", "5b"): {"latents": (48, 9, 11, 20), "clip": (257, 1280)},
+    ("droid", "14b"): {"latents": (16, 9, 44, 80), "clip": (257, 1280), "y": (20, 9, 44, 80)},
+    ("libero", "5b"): {"latents": (48, 9, 10, 20), "clip": (257, 1280)},
+}
+
+
+def measure(root: Path, dataset: str, model: str) -> dict:
+    preset = DATASETS[dataset]
+    emb = get_embodiment(preset.embodiment)
+    job = Job(str(root), "", dataset, emb.tag, model, "", "", "cpu", "float32", 1, 1, 0, "auto", 0, "torchcodec",
+              True, 1)
+    ds = LeRobotDataset(root)
+    samples, start, last = 0, time.perf_counter(), None
+    for index in ds.episode_indices:
+        for last in _episode_samples(job, ds, emb, index):
+            samples += 1
+    elapsed = time.perf_counter() - start
+    key, video, tensors, meta, _ = last
+    shapes = ENCODED[(dataset, model)]
+    raw = {name: int(np.prod(shape)) * 2 + 128 for name, shape in shapes.items()}  # bf16 + .npy header
+    stored = {}
+    for name, data in encode_sample(key, tensors, meta, "auto"):
+        member = name.split(".", 1)[1]
+        stored[member] = len(data)
+    plain = {m.split(".", 1)[1]: len(d) for m, d in encode_sample(key, tensors, meta, "none")}
+    members = {f"{n}.npy": {"raw": b} for n, b in raw.items()}
+    for m, size in stored.items():
+        members[m.removesuffix(".zst")] = {"raw": plain[m.removesuffix(".zst")], "stored": size}
+    return {"dataset": dataset, "model": model, "samples": samples, "seconds": elapsed,
+            "samples_per_s_per_core": samples / elapsed, "video_shape": list(video.shape),
+            "bytes_per_sample": members, "total_raw_bytes": sum(v["raw"] for v in members.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--episodes", type=int, default=3, help="episodes per generated dataset (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated datasets")
+    args = parser.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    torch.set_num_threads(1)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        roots = {"droid": make_sample(Path(tmp) / "droid", "droid", args.episodes, args.seed),
+                 "libero": make_sample(Path(tmp) / "libero", "libero", args.episodes, args.seed)}
+        for dataset, model in ENCODED:
+            results.append(measure(roots[dataset], dataset, model))
+    print(f"{'dataset':<8} {'model':<5} {'samples':>7} {'samples/s/core':>15} {'raw KiB/sample':>15}")
+    for r in results:
+        print(f"{r['dataset']:<8} {r['model']:<5} {r['samples']:>7} {r['samples_per_s_per_core']:>15.2f} "
+              f"{r['total_raw_bytes'] / 1024:>15.0f}")
+    print(json.dumps({"bench": "preprocess", "cpu": platform.processor() or platform.machine(), "cores": 1,
+                      "torch": torch.__version__, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
