@@ -11,14 +11,13 @@ Loads a Diffusers `image_encoder/` folder (transformers CLIPVisionModel[WithProj
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from preprocess.weights import WeightsError, check_keys, expect_kind, read_state_dict
+from preprocess.weights import WeightsError, check_keys, expect_kind, folder_config, read_state_dict
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -132,12 +131,7 @@ def load_image_encoder(path: str | Path, device: str | torch.device = "cpu",
 
     path = Path(path)
     if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.exists():
-            raise WeightsError(path, "an image_encoder/ folder needs config.json")
-        config_dict = json.loads(config_file.read_text())
-        if config_dict.get("model_type") not in ("clip_vision_model", "clip"):
-            raise WeightsError(config_file, f"model_type is {config_dict.get('model_type')!r}, not a CLIP vision model")
+        config_dict = folder_config(path, "model_type", ("clip_vision_model", "clip"), "an image_encoder/ folder")
         config = CLIPVisionConfig.from_dict(config_dict.get("vision_config", config_dict))
         state = read_state_dict(path)
         expect_kind(path, state, ("hf-clip-vision",), "image encoder")

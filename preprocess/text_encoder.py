@@ -12,15 +12,13 @@ Loads a Diffusers `text_encoder/` folder (or any transformers UMT5 folder) and W
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
 from preprocess.prompts import clean_text
-
-from preprocess.weights import WeightsError, check_keys, expect_kind, load_strict, read_state_dict
+from preprocess.weights import WeightsError, check_keys, expect_kind, folder_config, load_strict, read_state_dict
 
 MAX_LENGTH = 512
 # umt5-xxl, as built by Wan's T5 encoder (24 layers, d 4096, ffn 10240, 64 heads of 64, 32 buckets, vocab 256384)
@@ -130,12 +128,7 @@ def load_text_encoder(path: str | Path, tokenizer: str | Path, device: str | tor
     path = Path(path)
     tok = load_tokenizer(tokenizer)
     if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.exists():
-            raise WeightsError(path, "a text_encoder/ folder needs config.json")
-        config_dict = json.loads(config_file.read_text())
-        if config_dict.get("model_type") != "umt5":
-            raise WeightsError(config_file, f"model_type is {config_dict.get('model_type')!r}, not 'umt5'")
+        config_dict = folder_config(path, "model_type", ("umt5",), "a text_encoder/ folder")
         state = read_state_dict(path)
         expect_kind(path, state, ("hf-umt5",), "text encoder")
         model = UMT5EncoderModel(UMT5Config.from_dict(config_dict))

@@ -10,14 +10,13 @@ Loads the original Wan `.pth` files (keys renamed here) and Diffusers `vae/` fol
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from preprocess.weights import WeightsError, check_keys, expect_kind, read_state_dict, load_strict
+from preprocess.weights import WeightsError, check_keys, expect_kind, folder_config, load_strict, read_state_dict
 
 # Per-channel latent statistics of the released VAEs (the reference's WanVideoVAE / WanVideoVAE38 constants).
 WAN21_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
@@ -160,12 +159,8 @@ def load_vae(path: str | Path, variant: str | None = None, device: str | torch.d
     if variant not in (None, "wan2.1", "wan2.2"):
         raise ValueError(f"unknown VAE variant {variant!r}; expected 'wan2.1' or 'wan2.2'")
     if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.exists():
-            raise WeightsError(path, "a Diffusers VAE folder needs config.json (pass the vae/ folder itself)")
-        config = json.loads(config_file.read_text())
-        if config.get("_class_name") != "AutoencoderKLWan":
-            raise WeightsError(config_file, f"_class_name is {config.get('_class_name')!r}, not 'AutoencoderKLWan'")
+        config = folder_config(path, "_class_name", ("AutoencoderKLWan",),
+                               "a Diffusers VAE folder (pass the vae/ folder itself)")
         found = variant_of_config(config)
         state = read_state_dict(path)
         expect_kind(path, state, ("diffusers-vae",), "VAE")

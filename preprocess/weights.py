@@ -61,6 +61,17 @@ def _unwrap(state: dict, path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def folder_config(folder: Path, field: str, accepted: tuple[str, ...], what: str) -> dict:
+    """config.json of a Diffusers/transformers model folder, whose `field` must be one of `accepted`."""
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        raise WeightsError(folder, f"{what} needs config.json")
+    config = json.loads(config_file.read_text())
+    if config.get(field) not in accepted:
+        raise WeightsError(config_file, f"{field} is {config.get(field)!r}, not {' or '.join(map(repr, accepted))}")
+    return config
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a `.pth`/`.pt`/`.bin`, `.safetensors`, `*.index.json` (sharded) file, or of a model folder."""
     from safetensors.torch import load_file
