@@ -1,0 +1,353 @@
+"""Training throughput of the real trainer against the bare bound of the same blocks, measured in one run.
+
+    python scripts/bench_train.py --preset libero-5b --micro-batch 16 --global-batch 32         # 1 GPU
+    python scripts/bench_train.py --preset libero-5b --nproc 2 --micro-batch 16 --global-batch 64
+    python scripts/bench_train.py --preset droid-14b --nproc 2 -- --parallel.no-reshard-after-forward
+    python scripts/bench_train.py --preset tiny --warmup-steps 2 --steps 4                        # CPU smoke run
+
+1. Synthetic shards of the preset's exact sample shapes (scripts/make_synthetic_shards.py, the project's writer),
+   enough windows that the measured steps never revisit one (up to --max-windows).
+2. The real trainer: `torchrun train/main.py` (FSDP2, the shard loader, AdamW) for warm-up + measured steps; the
+   measured window is read from its metrics.jsonl (warm-up steps, compile included, are excluded).
+3. The bound, in this process on one device after the trainer exits: the model's own `Block` stack in bf16 at the
+   trainer's token layout and context length, fwd+bwd with random inputs (no FSDP, data or optimizer), with the
+   trainer's activation checkpointing and compile settings, and again without recompute. A batch that does not fit
+   is halved until it does (the batch used is reported).
+
+Everything after `--` is passed to the trainer unchanged (and to the config the bound is built from). Prints the
+trainer's own log, then one final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from train.attention import dense_mask, flex_block_mask  # noqa: E402
+from train.config import Config, parse_args as parse_trainer_args  # noqa: E402
+from train.flops import dit_flops  # noqa: E402
+from train.main import model_config  # noqa: E402
+from train.metrics import device_peak_flops  # noqa: E402
+from train.model import Block, DiTConfig, rope_tables  # noqa: E402
+from train.parallel import apply_ac, apply_compile  # noqa: E402
+
+
+def _load_shard_writer():
+    if "make_synthetic_shards" in sys.modules:
+        return sys.modules["make_synthetic_shards"]
+    path = ROOT / "scripts" / "make_synthetic_shards.py"
+    spec = importlib.util.spec_from_file_location("make_synthetic_shards", path)
+    module = sys.modules.setdefault("make_synthetic_shards", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
+
+synthetic = _load_shard_writer()
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="libero-5b", choices=sorted(synthetic.SHAPES),
+                   help="trainer preset (train/config.py) and synthetic sample shapes")
+    p.add_argument("--nproc", type=int, default=1, help="trainer processes (GPUs) on this host")
+    p.add_argument("--micro-batch", type=int, default=None, help="samples per rank per fwd/bwd (default: preset's)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per optimizer step over all ranks (default: preset's; 0 = micro-batch x nproc)")
+    p.add_argument("--warmup-steps", type=int, default=5, help="optimizer steps excluded from the measurement")
+    p.add_argument("--steps", type=int, default=20, help="measured optimizer steps")
+    p.add_argument("--ac", choices=["none", "full", "selective"], default=None,
+                   help="activation checkpointing per block (default: preset's)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each block (default: preset's)")
+    p.add_argument("--bound-only", action="store_true",
+                   help="time the bare bound only (no trainer; a few windows are written: they fix tiny's widths)")
+    p.add_argument("--trainer-only", action="store_true", help="run the trainer only (no bound)")
+    p.add_argument("--skip-no-recompute-bound", action="store_true",
+                   help="do not also time the bound without activation recompute (it is, when --ac is not none)")
+    p.add_argument("--bound-warmup", type=int, default=3, help="untimed bound steps (compile, autotune)")
+    p.add_argument("--bound-steps", type=int, default=10, help="timed bound fwd+bwd steps")
+    p.add_argument("--shards", type=Path, default=None,
+                   help="shard directory to reuse if it holds a manifest (written there otherwise); "
+                        "default: <out>/shards")
+    p.add_argument("--max-windows", type=int, default=2048,
+                   help="write at most this many windows (past them the loader starts a new epoch; re-reading "
+                        "costs the same, the freshly written shards sit in the page cache either way); 0 = no cap")
+    p.add_argument("--out", type=Path, default=None,
+                   help="work directory (shards, trainer run dir, result.json); default: a temporary one, deleted")
+    p.add_argument("--device", default=None, help="bound device (default: cuda if available, else cpu)")
+    args = p.parse_args(argv)
+    if args.bound_only and args.trainer_only:
+        p.error("--bound-only and --trainer-only exclude each other")
+    if args.steps < 1 or args.warmup_steps < 0 or args.bound_steps < 1:
+        p.error("--steps and --bound-steps must be >= 1, --warmup-steps >= 0")
+    return args, extra
+
+
+def trainer_argv(args, shards: Path, run_dir: Path, extra: list[str]) -> list[str]:
+    """train/main.py flags: the bench's settings, a metrics interval that puts the warm-up in records of its own,
+    no checkpoints or export, then the pass-through flags (which win)."""
+    total = args.warmup_steps + args.steps
+    interval = math.gcd(args.warmup_steps, args.steps) if args.warmup_steps else args.steps
+    argv = ["--preset", args.preset, "--data.shards", str(shards), "--checkpoint.dir", str(run_dir),
+            "--steps", str(total), "--metrics.interval", str(interval), "--metrics.no-progress",
+            "--metrics.no-tensorboard", "--checkpoint.interval", "0", "--checkpoint.no-save-final",
+            "--checkpoint.no-export", "--checkpoint.no-resume"]
+    if args.micro_batch is not None:
+        argv += ["--data.micro-batch-size", str(args.micro_batch)]
+    if args.global_batch is not None:
+        argv += ["--parallel.global-batch-size", str(args.global_batch)]
+    if args.ac is not None:
+        argv += ["--parallel.activation-checkpoint", args.ac]
+    if args.compile is not None:
+        argv += ["--parallel.compile" if args.compile else "--parallel.no-compile"]
+    return argv + extra
+
+
+def batch_sizes(cfg: Config, world: int) -> tuple[int, int, int]:
+    micro = cfg.data.micro_batch_size
+    global_batch = cfg.parallel.global_batch_size or micro * world
+    accum, rem = divmod(global_batch, micro * world)
+    if rem or accum < 1:
+        raise SystemExit(f"global batch {global_batch} is not a multiple of micro-batch {micro} x {world} ranks")
+    return micro, global_batch, accum
+
+
+def write_shards(cfg: Config, preset: str, shards: Path, windows: int) -> None:
+    """At least `windows` synthetic windows of the preset's shapes (an existing shard directory is reused)."""
+    if (shards / "manifest.json").is_file():
+        have = json.loads((shards / "manifest.json").read_text()).get("totals", {}).get("samples", 0)
+        note = f" (fewer than the {windows} this run reads: windows repeat)" if have < windows else ""
+        print(f"reusing {shards}: {have} samples{note}", flush=True)
+        return
+    per_episode = 8
+    episodes = max(1, math.ceil(windows / per_episode))
+    t0 = time.perf_counter()
+    manifest = synthetic.make_synthetic_shards(shards, preset, episodes=episodes, windows_per_episode=per_episode,
+                                               samples_per_shard=32, episodes_per_unit=4, seed=cfg.seed)
+    print(f"wrote {manifest['totals']['samples']} synthetic {preset} samples ({manifest['totals']['bytes'] / 2**30:.2f}"
+          f" GiB) to {shards} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def run_trainer(args, argv: list[str], run_dir: Path) -> float:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           str(ROOT / "train" / "main.py"), *argv]
+    print("trainer:", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if done.returncode != 0:
+        raise SystemExit(f"trainer failed with exit status {done.returncode} (its log is above)")
+    return time.perf_counter() - t0
+
+
+def measured_window(run_dir: Path, warmup_steps: int, samples_per_rank_step: int) -> dict:
+    """Aggregate the metrics.jsonl records after the warm-up: rates over the summed time, not a mean of rates."""
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    measured = [r for r in records if r["step"] > warmup_steps]
+    if not measured:
+        raise SystemExit(f"{path}: no record after step {warmup_steps}")
+    steps, seconds, wait_s, flops_s = 0, 0.0, 0.0, 0.0
+    prev = warmup_steps
+    for r in measured:
+        n = r["step"] - prev
+        prev = r["step"]
+        elapsed = n * samples_per_rank_step / r["samples_per_s_per_gpu"]
+        steps += n
+        seconds += elapsed
+        wait_s += elapsed * r["data_wait_pct"] / 100
+        if "mfu_pct" in r:
+            flops_s += elapsed * r["mfu_pct"]
+    peaks = [r["peak_mem_gib"] for r in measured if "peak_mem_gib" in r]
+    return {"samples_per_s_per_gpu": steps * samples_per_rank_step / seconds,
+            "mfu_pct": flops_s / seconds if any("mfu_pct" in r for r in measured) else None,
+            "data_wait_pct": 100 * wait_s / seconds, "peak_mem_gib": max(peaks) if peaks else None,
+            "measured_steps": steps, "measured_s": seconds, "loss_last": measured[-1].get("loss")}
+
+
+# ---------------------------------------------------------------- the bound
+
+class BlockStack(nn.Module):
+    """The DiT's transformer blocks alone (train.model.Block), built in `dtype` on `device` one block at a time."""
+
+    def __init__(self, cfg: DiTConfig, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.blocks = nn.ModuleList()
+        for _ in range(cfg.num_layers):
+            with torch.device(device):
+                block = Block(cfg)
+            with torch.no_grad():  # the reference init of the block's linears (values barely matter for timing)
+                for m in block.modules():
+                    if isinstance(m, nn.Linear):
+                        nn.init.xavier_uniform_(m.weight)
+                        nn.init.zeros_(m.bias)
+            self.blocks.append(block.to(dtype))
+
+    def forward(self, x, e0, context, rope, mask):
+        for block in self.blocks:
+            x = block(x, e0, context, rope, mask)
+        return x
+
+
+def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, compile_: bool, attention: str,
+                     device: torch.device, warmup: int, steps: int) -> dict:
+    nf, h, w = latent_fhw
+    grid = (h // 2, w // 2)
+    layout = cfg.layout(nf, grid[0] * grid[1])
+    n_ctx = cfg.text_len + (cfg.image_len if cfg.model_type != "t2v" else 0)
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    stack = BlockStack(cfg, device, dtype)
+    apply_ac(stack, ac)  # the trainer's order: recompute wrapper, then compile
+    if compile_:
+        apply_compile(stack)
+    flex = attention == "flex" or (attention == "auto" and device.type == "cuda")
+    mask = flex_block_mask(layout, device) if flex else dense_mask(layout, device)
+    rope = rope_tables(layout, grid, cfg.head_dim, device, torch.float32)
+    # inputs as the trainer's blocks see them: bf16 activations that need gradients (embeddings sit before them)
+    x = torch.randn(batch, layout.seq_len, cfg.dim, device=device, dtype=dtype, requires_grad=True)
+    e0 = (0.1 * torch.randn(batch, layout.seq_len, 6, cfg.dim, device=device, dtype=dtype)).requires_grad_()
+    context = torch.randn(batch, n_ctx, cfg.dim, device=device, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(batch, layout.seq_len, cfg.dim, device=device, dtype=dtype)
+    cuda = device.type == "cuda"
+
+    def step():
+        stack(x, e0, context, rope, mask).backward(grad_out)
+        for t in (x, e0, context, *stack.parameters()):
+            t.grad = None
+
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    dt = (time.perf_counter() - t0) / steps
+    flops = dit_flops(cfg, latent_fhw).blocks_forward * (4 if ac != "none" else 3)  # fwd + 2x bwd (+ recompute)
+    peak = device_peak_flops(device)
+    sps = batch / dt
+    return {"samples_per_s": sps, "batch": batch, "ac": ac, "step_s": dt,
+            "mfu_pct": 100 * sps * flops / peak if peak else None,
+            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
+
+
+def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, compile_: bool, attention: str,
+               device: torch.device, warmup: int, steps: int) -> dict:
+    """Bound samples/s; a batch that runs out of device memory is halved (per-sample rate, so comparable)."""
+    while True:
+        torch._dynamo.reset()  # a fresh compile per attempt: no recompile limit, no automatic dynamic batch dim
+        gc.collect()  # outside any except block: no traceback pins the last attempt's tensors
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            return _time_bound_once(cfg, latent_fhw, batch, ac, compile_, attention, device, warmup, steps)
+        except Exception as e:  # noqa: BLE001 - compiled code may wrap the OOM in its own exception type
+            if batch == 1 or "out of memory" not in str(e).lower():
+                raise
+        print(f"bound (ac {ac}): batch {batch} does not fit, trying {batch // 2}", flush=True)
+        batch //= 2
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, extra = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench_train-")) if args.out is None else args.out
+    work.mkdir(parents=True, exist_ok=True)
+    shards = args.shards or work / "shards"
+    run_dir = work / "run"
+    argv_trainer = trainer_argv(args, shards, run_dir, extra)
+    cfg = parse_trainer_args(argv_trainer)
+    micro, global_batch, accum = batch_sizes(cfg, args.nproc)
+    total_steps = args.warmup_steps + args.steps
+    result: dict = {"bench": "train", "preset": args.preset, "model": cfg.model.name, "world_size": args.nproc,
+                    "micro_batch": micro, "global_batch": global_batch, "accum": accum,
+                    "ac": cfg.parallel.activation_checkpoint, "compile": cfg.parallel.compile,
+                    "attention": cfg.model.attention, "reshard_after_forward": cfg.parallel.reshard_after_forward,
+                    "warmup_steps": args.warmup_steps, "steps": args.steps, "trainer_extra": extra}
+    try:
+        # windows for every step, plus the batches the loader workers have prefetched when the run ends
+        ahead = (cfg.data.num_workers * cfg.data.prefetch_factor + 2) * micro * args.nproc
+        windows = total_steps * global_batch + ahead
+        if args.max_windows:
+            windows = min(windows, max(args.max_windows, micro * args.nproc))
+        write_shards(cfg, args.preset, shards, micro if args.bound_only else windows)
+        model_cfg = model_config(cfg)
+        latent_fhw = tuple(synthetic.SHAPES[args.preset].latents[1:])
+        layout = model_cfg.layout(latent_fhw[0], (latent_fhw[1] // 2) * (latent_fhw[2] // 2))
+        result.update(latent=list(latent_fhw), seq_len=layout.seq_len,
+                      context_len=model_cfg.text_len + (model_cfg.image_len if model_cfg.model_type != "t2v" else 0))
+
+        trainer = {}
+        if not args.bound_only:
+            if run_dir.exists():
+                shutil.rmtree(run_dir)  # a fresh run: no resume, a metrics.jsonl of this run only
+            result["trainer_wall_s"] = run_trainer(args, argv_trainer, run_dir)
+            trainer = measured_window(run_dir, args.warmup_steps, micro * accum)
+        result.update({k: trainer.get(k) for k in ("samples_per_s_per_gpu", "mfu_pct", "data_wait_pct",
+                                                    "peak_mem_gib", "measured_steps", "measured_s", "loss_last")})
+
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        result.update(device=device.type, gpu=device_name(device), torch=torch.__version__,
+                      date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                      command=" ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]))
+        bounds = {}
+        if not args.trainer_only:
+            ac = cfg.parallel.activation_checkpoint
+            settings = [("bound", ac)] + ([("bound_no_recompute", "none")]
+                                          if ac != "none" and not args.skip_no_recompute_bound else [])
+            for name, mode in settings:
+                bounds[name] = time_bound(model_cfg, latent_fhw, micro, mode, cfg.parallel.compile,
+                                          cfg.model.attention, device, args.bound_warmup, args.bound_steps)
+                print(f"{name}: {bounds[name]}", flush=True)
+        sps = result["samples_per_s_per_gpu"]
+        for name in ("bound", "bound_no_recompute"):
+            b = bounds.get(name, {})
+            result[f"{name}_samples_per_s"] = b.get("samples_per_s")
+            result[f"{name}_batch"] = b.get("batch")
+            result[f"{name}_mfu_pct"] = b.get("mfu_pct")
+            result[f"{name}_peak_mem_gib"] = b.get("peak_mem_gib")
+            suffix = name.removeprefix("bound")
+            result[f"ratio_to_bound{suffix}"] = sps / b["samples_per_s"] if sps and b else None
+    finally:
+        if args.out is None:
+            shutil.rmtree(work, ignore_errors=True)
+    result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
+    if args.out is not None:
+        (work / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
