@@ -156,7 +156,8 @@ def run_trainer(args, argv: list[str], run_dir: Path) -> float:
            str(ROOT / "train" / "main.py"), *argv]
     print("trainer:", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep the caller's
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
     if done.returncode != 0:
         raise SystemExit(f"trainer failed with exit status {done.returncode} (its log is above)")
     return time.perf_counter() - t0
