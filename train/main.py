@@ -139,7 +139,8 @@ def train(cfg: Config) -> dict:
     batches = iter(loader)
     first = next(batches)
     latent_shape = tuple(first["latents"].shape[2:])
-    flops = dit_flops(model.cfg, latent_shape).train_step(cfg.parallel.activation_checkpoint != "none")
+    # selective recompute re-runs only elementwise ops: count it as no recompute (matmuls and attention are kept)
+    flops = dit_flops(model.cfg, latent_shape).train_step(cfg.parallel.activation_checkpoint == "full")
     metrics = MetricsLogger(cfg.metrics, run_dir, rank, device, cfg.steps, step, flops,
                             device_peak_flops(device, cfg.parallel.peak_tflops), world)
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, step + cfg.stop_after)
