@@ -7,6 +7,7 @@ Every annotation column is kept (DROID has three; the reference draws one per sa
 from __future__ import annotations
 
 import ast
+import hashlib
 import html
 import re
 
@@ -29,6 +30,12 @@ def instruction_text(raw: str) -> str:
 def format_prompt(raw_instruction: str, embodiment: Embodiment) -> str:
     instruction = instruction_text(raw_instruction).lower()
     return embodiment.prompt_prefix + instruction + embodiment.prompt_middle + instruction
+
+
+def prompt_id(prompt: str) -> str:
+    """Content-addressed id of a prompt: every unit (and the synthetic writer) names it the same way without
+    coordination; the text table is keyed by it."""
+    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
 
 
 def clean_text(text: str) -> str:

@@ -31,7 +31,7 @@ from preprocess.embodiments import Embodiment, get_embodiment
 from preprocess.errors import DatasetError
 from preprocess.lerobot import LeRobotDataset
 from preprocess.members import encode_sample
-from preprocess.prompts import window_prompts
+from preprocess.prompts import prompt_id, window_prompts
 from preprocess.state_action import columns_for, slice_keys, window_state_action
 from preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
 from preprocess.windows import episode_windows
@@ -152,11 +152,6 @@ def _sample_key(dataset: str, episode: int, start: int, variant: int) -> str:
 def _variant_seed(*parts: int) -> int:
     """One augmentation draw per (seed, episode, window, variant), independent of unit cuts and workers."""
     return int.from_bytes(hashlib.sha256("-".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
-
-
-def prompt_id(prompt: str) -> str:
-    """Content-addressed: every unit names a prompt the same way without coordination."""
-    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
 
 
 class Encoders:
@@ -331,26 +326,15 @@ def weights_identity(path: Path) -> dict:
     return {"path": str(path), "sha256": digest.hexdigest()}
 
 
-def write_text_table(out: Path, prompts: dict[str, str], args: Args) -> dict:
-    """umT5 output per unique prompt, trimmed to its token count, in one safetensors file keyed by prompt id."""
-    from safetensors.torch import save_file
-
+def encode_text_table(out: Path, prompts: dict[str, str], args: Args) -> dict:
+    """umT5 output per unique prompt, trimmed to its token count, written as the shard directory's text table."""
     from preprocess.text_encoder import load_text_encoder
 
-    text_dir = out / "text"
-    text_dir.mkdir(parents=True, exist_ok=True)
-    table, index = text_dir / "embeddings.safetensors", text_dir / "prompts.json"
     ids = sorted(prompts)
     encoder = load_text_encoder(args.text_encoder, args.tokenizer, device=args.device, dtype=getattr(torch, args.dtype))
     with torch.inference_mode():
         embeddings = encoder.encode([prompts[i] for i in ids])
-    tensors = {i: e.to(torch.bfloat16).cpu().contiguous() for i, e in zip(ids, embeddings)}
-    tmp = table.with_name(".embeddings.safetensors.tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, table)
-    write.atomic_write_json(index, {i: {"text": prompts[i], "tokens": int(tensors[i].shape[0])} for i in ids})
-    return {"file": "text/embeddings.safetensors", "prompts": "text/prompts.json", "count": len(ids),
-            "sha256": write.sha256_file(table)}
+    return write.write_text_table(out, prompts, dict(zip(ids, embeddings)))
 
 
 def finalize(job: Job, units: list[list[int]], args: Args) -> dict:
@@ -371,7 +355,7 @@ def finalize(job: Job, units: list[list[int]], args: Args) -> dict:
         stale.with_suffix(".json").unlink(missing_ok=True)
 
     prompts = {pid: text for idx in indexes for pid, text in idx["prompts"].items()}
-    text_table = write_text_table(out, prompts, args)
+    text_table = encode_text_table(out, prompts, args)
     stats_path = out / "metadata.json"
     if args.metadata is not None:
         write.atomic_write_bytes(stats_path, args.metadata.read_bytes())

@@ -118,7 +118,7 @@ def dataset_metadata(ds: LeRobotDataset, embodiment: Embodiment, max_relative_ep
     return {"statistics": statistics, "modalities": modalities, "embodiment_tag": embodiment.tag}, ds.total_frames
 
 
-def _summary(values: np.ndarray) -> dict[str, list[float]]:
+def summarize(values: np.ndarray) -> dict[str, list[float]]:
     return {
         "max": np.max(values, axis=0).tolist(),
         "min": np.min(values, axis=0).tolist(),
@@ -142,7 +142,7 @@ def _column_statistics(ds: LeRobotDataset, columns: list[str]) -> dict[str, dict
                 raise DatasetError(ds.root, index, f"column {c!r} has {values.shape[1]} dims, info.json says {dims[c]}")
             data[c][row : row + episode.length] = values
         row += episode.length
-    return {c: _summary(values[:row]) for c, values in data.items()}
+    return {c: summarize(values[:row]) for c, values in data.items()}
 
 
 def _relative_statistics(ds: LeRobotDataset, embodiment: Embodiment, max_episodes: int) -> dict[str, dict[str, list[float]]]:
@@ -168,7 +168,7 @@ def _relative_statistics(ds: LeRobotDataset, embodiment: Embodiment, max_episode
     empty = [k for k, v in pooled.items() if not v]
     if empty:
         raise DatasetError(ds.root, None, f"no episode is longer than the action horizon {horizon}: no relative stats for {empty}")
-    return {k: _summary(np.concatenate(v)) for k, v in pooled.items()}
+    return {k: summarize(np.concatenate(v)) for k, v in pooled.items()}
 
 
 # ---------------------------------------------------------------- several datasets

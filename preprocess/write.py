@@ -208,3 +208,24 @@ def shard_done(out: Path, shard: int) -> dict | None:
     if path.is_file() and meta.is_file():
         return json.loads(meta.read_text())
     return None
+
+
+# ---------------------------------------------------------------- text table
+
+
+def write_text_table(out: Path, prompts: dict[str, str], embeddings: dict) -> dict:
+    """text/embeddings.safetensors (prompt id -> bf16 [tokens, dim]) and text/prompts.json; returns the manifest
+    entry. `embeddings` maps each id of `prompts` to its umT5 output, already trimmed to the prompt's length."""
+    import torch
+    from safetensors.torch import save_file
+
+    text_dir = out / "text"
+    text_dir.mkdir(parents=True, exist_ok=True)
+    table = text_dir / "embeddings.safetensors"
+    tensors = {i: embeddings[i].to(torch.bfloat16).cpu().contiguous() for i in sorted(prompts)}
+    tmp = table.with_name(f".{table.name}.tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, table)
+    atomic_write_json(text_dir / "prompts.json", {i: {"text": prompts[i], "tokens": int(t.shape[0])} for i, t in tensors.items()})
+    return {"file": "text/embeddings.safetensors", "prompts": "text/prompts.json", "count": len(tensors),
+            "sha256": sha256_file(table)}

@@ -10,8 +10,6 @@ real video) would be too slow or needs weights. `preprocess.check` accepts the r
 
 from __future__ import annotations
 
-import hashlib
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from preprocess import write  # noqa: E402
 from preprocess.embodiments import get_embodiment  # noqa: E402
 from preprocess.members import encode_sample  # noqa: E402
+from preprocess.prompts import prompt_id  # noqa: E402
+from preprocess.stats import summarize  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -81,18 +81,11 @@ class Args:
     """Member compression: auto, none or all."""
 
 
-def prompt_id(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def _statistics(values: np.ndarray, dims: dict[str, int]) -> dict[str, dict[str, list[float]]]:
     out, start = {}, 0
     for key, d in dims.items():
-        v = values[:, start : start + d].astype(np.float64)
+        out[key] = summarize(values[:, start : start + d].astype(np.float64))
         start += d
-        out[key] = {"max": v.max(0).tolist(), "min": v.min(0).tolist(), "mean": v.mean(0).tolist(),
-                    "std": v.std(0).tolist(), "q01": np.quantile(v, 0.01, axis=0).tolist(),
-                    "q99": np.quantile(v, 0.99, axis=0).tolist()}
     return out
 
 
@@ -153,19 +146,11 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
         done = write.write_shard(out, shard, refs)
         records.append({k: done[k] for k in ("shard", "count", "bytes", "sha256")})
 
-    from safetensors.torch import save_file
-
-    text_dir = out / "text"
-    text_dir.mkdir(exist_ok=True)
     table = {}
     for pid in sorted(prompts):
         tokens = int(rng.integers(2, shapes.max_text_tokens + 1))
         table[pid] = torch.randn(tokens, shapes.text_dim, generator=gen).to(torch.bfloat16)
-    tmp = text_dir / ".embeddings.safetensors.tmp"
-    save_file(table, str(tmp))
-    os.replace(tmp, text_dir / "embeddings.safetensors")
-    write.atomic_write_json(text_dir / "prompts.json", {p: {"text": prompts[p], "tokens": int(table[p].shape[0])}
-                                                        for p in sorted(prompts)})
+    text_table = write.write_text_table(out, prompts, table)
 
     state, action = np.concatenate(all_state), np.concatenate(all_action)
     modalities = {"video": {}, **{kind: {k: {"absolute": True, "rotation_type": None, "shape": [d], "continuous": True}
@@ -183,8 +168,7 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
         "transform": {"anchor_stride": 8, "augment_variants": augment_variants, "synthetic": preset},
         "encoders": {}, "samples_per_shard": samples_per_shard, "seed": seed, "compress": compress,
         "shards": records,
-        "text_table": {"file": "text/embeddings.safetensors", "prompts": "text/prompts.json", "count": len(table),
-                       "sha256": write.sha256_file(text_dir / "embeddings.safetensors")},
+        "text_table": text_table,
         "statistics": {"file": "metadata.json", "sha256": write.sha256_file(out / "metadata.json")},
         "member_bytes": {}, "failures": [], "skipped": [],
         "totals": {"samples": sum(r["count"] for r in records), "bytes": sum(r["bytes"] for r in records),
