@@ -91,9 +91,9 @@ def build(cfg: Config, device: torch.device) -> CausalWanModel:
     return model
 
 
-def noise_generator(cfg: Config, rank: int, device: torch.device) -> torch.Generator:
-    """Per-rank noise/timestep RNG: distinct across ranks, a pure function of (seed, rank)."""
-    return torch.Generator(device).manual_seed(1_000_003 * (cfg.seed + 1) + rank)
+def noise_generator(cfg: Config, rank: int, device: torch.device, step: int = 0) -> torch.Generator:
+    """Per-rank noise/timestep RNG: distinct across ranks, a pure function of (seed, rank, step)."""
+    return torch.Generator(device).manual_seed(1_000_003 * (cfg.seed + 1) + rank + 7919 * step)
 
 
 def train(cfg: Config) -> dict:
@@ -124,8 +124,8 @@ def train(cfg: Config) -> dict:
         loader.load_state_dict(extra["data"])
         if extra["same_rank"]:
             gen.set_state(extra["rng"])
-        else:  # another world size: fresh per-rank streams, still a function of (seed, rank, step)
-            gen.manual_seed(1_000_003 * (cfg.seed + 1) + rank + 7919 * step)
+        else:  # another world size: fresh per-rank streams
+            gen = noise_generator(cfg, rank, device, step)
         if rank == 0:
             print(f"resumed from {found[-1][1]} at step {step} (epoch {loader.epoch}, batch {loader.next_batch})",
                   flush=True)
