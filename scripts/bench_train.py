@@ -44,10 +44,11 @@ sys.path.insert(0, str(ROOT))
 from train.attention import dense_mask, flex_block_mask  # noqa: E402
 from train.config import Config, parse_args as parse_trainer_args  # noqa: E402
 from train.flops import dit_flops  # noqa: E402
+from train.data import data_dims  # noqa: E402
 from train.main import model_config  # noqa: E402
 from train.metrics import device_peak_flops  # noqa: E402
-from train.model import Block, DiTConfig, rope_tables  # noqa: E402
-from train.parallel import apply_ac, apply_compile  # noqa: E402
+from train.model import Block, DiTConfig, compact_text_rows, rope_tables, text_key_log_weight  # noqa: E402
+from train.parallel import ac_block_indices, apply_ac, apply_compile  # noqa: E402
 
 
 def _load_shard_writer():
@@ -206,22 +207,22 @@ class BlockStack(nn.Module):
                         nn.init.zeros_(m.bias)
             self.blocks.append(block.to(dtype))
 
-    def forward(self, x, e0, context, rope, mask):
+    def forward(self, x, e0, context, rope, mask, text_log_weight=None):
         for block in self.blocks:
-            x = block(x, e0, context, rope, mask)
+            x = block(x, e0, context, rope, mask, text_log_weight)
         return x
 
 
-def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, compile_: bool, attention: str,
-                     device: torch.device, warmup: int, steps: int) -> dict:
+def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, text_rows: int,
+                     compile_: bool, attention: str, device: torch.device, warmup: int, steps: int) -> dict:
     nf, h, w = latent_fhw
     grid = (h // 2, w // 2)
     layout = cfg.layout(nf, grid[0] * grid[1])
-    n_ctx = cfg.text_len + (cfg.image_len if cfg.model_type != "t2v" else 0)
+    n_ctx = text_rows + (cfg.image_len if cfg.model_type != "t2v" else 0)
     dtype = torch.bfloat16
     torch.manual_seed(0)
     stack = BlockStack(cfg, device, dtype)
-    apply_ac(stack, ac)  # the trainer's order: recompute wrapper, then compile
+    apply_ac(stack, ac, ac_blocks)  # the trainer's order: recompute wrapper, then compile
     if compile_:
         apply_compile(stack)
     flex = attention == "flex" or (attention == "auto" and device.type == "cuda")
@@ -231,11 +232,15 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, compile_: 
     x = torch.randn(batch, layout.seq_len, cfg.dim, device=device, dtype=dtype, requires_grad=True)
     e0 = (0.1 * torch.randn(batch, layout.seq_len, 6, cfg.dim, device=device, dtype=dtype)).requires_grad_()
     context = torch.randn(batch, n_ctx, cfg.dim, device=device, dtype=dtype, requires_grad=True)
+    text_log_weight = None  # compact text: the trainer's weighted kernel, every prompt one row short of text_rows
+    if text_rows < cfg.text_len:
+        lengths = torch.full((batch,), text_rows - 1, device=device)
+        text_log_weight = text_key_log_weight(lengths, text_rows, cfg.text_len)
     grad_out = torch.randn(batch, layout.seq_len, cfg.dim, device=device, dtype=dtype)
     cuda = device.type == "cuda"
 
     def step():
-        stack(x, e0, context, rope, mask).backward(grad_out)
+        stack(x, e0, context, rope, mask, text_log_weight).backward(grad_out)
         for t in (x, e0, context, *stack.parameters()):
             t.grad = None
 
@@ -250,7 +255,8 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, compile_: 
     if cuda:
         torch.cuda.synchronize(device)
     dt = (time.perf_counter() - t0) / steps
-    flops = dit_flops(cfg, latent_fhw).blocks_forward * (4 if ac != "none" else 3)  # fwd + 2x bwd (+ recompute)
+    recomputed = len(ac_block_indices(cfg.num_layers, ac_blocks)) if ac == "full" else 0
+    flops = dit_flops(cfg, latent_fhw, text_rows).blocks_forward * (3 + recomputed / cfg.num_layers)
     peak = device_peak_flops(device)
     sps = batch / dt
     return {"samples_per_s": sps, "batch": batch, "ac": ac, "step_s": dt,
@@ -258,19 +264,26 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, compile_: 
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
 
 
-def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, compile_: bool, attention: str,
-               device: torch.device, warmup: int, steps: int) -> dict:
-    """Bound samples/s; a batch that runs out of device memory is halved (per-sample rate, so comparable)."""
+def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, text_rows: int, compile_: bool,
+               attention: str, device: torch.device, warmup: int, steps: int) -> dict:
+    """Bound samples/s; a batch that runs out of device memory is halved (per-sample rate, so comparable); {} with a
+    note when not even one sample fits."""
     while True:
         torch._dynamo.reset()  # a fresh compile per attempt: no recompile limit, no automatic dynamic batch dim
         gc.collect()  # outside any except block: no traceback pins the last attempt's tensors
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            return _time_bound_once(cfg, latent_fhw, batch, ac, compile_, attention, device, warmup, steps)
+            return _time_bound_once(cfg, latent_fhw, batch, ac, ac_blocks, text_rows, compile_, attention, device,
+                                    warmup, steps)
         except Exception as e:  # noqa: BLE001 - compiled code may wrap the OOM in its own exception type
-            if batch == 1 or "out of memory" not in str(e).lower():
+            if "out of memory" not in str(e).lower():
                 raise
+            if batch == 1:
+                note = "does not fit one device at batch 1"
+        if batch == 1:
+            print(f"bound (ac {ac}): {note}", flush=True)
+            return {"note": note}
         print(f"bound (ac {ac}): batch {batch} does not fit, trying {batch // 2}", flush=True)
         batch //= 2
 
@@ -306,8 +319,12 @@ def main(argv: list[str] | None = None) -> dict:
         model_cfg = model_config(cfg)
         latent_fhw = tuple(synthetic.SHAPES[args.preset].latents[1:])
         layout = model_cfg.layout(latent_fhw[0], (latent_fhw[1] // 2) * (latent_fhw[2] // 2))
-        result.update(latent=list(latent_fhw), seq_len=layout.seq_len,
-                      context_len=model_cfg.text_len + (model_cfg.image_len if model_cfg.model_type != "t2v" else 0))
+        # compact text: the rows of a batch holding the longest prompt (the trainer's batches have at most these)
+        text_rows = (compact_text_rows(data_dims(shards)["text_len"], model_cfg.text_len) if cfg.data.compact_text
+                     else model_cfg.text_len)
+        result.update(latent=list(latent_fhw), seq_len=layout.seq_len, compact_text=cfg.data.compact_text,
+                      ac_blocks=cfg.parallel.ac_blocks, text_rows=text_rows,
+                      context_len=text_rows + (model_cfg.image_len if model_cfg.model_type != "t2v" else 0))
 
         trainer = {}
         if not args.bound_only:
@@ -328,8 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
             settings = [("bound", ac)] + ([("bound_no_recompute", "none")]
                                           if ac != "none" and not args.skip_no_recompute_bound else [])
             for name, mode in settings:
-                bounds[name] = time_bound(model_cfg, latent_fhw, micro, mode, cfg.parallel.compile,
-                                          cfg.model.attention, device, args.bound_warmup, args.bound_steps)
+                bounds[name] = time_bound(model_cfg, latent_fhw, micro, mode, cfg.parallel.ac_blocks, text_rows,
+                                          cfg.parallel.compile, cfg.model.attention, device, args.bound_warmup,
+                                          args.bound_steps)
                 print(f"{name}: {bounds[name]}", flush=True)
         sps = result["samples_per_s_per_gpu"]
         for name in ("bound", "bound_no_recompute"):
@@ -339,7 +357,9 @@ def main(argv: list[str] | None = None) -> dict:
             result[f"{name}_mfu_pct"] = b.get("mfu_pct")
             result[f"{name}_peak_mem_gib"] = b.get("peak_mem_gib")
             suffix = name.removeprefix("bound")
-            result[f"ratio_to_bound{suffix}"] = sps / b["samples_per_s"] if sps and b else None
+            result[f"ratio_to_bound{suffix}"] = sps / b["samples_per_s"] if sps and b.get("samples_per_s") else None
+            if "note" in b:
+                result[f"{name}_note"] = b["note"]
     finally:
         if args.out is None:
             shutil.rmtree(work, ignore_errors=True)

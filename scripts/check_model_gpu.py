@@ -1,5 +1,6 @@
 """GPU check of the DreamZero DiT (random init, no files needed): FlexAttention vs dense-mask SDPA
-agreement at the tiny and 5B token layouts, then a timed 5B-shaped forward/backward in bf16.
+agreement at the tiny and 5B token layouts, compact text (FlexAttention key weights) vs 512-row text, then a
+timed 5B-shaped forward/backward in bf16.
 
     python scripts/check_model_gpu.py                      # everything, micro-batch 2
     python scripts/check_model_gpu.py --batch 8 --recompute --compile
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train.attention import dense_mask, flex_block_mask, masked_attention  # noqa: E402
 from train.flops import dit_flops  # noqa: E402
 from train.loss import FlowMatchScheduler, flow_matching_loss  # noqa: E402
-from train.model import build_model, preset, random_batch  # noqa: E402
+from train.model import build_model, compact_text, preset, random_batch  # noqa: E402
 
 
 @dataclass
@@ -83,18 +84,24 @@ def check_model(dev) -> dict:
         with torch.no_grad():
             model.head.head.weight.normal_(0, 0.02)
         batch = random_batch(model.cfg, 2, shape, device=dev, generator=torch.Generator(device=dev).manual_seed(0))
+        lengths = batch.text.abs().sum(-1).ne(0).sum(1).tolist()
+        text, text_lengths = compact_text([t[:n] for t, n in zip(batch.text, lengths)], model.cfg.text_len)
+        compact = replace(batch, text=text, text_lengths=text_lengths.to(dev))
         results = {}
-        for backend in ("dense", "flex"):
-            model.attention_backend = backend
+        for backend, inputs in (("dense", batch), ("flex", batch), ("compact", compact)):
+            batch_run = inputs
+            model.attention_backend = "flex" if backend == "compact" else backend
             model.zero_grad()
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(),
+                loss, _ = flow_matching_loss(model, batch_run, FlowMatchScheduler(),
                                              generator=torch.Generator(device=dev).manual_seed(1))
             loss.backward()
             grads = torch.cat([p.grad.flatten().float() for p in model.parameters()])
             results[backend] = (loss.detach(), grads)
         out[f"model_{name}_loss"] = max_rel_err(results["flex"][0], results["dense"][0])
         out[f"model_{name}_grad"] = max_rel_err(results["flex"][1], results["dense"][1])
+        out[f"compact_text_{name}_loss"] = max_rel_err(results["compact"][0], results["flex"][0])
+        out[f"compact_text_{name}_grad"] = max_rel_err(results["compact"][1], results["flex"][1])
         del model
         torch.cuda.empty_cache()
     return out
@@ -155,9 +162,10 @@ def main(args: Args):
         agreement.update(check_attention(dev))
         agreement.update(check_model(dev))
         for k, v in agreement.items():
-            print(f"flex vs dense {k}: max rel err {v:.2e}")
+            print(f"{'compact vs 512-row text' if k.startswith('compact') else 'flex vs dense'} {k}: max rel err {v:.2e}")
+
         def tol(key):  # fp32 runs (tiny model, fp32 attention) vs bf16 runs
-            return 1e-4 if ("float32" in key or key.startswith("model_tiny")) else 3e-2
+            return 1e-4 if ("float32" in key or key.startswith(("model_tiny", "compact_text_tiny"))) else 3e-2
         bad = {k: v for k, v in agreement.items() if v > tol(k)}
         if bad:
             print(f"DISAGREE: {bad}")

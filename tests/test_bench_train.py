@@ -30,12 +30,16 @@ def test_tiny_cpu_run_prints_every_field(tmp_path):
     out = tmp_path / "bench"
     r = _run(["--preset", "tiny", "--nproc", "1", "--micro-batch", "2", "--global-batch", "4", "--warmup-steps", "2",
               "--steps", "2", "--ac", "full", "--no-compile", "--out", str(out), *SMALL_BOUND,
-              "--", "--data.num-workers", "1"])
+              "--", "--data.num-workers", "1", "--metrics.profile-start", "2", "--metrics.profile-steps", "1"])
     assert r == json.loads((out / "result.json").read_text())
     assert (r["preset"], r["model"], r["world_size"], r["micro_batch"], r["global_batch"], r["accum"]) == (
         "tiny", "tiny", 1, 2, 4, 2)
     assert (r["ac"], r["compile"], r["device"]) == ("full", False, "cpu")
-    assert r["trainer_extra"] == ["--data.num-workers", "1"]
+    assert r["trainer_extra"] == ["--data.num-workers", "1", "--metrics.profile-start", "2", "--metrics.profile-steps",
+                                  "1"]
+    # the third step was profiled: top ops on rank 0 and a Chrome trace
+    assert "aten::" in (out / "run" / "profile-rank0.txt").read_text()
+    assert (out / "run" / "trace-rank0.json.gz").stat().st_size > 0
     assert r["gpu"].startswith("cpu") and r["torch"] and r["date"] and "--preset tiny" in r["command"]
     # the tiny model takes its widths from the shards: 9 latent frames of 2x2 tokens, twice, + 4 x (4 actions + 1 state)
     assert r["latent"] == [9, 4, 4] and r["seq_len"] == 2 * 9 * 4 + 4 * 5

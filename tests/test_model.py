@@ -1,9 +1,12 @@
 """The DiT training forward: shapes, causality, odd latent height, gradients, flex = dense."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from train.model import build_model, pad_text, preset, random_batch, rope_tables
+from train.model import (build_model, compact_text, compact_text_rows, pad_text, preset, random_batch, rope_tables,
+                         text_key_log_weight)
 from train.loss import FlowMatchScheduler, action_ids, sample_timestep_ids
 
 
@@ -19,7 +22,7 @@ def _run(model, batch, t_frames=None, t_actions=None, noisy=None, noisy_actions=
     noisy = torch.randn(batch.latents.shape, generator=g) if noisy is None else noisy
     noisy_actions = torch.randn(batch.actions.shape, generator=g) if noisy_actions is None else noisy_actions
     return model(noisy, t_frames, batch.latents, noisy_actions, t_actions, batch.state, batch.text, batch.clip,
-                 batch.y)
+                 batch.y, batch.text_lengths)
 
 
 def _nonzero_head(model):
@@ -134,6 +137,63 @@ def test_pad_text_modes():
     assert per[0, :3].eq(1).all() and per[0, 3:].eq(0).all() and per[1, :5].eq(2).all() and per[1, 5:].eq(0).all()
     quirk = pad_text([a, b], text_len=6, mode="batch_min")
     assert quirk[1, :3].eq(2).all() and quirk[1, 3:].eq(0).all()
+
+
+def test_compact_text_rows_and_weights():
+    assert [compact_text_rows(n) for n in (1, 63, 64, 110, 447, 448, 511, 512)] == [64, 64, 128, 128, 448, 512, 512,
+                                                                                     512]
+    w = text_key_log_weight(torch.tensor([3, 8]), rows=8, text_len=16)
+    assert w[0, :3].eq(0).all() and torch.allclose(w[0, 3:], torch.tensor(13 / 5).log())
+    assert w[1].eq(0).all()  # a prompt as long as the batch: no zero rows to weight
+    text, lengths = compact_text([torch.ones(3, 4), torch.ones(5, 4)], text_len=512)
+    assert text.shape == (2, 64, 4) and lengths.tolist() == [3, 5] and text[0, 3:].eq(0).all()
+    text, lengths = compact_text([torch.ones(3, 4), torch.ones(5, 4)], text_len=512, mode="batch_min")
+    assert lengths.tolist() == [3, 3] and text[1, 3:].eq(0).all()
+    text, _ = compact_text([torch.ones(3, 4)], text_len=512, rows=256)  # a dataset-wide width
+    assert text.shape == (1, 256, 4)
+    with pytest.raises(ValueError, match="cannot hold a 5-row prompt"):
+        compact_text([torch.ones(5, 4)], text_len=512, rows=5)
+
+
+@pytest.mark.parametrize("lengths", [(3, 7, 1), (16, 2, 15)])
+def test_compact_text_gives_the_full_layouts_outputs_and_gradients(lengths):
+    """Zero text rows collapsed into weighted keys: the same forward and the same gradients as 512-row padding (fp64;
+    the model's fp32 islands, e.g. the sinusoid, limit the agreement to ~1e-7 of the largest gradient)."""
+    torch.manual_seed(0)
+    model = build_model("tiny").double()
+    with torch.no_grad():
+        model.head.head.weight.normal_(0, 0.1)  # the reference zero-inits the head; give the video loss a path
+    cfg = model.cfg
+    batch = random_batch(cfg, 3, (9, 4, 4), dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    prompts = [torch.randn(n, cfg.text_dim, dtype=torch.float64) for n in lengths]
+    t_frames = torch.rand(3, 9, dtype=torch.float64) * 1000
+    t_actions = torch.rand(3, 4 * cfg.num_action_per_block, dtype=torch.float64) * 1000
+
+    def run(text, text_lengths):
+        model.zero_grad()
+        video, action = model(batch.latents, t_frames, batch.latents, batch.actions, t_actions, batch.state, text,
+                              batch.clip, None, text_lengths)
+        (video.pow(2).sum() + action.pow(2).sum()).backward()
+        return video.detach(), action.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    text, text_lengths = compact_text(prompts, cfg.text_len, bucket=4)
+    assert text.shape[1] == (8 if max(lengths) < 8 else 16)
+    full = run(pad_text(prompts, cfg.text_len), None)
+    compact = run(text, text_lengths)
+    torch.testing.assert_close(compact[0], full[0], rtol=0, atol=1e-9)
+    torch.testing.assert_close(compact[1], full[1], rtol=0, atol=1e-9)
+    scale = max(g.abs().max() for g in full[2].values())
+    for k, g in full[2].items():
+        torch.testing.assert_close(compact[2][k], g, rtol=0, atol=1e-6 * float(scale), msg=k)
+    assert full[2]["text_embedding.2.bias"].abs().max() > 1e-3 * scale  # the zero rows do carry gradient
+
+
+def test_text_longer_than_text_len_is_rejected():
+    model = build_model("tiny")
+    batch = random_batch(model.cfg, 1, (9, 4, 4))
+    text = torch.zeros(1, model.cfg.text_len + 1, model.cfg.text_dim)
+    with pytest.raises(ValueError, match="context must be"):
+        _run(model, replace(batch, text=text, text_lengths=torch.tensor([3])))
 
 
 def test_bad_action_count_is_rejected():

@@ -122,7 +122,7 @@ def test_batch_is_normalized_padded_and_text_is_a_table_row(shards):
         meta, _ = reader.raw(*index.windows[w].variants[0])
         table = reader.text(next(iter(meta["prompt_ids"].values())))
         torch.testing.assert_close(text[i, : len(table)], table, rtol=0, atol=0)
-        assert not text[i, len(table):].any()
+        assert not text[i, len(table):].any() and int(batch["text_lengths"][i]) == len(table)
     reader.close()
 
 

@@ -12,7 +12,7 @@ from train.config import CheckpointConfig, OptimConfig, ParallelConfig
 from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.model import build_model, random_batch
 from train.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
-from train.parallel import apply_ac, parallelize
+from train.parallel import ac_block_indices, apply_ac, parallelize, recomputed_blocks
 
 torch.set_num_threads(2)
 
@@ -52,6 +52,23 @@ def test_activation_checkpointing_keeps_names_loss_and_grads(mode):
     assert grads.keys() == ref_grads.keys()
     for k in grads:
         torch.testing.assert_close(grads[k], ref_grads[k], msg=k)
+
+
+def test_partial_recompute_wraps_evenly_spread_blocks_and_keeps_grads():
+    assert ac_block_indices(40, 25) == sorted(set(ac_block_indices(40, 25))) and len(ac_block_indices(40, 25)) == 25
+    assert ac_block_indices(40, 20) == list(range(0, 40, 2)) and ac_block_indices(30, -1) == list(range(30))
+    assert ac_block_indices(30, 0) == [] and ac_block_indices(4, 9) == [0, 1, 2, 3]
+    assert recomputed_blocks(ParallelConfig(activation_checkpoint="full", ac_blocks=25), 40) == 25
+    assert recomputed_blocks(ParallelConfig(activation_checkpoint="selective"), 40) == 0
+    ref_loss, ref_grads = _loss_and_grads(_model())
+    model = _model()
+    apply_ac(model, "full", ac_blocks=1)
+    wrapped = [type(b).__name__ for b in model.blocks]
+    assert wrapped.count("CheckpointWrapper") == 1 and wrapped[0] == "CheckpointWrapper"
+    loss, grads = _loss_and_grads(model)
+    torch.testing.assert_close(loss, ref_loss)
+    for k, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[k.replace("._checkpoint_wrapped_module", "")], msg=k)
 
 
 def test_fsdp_mixed_precision_trains_with_fp32_masters_and_official_names(tmp_path):

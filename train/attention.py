@@ -152,3 +152,22 @@ def masked_attention(q, k, v, mask, compile_flex: bool | None = None):
     compile_flex = q.is_cuda if compile_flex is None else compile_flex
     fn = _compiled_flex() if compile_flex else flex_attention
     return fn(q, k, v, block_mask=mask)
+
+
+def weighted_key_attention(q, k, v, key_log_weight):
+    """Softmax attention in which key j of sample b counts exp(key_log_weight[b, j]) times.
+
+    q [B, H, Lq, D], k/v [B, H, Lk, D], key_log_weight fp32 [B, Lk]. On CUDA a FlexAttention score_mod adds the
+    weight to the fp32 scores; elsewhere (FlexAttention has no CPU backward) SDPA takes it as a bias in q's dtype
+    (fp32 on CPU).
+    """
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_log_weight[:, None, None, :].to(q.dtype))
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def add_log_weight(score, b, h, q_idx, kv_idx):
+        return score + key_log_weight[b, kv_idx]
+
+    if torch.compiler.is_compiling():
+        return flex_attention(q.contiguous(), k.contiguous(), v.contiguous(), score_mod=add_log_weight)
+    return _compiled_flex()(q, k, v, score_mod=add_log_weight)

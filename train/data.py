@@ -33,9 +33,9 @@ from preprocess.members import decode_members
 from preprocess.state_action import normalize_q99, pad_with_mask, stat_vector
 from preprocess.write import MANIFEST, member_index
 from train.config import DataConfig
-from train.model import DiTConfig, pad_text
+from train.model import DiTConfig, compact_text, compact_text_rows, pad_text
 
-BATCH_KEYS = ("latents", "clip", "text", "state", "actions", "action_mask", "has_real_action")
+BATCH_KEYS = ("latents", "clip", "text", "state", "actions", "action_mask", "has_real_action")  # + text_lengths
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,12 @@ class ShardIndex:
         self.q99 = {m: stat_vector(stats, m, keys[m], "q99") for m in keys}
         self.text_table = self.root / self.manifest["text_table"]["file"]
 
+    @property
+    def longest_prompt(self) -> int:
+        """umT5 rows of the longest prompt in the text table."""
+        prompts = json.loads((self.root / self.manifest["text_table"]["prompts"]).read_text())
+        return max(p["tokens"] for p in prompts.values())
+
     def __len__(self) -> int:
         return len(self.windows)
 
@@ -121,11 +127,10 @@ def data_dims(root: Path | str) -> dict:
         reader.close()
     c, frames, h, w = t["latents"].shape
     blocks = (frames - 1) // 2  # num_frame_per_block = 2
-    prompts = json.loads((index.root / index.manifest["text_table"]["prompts"]).read_text())
     dims = {"model_type": "i2v" if "y" in t else "ti2v", "in_dim": c + (t["y"].shape[0] if "y" in t else 0),
             "out_dim": c, "frame_seqlen": (h // 2) * (w // 2), "num_action_per_block": t["action"].shape[0] // blocks,
             "text_dim": int(text_dim), "image_dim": int(t["clip"].shape[-1]), "image_len": int(t["clip"].shape[0])}
-    return dims | {"text_len": max(p["tokens"] for p in prompts.values())}
+    return dims | {"text_len": index.longest_prompt}
 
 
 class SampleReader:
@@ -194,9 +199,15 @@ class SampleReader:
         return out
 
 
-def collate(samples: list[dict], text_len: int) -> dict:
+def collate(samples: list[dict], text_len: int, compact_rows: int | None = None) -> dict:
+    """Stack a micro-batch; text as `compact_text` with `compact_rows` rows (text + text_lengths) or, when None,
+    `pad_text` (text_len rows)."""
     batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0] if k != "text"}
-    batch["text"] = pad_text([s["text"] for s in samples], text_len)
+    texts = [s["text"] for s in samples]
+    if compact_rows is not None:
+        batch["text"], batch["text_lengths"] = compact_text(texts, text_len, rows=compact_rows)
+    else:
+        batch["text"] = pad_text(texts, text_len)
     batch["has_real_action"] = torch.ones(len(samples), dtype=torch.bool)
     return batch
 
@@ -214,13 +225,15 @@ class BatchStream(IterableDataset):
         index = ShardIndex(self.root)
         reader = SampleReader(index, self.model)
         n, cfg = len(index), self.cfg
+        # one text width for the whole run (the longest prompt's): compiled blocks see a single shape
+        rows = compact_text_rows(index.longest_prompt, self.model.text_len) if cfg.compact_text else None
         try:
             g = self.start + wid
             while True:
                 epoch, windows = batch_windows(n, cfg.seed, g, self.rank, self.world_size, cfg.micro_batch_size)
                 samples = [reader.sample(index.windows[w], np.random.default_rng([cfg.seed, epoch, int(w), 1]),
                                          cfg.variant, cfg.text_column) for w in windows]
-                batch = collate(samples, self.model.text_len)
+                batch = collate(samples, self.model.text_len, rows)
                 batch["window"] = torch.as_tensor(windows, dtype=torch.int64)
                 batch["batch"] = torch.tensor(g)
                 yield batch

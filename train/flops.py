@@ -48,8 +48,10 @@ class DiTFlops:
         return self.fwd_bwd_recompute if recompute else self.fwd_bwd
 
 
-def dit_flops(cfg: DiTConfig, latent_shape: tuple[int, int, int]) -> DiTFlops:
-    """FLOPs per sample for latents of (F, h, w) (e.g. 5B LIBERO: (9, 10, 20))."""
+def dit_flops(cfg: DiTConfig, latent_shape: tuple[int, int, int], text_rows: int | None = None) -> DiTFlops:
+    """FLOPs per sample for latents of (F, h, w) (e.g. 5B LIBERO: (9, 10, 20)); `text_rows` = umT5 rows the model
+    runs on (compact text, `compact_text_rows`), default the full text_len."""
+    text_rows = cfg.text_len if text_rows is None else text_rows
     nf, h, w = latent_shape
     fs = (h // 2) * (w // 2)
     layout = cfg.layout(nf, fs)
@@ -59,7 +61,7 @@ def dit_flops(cfg: DiTConfig, latent_shape: tuple[int, int, int]) -> DiTFlops:
     L = layout.seq_len
     d, f, nl = cfg.dim, cfg.ffn_dim, cfg.num_layers
     has_img = cfg.model_type != "t2v"
-    n_ctx = cfg.text_len + (cfg.image_len if has_img else 0)
+    n_ctx = text_rows + (cfg.image_len if has_img else 0)
 
     token_linears = 2 * L * nl * (6 * d * d + 2 * d * f)  # self q,k,v,o + cross q,o + ffn
     context_kv = 2 * n_ctx * 2 * d * d * nl  # k, v of both context branches, every layer
@@ -67,7 +69,7 @@ def dit_flops(cfg: DiTConfig, latent_shape: tuple[int, int, int]) -> DiTFlops:
     cross_attention = 4 * L * n_ctx * d * nl
     time_embedding = 2 * L * (cfg.freq_dim * d + d * d + 6 * d * d)
     other = (
-        2 * cfg.text_len * (cfg.text_dim * d + d * d)
+        2 * text_rows * (cfg.text_dim * d + d * d)
         + (2 * cfg.image_len * (cfg.image_dim ** 2 + cfg.image_dim * d) if has_img else 0)
         + 2 * 2 * n_video * cfg.in_dim * 4 * d  # patch conv, clean + noisy copy
         + 2 * n_video * d * 4 * cfg.out_dim  # head on the noisy copy

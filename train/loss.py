@@ -86,7 +86,8 @@ def flow_matching_loss(model: CausalWanModel, batch: DiTBatch, scheduler: FlowMa
 
     t_frames = scheduler.timesteps.to(dev)[frame_ids]
     t_actions = scheduler.timesteps.to(dev)[a_ids]
-    video_pred, action_pred = model(z_t, t_frames, z, a_t, t_actions, batch.state, batch.text, batch.clip, batch.y)
+    video_pred, action_pred = model(z_t, t_frames, z, a_t, t_actions, batch.state, batch.text, batch.clip, batch.y,
+                                    batch.text_lengths)
 
     # odd latent height/width: the patch conv floors, so the target is cropped (O …tf.py:780-783)
     target = target[..., : video_pred.shape[-2], : video_pred.shape[-1]]

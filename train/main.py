@@ -27,10 +27,10 @@ from train.config import Config, parse_args
 from train.data import ShardLoader, data_dims
 from train.flops import dit_flops
 from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.metrics import MetricsLogger, device_peak_flops
+from train.metrics import MetricsLogger, StepProfiler, device_peak_flops
 from train.model import CausalWanModel, DiTBatch, preset
 from train.optim import build_optimizer, build_scheduler, clip_grad_norm
-from train.parallel import parallelize
+from train.parallel import parallelize, recomputed_blocks
 
 MODEL_INPUTS = [f.name for f in fields(DiTBatch)]
 
@@ -139,11 +139,15 @@ def train(cfg: Config) -> dict:
     batches = iter(loader)
     first = next(batches)
     latent_shape = tuple(first["latents"].shape[2:])
-    # selective recompute re-runs only elementwise ops: count it as no recompute (matmuls and attention are kept)
-    flops = dit_flops(model.cfg, latent_shape).train_step(cfg.parallel.activation_checkpoint == "full")
+    # compact text: the first batch's text rows stand for all (prompt lengths vary little within a dataset)
+    flops_per_sample = dit_flops(model.cfg, latent_shape, text_rows=first["text"].shape[1])
+    flops = flops_per_sample.train_step(recompute=False) + recomputed_blocks(cfg.parallel, model.cfg.num_layers) / \
+        model.cfg.num_layers * flops_per_sample.blocks_forward
     metrics = MetricsLogger(cfg.metrics, run_dir, rank, device, cfg.steps, step, flops,
                             device_peak_flops(device, cfg.parallel.peak_tflops), world)
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, step + cfg.stop_after)
+    profiler = StepProfiler(cfg.metrics, run_dir, rank, device)
+    profiler.after_step(step)  # a profile that starts at the first step
     pending = first
     start_step = step
     while step < end:
@@ -163,6 +167,7 @@ def train(cfg: Config) -> dict:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         metrics.step({**terms_sum, "grad_norm": grad_norm}, micro * accum)
+        profiler.after_step(step)
         if step % cfg.metrics.interval == 0 or step == end:
             metrics.log(step, lr, loader.wait_s)
         if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or (

@@ -114,3 +114,44 @@ def format_line(r: dict) -> str:
     if "peak_mem_gib" in r:
         parts.append(f"mem {r['peak_mem_gib']:.1f} GiB")
     return " | ".join(parts)
+
+
+class StepProfiler:
+    """torch.profiler over steps (profile_start, profile_start + profile_steps]; rank 0 writes the top ops by
+    device time to profile-rank0.txt (and prints them) and a gzipped Chrome trace beside it."""
+
+    def __init__(self, cfg: MetricsConfig, run_dir: Path, rank: int, device: torch.device):
+        self.cfg, self.run_dir, self.rank, self.device = cfg, run_dir, rank, device
+        self.prof = None
+
+    def after_step(self, step: int) -> None:
+        cfg = self.cfg
+        if cfg.profile_steps <= 0:
+            return
+        if step == cfg.profile_start and self.prof is None:
+            from torch.profiler import ProfilerActivity, profile
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.prof = profile(activities=activities)
+            self.prof.__enter__()
+        elif step == cfg.profile_start + cfg.profile_steps and self.prof is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.prof.__exit__(None, None, None)
+            if self.rank == 0:
+                self._write()
+            self.prof = None
+
+    def _write(self) -> None:
+        import gzip
+        import os
+        import tempfile
+        sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        table = self.prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+        (self.run_dir / "profile-rank0.txt").write_text(table + "\n")
+        print(f"profile of {self.cfg.profile_steps} steps after step {self.cfg.profile_start}:\n{table}", flush=True)
+        fd, tmp = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        self.prof.export_chrome_trace(tmp)
+        with open(tmp, "rb") as src, gzip.open(self.run_dir / "trace-rank0.json.gz", "wb") as dst:
+            dst.write(src.read())
+        os.unlink(tmp)

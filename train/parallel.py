@@ -41,9 +41,22 @@ def _selective_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_ac(model: nn.Module, mode: str) -> None:
-    """Wrap every block for recompute: 'full' recomputes the whole block in backward, 'selective' only the
-    cheap ops (matmul, conv and attention outputs are kept)."""
+def ac_block_indices(num_blocks: int, ac_blocks: int) -> list[int]:
+    """The `ac_blocks` of `num_blocks` blocks that recompute, spread evenly (-1 = all)."""
+    k = num_blocks if ac_blocks < 0 else min(ac_blocks, num_blocks)
+    return sorted({i * num_blocks // k for i in range(k)}) if k else []
+
+
+def recomputed_blocks(cfg: ParallelConfig, num_blocks: int) -> int:
+    """Blocks whose matmuls run twice (full recompute); selective recompute re-runs only elementwise ops."""
+    if cfg.activation_checkpoint != "full":
+        return 0
+    return len(ac_block_indices(num_blocks, cfg.ac_blocks))
+
+
+def apply_ac(model: nn.Module, mode: str, ac_blocks: int = -1) -> None:
+    """Wrap blocks for recompute: 'full' recomputes the whole block in backward, 'selective' only the cheap ops
+    (matmul, conv and attention outputs are kept). `ac_blocks` >= 0 wraps only that many, spread evenly."""
     if mode == "none":
         return
     if mode not in ("full", "selective"):
@@ -53,8 +66,8 @@ def apply_ac(model: nn.Module, mode: str) -> None:
     kwargs = {"preserve_rng_state": False}
     if mode == "selective":
         kwargs["context_fn"] = _selective_context
-    for i, block in enumerate(model.blocks):
-        model.blocks.register_module(str(i), checkpoint_wrapper(block, **kwargs))
+    for i in ac_block_indices(len(model.blocks), ac_blocks):
+        model.blocks.register_module(str(i), checkpoint_wrapper(model.blocks[i], **kwargs))
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
@@ -76,7 +89,7 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh=None) -> nn.Module:
-    apply_ac(model, cfg.activation_checkpoint)
+    apply_ac(model, cfg.activation_checkpoint, cfg.ac_blocks)
     if cfg.compile:
         apply_compile(model)
     apply_fsdp(model, cfg, mesh)
