@@ -214,7 +214,8 @@ class BlockStack(nn.Module):
 
 
 def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, text_rows: int,
-                     compile_: bool, attention: str, device: torch.device, warmup: int, steps: int) -> dict:
+                     compile_: bool, attention: str, mask_options: dict, device: torch.device, warmup: int,
+                     steps: int) -> dict:
     nf, h, w = latent_fhw
     grid = (h // 2, w // 2)
     layout = cfg.layout(nf, grid[0] * grid[1])
@@ -226,7 +227,7 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks:
     if compile_:
         apply_compile(stack)
     flex = attention == "flex" or (attention == "auto" and device.type == "cuda")
-    mask = flex_block_mask(layout, device) if flex else dense_mask(layout, device)
+    mask = flex_block_mask(layout, device, **mask_options) if flex else dense_mask(layout, device)
     rope = rope_tables(layout, grid, cfg.head_dim, device, torch.float32)
     # inputs as the trainer's blocks see them: bf16 activations that need gradients (embeddings sit before them)
     x = torch.randn(batch, layout.seq_len, cfg.dim, device=device, dtype=dtype, requires_grad=True)
@@ -265,7 +266,7 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks:
 
 
 def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, text_rows: int, compile_: bool,
-               attention: str, device: torch.device, warmup: int, steps: int) -> dict:
+               attention: str, mask_options: dict, device: torch.device, warmup: int, steps: int) -> dict:
     """Bound samples/s; a batch that runs out of device memory is halved (per-sample rate, so comparable); {} with a
     note when not even one sample fits."""
     while True:
@@ -274,8 +275,8 @@ def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, 
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            return _time_bound_once(cfg, latent_fhw, batch, ac, ac_blocks, text_rows, compile_, attention, device,
-                                    warmup, steps)
+            return _time_bound_once(cfg, latent_fhw, batch, ac, ac_blocks, text_rows, compile_, attention,
+                                    mask_options, device, warmup, steps)
         except Exception as e:  # noqa: BLE001 - compiled code may wrap the OOM in its own exception type
             if "out of memory" not in str(e).lower():
                 raise
@@ -345,9 +346,10 @@ def main(argv: list[str] | None = None) -> dict:
             settings = [("bound", ac)] + ([("bound_no_recompute", "none")]
                                           if ac != "none" and not args.skip_no_recompute_bound else [])
             for name, mode in settings:
+                mask_options = {"lookup": cfg.model.flex_mask == "lookup", "block_size": cfg.model.flex_block_size}
                 bounds[name] = time_bound(model_cfg, latent_fhw, micro, mode, cfg.parallel.ac_blocks, text_rows,
-                                          cfg.parallel.compile, cfg.model.attention, device, args.bound_warmup,
-                                          args.bound_steps)
+                                          cfg.parallel.compile, cfg.model.attention, mask_options, device,
+                                          args.bound_warmup, args.bound_steps)
                 print(f"{name}: {bounds[name]}", flush=True)
         sps = result["samples_per_s_per_gpu"]
         for name in ("bound", "bound_no_recompute"):

@@ -58,6 +58,11 @@ class ModelConfig:
     meta: build on the meta device, shard, then init on the GPU shards (large models)."""
     attention: Literal["auto", "flex", "dense"] = "auto"
     """Attention kernel: flex on CUDA, dense SDPA elsewhere (auto)."""
+    flex_mask: Literal["attrs", "lookup"] = "lookup"
+    """How FlexAttention evaluates the mask in partial tiles: the §3.6 expression on token attributes, or a lookup
+    in a precomputed dense [L, L] mask (scripts/bench_attention.py compares them)."""
+    flex_block_size: int = 128
+    """FlexAttention tile (BlockMask block size); smaller tiles skip more of the masked pairs."""
 
 
 @dataclass

@@ -88,6 +88,7 @@ def build(cfg: Config, device: torch.device) -> CausalWanModel:
         parallelize(model, cfg.parallel)
         model.to(device)
     model.attention_backend = cfg.model.attention
+    model.flex_mask_options = {"lookup": cfg.model.flex_mask == "lookup", "block_size": cfg.model.flex_block_size}
     return model
 
 

@@ -411,6 +411,7 @@ class CausalWanModel(nn.Module):
         if cfg.model_type != "t2v":
             self.img_emb = ImageProjection(cfg.image_dim, d)
         self.attention_backend: Literal["auto", "flex", "dense"] = "auto"
+        self.flex_mask_options: dict = {}  # flex_block_mask keyword arguments (lookup, block_size); {} = its defaults
         self._masks: dict = {}
         self.init_weights()
 
@@ -443,9 +444,9 @@ class CausalWanModel(nn.Module):
         backend = self.attention_backend
         if backend == "auto":
             backend = "flex" if device.type == "cuda" else "dense"
-        key = (layout, str(device), backend)
+        key = (layout, str(device), backend, tuple(sorted(self.flex_mask_options.items())))
         if key not in self._masks:
-            self._masks[key] = (flex_block_mask(layout, device) if backend == "flex"
+            self._masks[key] = (flex_block_mask(layout, device, **self.flex_mask_options) if backend == "flex"
                                 else dense_mask(layout, device))
         return self._masks[key]
 
