@@ -51,6 +51,9 @@ class ModelConfig:
 
     name: Literal["tiny", "5b", "5b-libero", "14b"] = "tiny"
     """DiT preset of train/model.py."""
+    num_layers: int = 0
+    """Override the preset's block count (0 = the preset's): a shallower real-width model for debugging and
+    benchmarks on fewer GPUs. Weights from --model.init-from must match."""
     init_from: Path | None = None
     """Weights to start from (DreamZero checkpoint, Wan base or our export); None = the reference's random init."""
     init_device: Literal["cpu", "meta"] = "cpu"

@@ -10,8 +10,10 @@ on every rank (seeded by `--seed`); noise and timesteps come from a per-rank gen
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
@@ -54,6 +56,8 @@ def model_config(cfg: Config):
     trains on shards of any shape, e.g. those built with tiny encoders); a real preset must agree with them."""
     dims = data_dims(cfg.data.shards)
     model_cfg = preset(cfg.model.name)
+    if cfg.model.num_layers:
+        model_cfg = replace(model_cfg, num_layers=cfg.model.num_layers)
     if cfg.model.name == "tiny":
         return replace(model_cfg, **dims)
     text_len = dims.pop("text_len")
@@ -98,6 +102,7 @@ def noise_generator(cfg: Config, rank: int, device: torch.device, step: int = 0)
 
 
 def train(cfg: Config) -> dict:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack, for hangs
     rank, world, device = setup_distributed(cfg)
     if cfg.parallel.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
