@@ -134,3 +134,14 @@ def test_variant_is_drawn_per_visit(shards):
             for epoch in range(8)}
     assert len(seen) == 2  # both stored variants come up over epochs
     reader.close()
+
+
+def test_model_config_takes_widths_from_the_shards_and_overrides_depth(shards):
+    from train.config import parse_args
+    from train.main import model_config
+    base = model_config(parse_args(["--data.shards", str(shards)]))
+    deeper = model_config(parse_args(["--data.shards", str(shards), "--model.num-layers", "5"]))
+    assert base.num_layers == TINY.num_layers != 5 and deeper.num_layers == 5
+    assert (base.text_dim, base.image_dim) == (32, 24)  # tiny synthetic shards: 32-wide text, 24-wide CLIP
+    assert {k: v for k, v in vars(deeper).items() if k != "num_layers"} == {
+        k: v for k, v in vars(base).items() if k != "num_layers"}
