@@ -8,11 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 from preprocess.check import check
 from preprocess.state_action import normalize_q99, pad_with_mask
 from train.config import DataConfig
-from train.data import ShardIndex, ShardLoader, SampleReader, batch_windows, batches_per_epoch, window_name
+from train.data import (ShardIndex, ShardLoader, SampleReader, batch_windows, batches_per_epoch, collate,
+                        window_name)
 from train.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +87,31 @@ def test_order_is_independent_of_workers_and_resume_is_exact(shards):
         assert int(a["batch"]) == int(b["batch"])
         torch.testing.assert_close(a["latents"], b["latents"], rtol=0, atol=0)
         torch.testing.assert_close(a["text"], b["text"], rtol=0, atol=0)
+
+
+def test_workers_build_batches_in_shared_memory_with_the_main_process_values(shards):
+    """Inside a worker, collate writes every sample tensor straight into shared memory (the hand-off copies only a few
+    bytes of bookkeeping); the
+    512-row text layout, like the compact one above, equals what the main process builds."""
+    index = ShardIndex(shards)
+    reader = SampleReader(index, TINY)
+    samples = [reader.sample(w, np.random.default_rng(0)) for w in index.windows[:3]]
+    reader.close()
+
+    class Probe(IterableDataset):
+        def __iter__(self):
+            for rows in (None, 16):
+                batch = collate(samples, TINY.text_len, rows)
+                yield {k: torch.tensor(v.is_shared()) for k, v in batch.items() if v.dim() > 1}
+
+    for flags in DataLoader(Probe(), batch_size=None, num_workers=1):
+        assert flags.keys() == {"latents", "clip", "text", "state", "actions", "action_mask"} and all(flags.values())
+    assert not any(v.is_shared() for v in collate(samples, TINY.text_len).values())  # main process: plain memory
+    ref = _take(iter(_loader(shards, workers=0, compact_text=False)), 3)
+    for a, b in zip(ref, _take(iter(_loader(shards, workers=2, compact_text=False)), 3)):
+        assert a["text"].shape == (2, TINY.text_len, TINY.text_dim) and "text_lengths" not in a
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
 def test_world_size_change_is_refused_unless_reshuffle(shards):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from preprocess.embodiments import get_embodiment
 from preprocess.members import decode_members
@@ -202,12 +202,20 @@ class SampleReader:
 def collate(samples: list[dict], text_len: int, compact_rows: int | None = None) -> dict:
     """Stack a micro-batch; text as `compact_text` with `compact_rows` rows (text + text_lengths) or, when None,
     `pad_text` (text_len rows)."""
-    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0] if k != "text"}
+    # Inside a loader worker the stacked tensors and the text go straight into shared memory (default_collate does so
+    # for stacks), so handing the batch to the trainer copies them no more: ~15 % of a worker's time at the 5B shape.
+    batch = {k: default_collate([s[k] for s in samples]) for k in samples[0] if k != "text"}
     texts = [s["text"] for s in samples]
+    rows = text_len if compact_rows is None else compact_rows
+    out = None
+    if get_worker_info() is not None:
+        like = texts[0]
+        storage = torch.UntypedStorage._new_shared(len(texts) * rows * like.shape[-1] * like.element_size())
+        out = like.new_empty(0).set_(storage).view(len(texts), rows, like.shape[-1])
     if compact_rows is not None:
-        batch["text"], batch["text_lengths"] = compact_text(texts, text_len, rows=compact_rows)
+        batch["text"], batch["text_lengths"] = compact_text(texts, text_len, rows=compact_rows, out=out)
     else:
-        batch["text"] = pad_text(texts, text_len)
+        batch["text"] = pad_text(texts, text_len, out=out)
     batch["has_real_action"] = torch.ones(len(samples), dtype=torch.bool)
     return batch
 

@@ -1,0 +1,152 @@
+"""Shard read throughput of the trainer's own loader, on CPU, against what one GPU consumes.
+
+    python scripts/bench_loader.py --preset libero-5b                       # 0 and 1 worker, warm and cold
+    python scripts/bench_loader.py --preset droid-14b --workers 0 1 2 4 --batches 16
+
+1. Synthetic shards of the preset's exact sample shapes (scripts/make_synthetic_shards.py, the project's writer).
+2. `train.data.ShardLoader` on the CPU device, as a rank of `train/main.py` builds it (the preset's data settings,
+   the shard index, pread at member offsets, zstd/npy decoding, q01/q99 normalisation, the text table, compact text,
+   DataLoader worker processes and their shared-memory hand-off), consumed as fast as it delivers.
+3. For each worker count: the rate over `--batches` micro-batches after one untimed batch per worker, with the shard
+   files' page cache kept (warm: the files were just written) and dropped first (cold: posix_fadvise DONTNEED, so the
+   reads go to the disk).
+
+Per-worker rate = samples/s / workers (0 workers = the rank's own process, which the trainer never uses, but which
+shows the cost of one sample without the hand-off). The ratio divides it by `--gpu-samples-per-s`, by default the
+preset's measured or target training rate per GPU (docs/PERFORMANCE.md); DESIGN.md asks >= 10 per worker.
+Prints one JSON line per measurement, then one summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from train.config import parse_args as parse_trainer_args  # noqa: E402
+from train.data import ShardLoader  # noqa: E402
+from train.main import model_config  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from make_synthetic_shards import make_synthetic_shards  # noqa: E402
+
+# samples/s per GPU the loader has to feed: 5B = the trainer's best on one H200 (PERFORMANCE.md, issue 8 row D);
+# 14B = the issue-8 target (not measured yet)
+GPU_RATE = {"tiny": 50.0, "libero-5b": 13.86, "droid-5b": 13.86, "droid-14b": 0.30}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="libero-5b", choices=sorted(GPU_RATE),
+                   help="trainer preset (train/config.py) and synthetic sample shapes")
+    p.add_argument("--micro-batch", type=int, default=8, help="samples per batch (the 5B's fastest trainer setting)")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1],
+                   help="DataLoader worker counts to measure (0 = load in the consuming process)")
+    p.add_argument("--batches", type=int, default=12, help="timed batches per measurement")
+    p.add_argument("--windows", type=int, default=256,
+                   help="synthetic windows to write (batches past them start a new epoch over the same files)")
+    p.add_argument("--cache", choices=["warm", "cold", "both"], default="both",
+                   help="page cache of the shard files: kept, dropped before each measurement, or both")
+    p.add_argument("--gpu-samples-per-s", type=float, default=None,
+                   help="what one GPU consumes, for the ratio (default: the preset's figure in GPU_RATE)")
+    p.add_argument("--shards", type=Path, default=None,
+                   help="shard directory to reuse if it holds a manifest (written there otherwise)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="work directory (shards, result.json); default: a temporary one, deleted")
+    args = p.parse_args(argv)
+    if args.batches < 1 or args.micro_batch < 1 or args.windows < args.micro_batch or min(args.workers) < 0:
+        p.error("--batches and --micro-batch must be >= 1, --windows >= --micro-batch, --workers >= 0")
+    return args
+
+
+def drop_page_cache(shards: Path) -> None:
+    """Evict the shard directory's files from the page cache (clean pages; no root needed)."""
+    for path in shards.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def batch_bytes(batch: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
+
+
+def measure(cfg, model, workers: int, batches: int, cold: bool) -> dict:
+    cfg.data.num_workers = workers
+    if cold:
+        drop_page_cache(Path(cfg.data.shards))
+    loader = ShardLoader(cfg.data, model, rank=0, world_size=1, device=torch.device("cpu"))
+    it = iter(loader)
+    for _ in range(max(1, workers)):  # each worker's first batch: process start, index and text table opened
+        next(it)
+    t0 = time.perf_counter()
+    nbytes = sum(batch_bytes(next(it)) for _ in range(batches))
+    dt = time.perf_counter() - t0
+    del it  # stops the worker processes
+    samples = batches * cfg.data.micro_batch_size
+    rate = samples / dt
+    return {"workers": workers, "cache": "cold" if cold else "warm", "samples": samples, "seconds": round(dt, 4),
+            "samples_per_s": round(rate, 2), "samples_per_s_per_worker": round(rate / max(1, workers), 2),
+            "ms_per_sample": round(1000 * dt / samples, 3), "batch_mib_per_s": round(nbytes / dt / 2**20, 1)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench_loader-")) if args.out is None else args.out
+    work.mkdir(parents=True, exist_ok=True)
+    shards = args.shards or work / "shards"
+    gpu_rate = args.gpu_samples_per_s or GPU_RATE[args.preset]
+    try:
+        if not (shards / "manifest.json").is_file():
+            t0 = time.perf_counter()
+            per_episode = 8
+            manifest = make_synthetic_shards(shards, args.preset, episodes=-(-args.windows // per_episode),
+                                             windows_per_episode=per_episode, samples_per_shard=32,
+                                             episodes_per_unit=4)
+            print(f"wrote {manifest['totals']['samples']} synthetic {args.preset} samples "
+                  f"({manifest['totals']['bytes'] / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f} s", flush=True)
+        cfg = parse_trainer_args(["--preset", args.preset, "--data.shards", str(shards),
+                                  "--data.micro-batch-size", str(args.micro_batch)])
+        model = model_config(cfg)
+        runs = []
+        for cold in {"warm": [False], "cold": [True], "both": [False, True]}[args.cache]:
+            for workers in args.workers:
+                r = measure(cfg, model, workers, args.batches, cold)
+                r["ratio_per_worker_to_gpu"] = round(r["samples_per_s_per_worker"] / gpu_rate, 1)
+                print(json.dumps(r), flush=True)
+                runs.append(r)
+        manifest = json.loads((shards / "manifest.json").read_text())
+        result = {"bench": "loader", "preset": args.preset, "micro_batch": args.micro_batch,
+                  "compact_text": cfg.data.compact_text, "gpu_samples_per_s": gpu_rate,
+                  "sample_kib": round(manifest["totals"]["bytes"] / manifest["totals"]["samples"] / 1024, 1),
+                  "min_ratio_per_worker_to_gpu": min((r["ratio_per_worker_to_gpu"] for r in runs if r["workers"]),
+                                                     default=None),
+                  "runs": runs, "cpu": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+                  "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                  "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)])}
+    finally:
+        if args.out is None:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.out is not None:
+        (work / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
