@@ -27,7 +27,6 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from train.data import ShardLoader  # noqa: E402
 from train.main import model_config  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from make_synthetic_shards import make_synthetic_shards  # noqa: E402
+from bench_train import emit, provenance, write_shards  # noqa: E402
 
 # samples/s per GPU the loader has to feed: 5B = the trainer's best on one H200 (PERFORMANCE.md, issue 8 row D);
 # 14B = the issue-8 target (not measured yet)
@@ -112,16 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
     shards = args.shards or work / "shards"
     gpu_rate = args.gpu_samples_per_s or GPU_RATE[args.preset]
     try:
-        if not (shards / "manifest.json").is_file():
-            t0 = time.perf_counter()
-            per_episode = 8
-            manifest = make_synthetic_shards(shards, args.preset, episodes=-(-args.windows // per_episode),
-                                             windows_per_episode=per_episode, samples_per_shard=32,
-                                             episodes_per_unit=4)
-            print(f"wrote {manifest['totals']['samples']} synthetic {args.preset} samples "
-                  f"({manifest['totals']['bytes'] / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f} s", flush=True)
         cfg = parse_trainer_args(["--preset", args.preset, "--data.shards", str(shards),
                                   "--data.micro-batch-size", str(args.micro_batch)])
+        write_shards(cfg, args.preset, shards, args.windows)
         model = model_config(cfg)
         runs = []
         for cold in {"warm": [False], "cold": [True], "both": [False, True]}[args.cache]:
@@ -137,15 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
                   "min_ratio_per_worker_to_gpu": min((r["ratio_per_worker_to_gpu"] for r in runs if r["workers"]),
                                                      default=None),
                   "runs": runs, "cpu": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-                  "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                  "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)])}
+                  **provenance(argv)}
     finally:
         if args.out is None:
             shutil.rmtree(work, ignore_errors=True)
-    if args.out is not None:
-        (work / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result), flush=True)
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -41,14 +41,14 @@ import torch.nn as nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from train.attention import dense_mask, flex_block_mask  # noqa: E402
+from train.attention import make_attention_mask  # noqa: E402
 from train.config import Config, parse_args as parse_trainer_args  # noqa: E402
 from train.flops import dit_flops  # noqa: E402
 from train.data import data_dims  # noqa: E402
 from train.main import model_config  # noqa: E402
 from train.metrics import device_peak_flops  # noqa: E402
 from train.model import Block, DiTConfig, compact_text_rows, rope_tables, text_key_log_weight  # noqa: E402
-from train.parallel import ac_block_indices, apply_ac, apply_compile  # noqa: E402
+from train.parallel import apply_ac, apply_compile, recomputed_blocks  # noqa: E402
 
 
 def _load_shard_writer():
@@ -226,8 +226,7 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks:
     apply_ac(stack, ac, ac_blocks)  # the trainer's order: recompute wrapper, then compile
     if compile_:
         apply_compile(stack)
-    flex = attention == "flex" or (attention == "auto" and device.type == "cuda")
-    mask = flex_block_mask(layout, device, **mask_options) if flex else dense_mask(layout, device)
+    mask = make_attention_mask(layout, device, attention, **mask_options)
     rope = rope_tables(layout, grid, cfg.head_dim, device, torch.float32)
     # inputs as the trainer's blocks see them: bf16 activations that need gradients (embeddings sit before them)
     x = torch.randn(batch, layout.seq_len, cfg.dim, device=device, dtype=dtype, requires_grad=True)
@@ -256,7 +255,7 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks:
     if cuda:
         torch.cuda.synchronize(device)
     dt = (time.perf_counter() - t0) / steps
-    recomputed = len(ac_block_indices(cfg.num_layers, ac_blocks)) if ac == "full" else 0
+    recomputed = recomputed_blocks(ac, ac_blocks, cfg.num_layers)
     flops = dit_flops(cfg, latent_fhw, text_rows).blocks_forward * (3 + recomputed / cfg.num_layers)
     peak = device_peak_flops(device)
     sps = batch / dt
@@ -287,6 +286,20 @@ def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, 
             return {"note": note}
         print(f"bound (ac {ac}): batch {batch} does not fit, trying {batch // 2}", flush=True)
         batch //= 2
+
+
+def provenance(argv: list[str] | None) -> dict:
+    """When and how a benchmark ran: UTC date and the command line (`argv` as main() got it, else sys.argv)."""
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)])}
+
+
+def emit(result: dict, out: Path | None) -> dict:
+    """The benchmark's final JSON line; also <out>/result.json when a work directory was given."""
+    if out is not None:
+        (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result), flush=True)
+    return result
 
 
 def device_name(device: torch.device) -> str:
@@ -338,18 +351,16 @@ def main(argv: list[str] | None = None) -> dict:
 
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         result.update(device=device.type, gpu=device_name(device), torch=torch.__version__,
-                      date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                      command=" ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]))
+                      **provenance(argv))
         bounds = {}
         if not args.trainer_only:
             ac = cfg.parallel.activation_checkpoint
             settings = [("bound", ac)] + ([("bound_no_recompute", "none")]
                                           if ac != "none" and not args.skip_no_recompute_bound else [])
             for name, mode in settings:
-                mask_options = {"lookup": cfg.model.flex_mask == "lookup", "block_size": cfg.model.flex_block_size}
                 bounds[name] = time_bound(model_cfg, latent_fhw, micro, mode, cfg.parallel.ac_blocks, text_rows,
-                                          cfg.parallel.compile, cfg.model.attention, mask_options, device,
-                                          args.bound_warmup, args.bound_steps)
+                                          cfg.parallel.compile, cfg.model.attention, cfg.model.flex_mask_options(),
+                                          device, args.bound_warmup, args.bound_steps)
                 print(f"{name}: {bounds[name]}", flush=True)
         sps = result["samples_per_s_per_gpu"]
         for name in ("bound", "bound_no_recompute"):
@@ -365,11 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if args.out is None:
             shutil.rmtree(work, ignore_errors=True)
-    result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
-    if args.out is not None:
-        (work / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result), flush=True)
-    return result
+    return emit({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}, args.out)
 
 
 if __name__ == "__main__":

@@ -58,8 +58,8 @@ def test_partial_recompute_wraps_evenly_spread_blocks_and_keeps_grads():
     assert ac_block_indices(40, 25) == sorted(set(ac_block_indices(40, 25))) and len(ac_block_indices(40, 25)) == 25
     assert ac_block_indices(40, 20) == list(range(0, 40, 2)) and ac_block_indices(30, -1) == list(range(30))
     assert ac_block_indices(30, 0) == [] and ac_block_indices(4, 9) == [0, 1, 2, 3]
-    assert recomputed_blocks(ParallelConfig(activation_checkpoint="full", ac_blocks=25), 40) == 25
-    assert recomputed_blocks(ParallelConfig(activation_checkpoint="selective"), 40) == 0
+    assert recomputed_blocks("full", 25, 40) == 25
+    assert recomputed_blocks("selective", -1, 40) == 0
     ref_loss, ref_grads = _loss_and_grads(_model())
     model = _model()
     apply_ac(model, "full", ac_blocks=1)

@@ -140,6 +140,15 @@ def flex_block_mask(layout: TokenLayout, device, compile: bool | None = None, lo
                              _compile=compile)
 
 
+def make_attention_mask(layout: TokenLayout, device, backend: str = "auto", **flex_options):
+    """The §3.6 mask for an attention backend: a FlexAttention BlockMask ('flex', `flex_block_mask` options) or the
+    dense bool mask for SDPA ('dense'); 'auto' = flex on CUDA, dense elsewhere."""
+    device = torch.device(device)
+    if backend == "auto":
+        backend = "flex" if device.type == "cuda" else "dense"
+    return flex_block_mask(layout, device, **flex_options) if backend == "flex" else dense_mask(layout, device)
+
+
 _COMPILED_FLEX = None
 
 

@@ -67,6 +67,10 @@ class ModelConfig:
     flex_block_size: int = 128
     """FlexAttention tile (BlockMask block size); smaller tiles skip more of the masked pairs."""
 
+    def flex_mask_options(self) -> dict:
+        """`flex_block_mask` keyword arguments of these settings."""
+        return {"lookup": self.flex_mask == "lookup", "block_size": self.flex_block_size}
+
 
 @dataclass
 class OptimConfig:

@@ -92,7 +92,7 @@ def build(cfg: Config, device: torch.device) -> CausalWanModel:
         parallelize(model, cfg.parallel)
         model.to(device)
     model.attention_backend = cfg.model.attention
-    model.flex_mask_options = {"lookup": cfg.model.flex_mask == "lookup", "block_size": cfg.model.flex_block_size}
+    model.flex_mask_options = cfg.model.flex_mask_options()
     return model
 
 
@@ -147,8 +147,9 @@ def train(cfg: Config) -> dict:
     latent_shape = tuple(first["latents"].shape[2:])
     # compact text: the first batch's text rows stand for all (prompt lengths vary little within a dataset)
     flops_per_sample = dit_flops(model.cfg, latent_shape, text_rows=first["text"].shape[1])
-    flops = flops_per_sample.train_step(recompute=False) + recomputed_blocks(cfg.parallel, model.cfg.num_layers) / \
-        model.cfg.num_layers * flops_per_sample.blocks_forward
+    recomputed = recomputed_blocks(cfg.parallel.activation_checkpoint, cfg.parallel.ac_blocks, model.cfg.num_layers)
+    flops = flops_per_sample.train_step(recompute=False) + recomputed / model.cfg.num_layers * \
+        flops_per_sample.blocks_forward
     metrics = MetricsLogger(cfg.metrics, run_dir, rank, device, cfg.steps, step, flops,
                             device_peak_flops(device, cfg.parallel.peak_tflops), world)
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, step + cfg.stop_after)

@@ -142,16 +142,8 @@ class StepProfiler:
             self.prof = None
 
     def _write(self) -> None:
-        import gzip
-        import os
-        import tempfile
         sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = self.prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
         (self.run_dir / "profile-rank0.txt").write_text(table + "\n")
         print(f"profile of {self.cfg.profile_steps} steps after step {self.cfg.profile_start}:\n{table}", flush=True)
-        fd, tmp = tempfile.mkstemp(suffix=".json")
-        os.close(fd)
-        self.prof.export_chrome_trace(tmp)
-        with open(tmp, "rb") as src, gzip.open(self.run_dir / "trace-rank0.json.gz", "wb") as dst:
-            dst.write(src.read())
-        os.unlink(tmp)
+        self.prof.export_chrome_trace(str(self.run_dir / "trace-rank0.json.gz"))  # gzipped by the ".gz" suffix

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from train.attention import TokenLayout, dense_mask, flex_block_mask, masked_attention, weighted_key_attention
+from train.attention import TokenLayout, make_attention_mask, masked_attention, weighted_key_attention
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,14 @@ class DiTBatch:
     text_lengths: torch.Tensor | None = None
 
 
+def kept_text_rows(embeddings: list[torch.Tensor], text_len: int = 512,
+                   mode: Literal["per_sample", "batch_min"] = "per_sample") -> list[int]:
+    """umT5 rows each sample keeps: its own length ('per_sample') or the batch's shortest ('batch_min'), at most
+    text_len."""
+    lengths = [min(e.shape[0], text_len) for e in embeddings]
+    return [min(lengths)] * len(lengths) if mode == "batch_min" else lengths
+
+
 def pad_text(embeddings: list[torch.Tensor], text_len: int = 512,
              mode: Literal["per_sample", "batch_min"] = "per_sample", out: torch.Tensor | None = None) -> torch.Tensor:
     """Zero-pad per-prompt umT5 outputs [L_i, 4096] to [B, text_len, 4096] (into `out` when given, e.g. a
@@ -138,8 +146,7 @@ def pad_text(embeddings: list[torch.Tensor], text_len: int = 512,
     'per_sample' keeps each prompt's own length (upstream PR #71, = O at 1 sample/GPU).
     'batch_min' reproduces O's bug: every sample is cut at the shortest prompt in the batch.
     """
-    lengths = [min(e.shape[0], text_len) for e in embeddings]
-    keep = [min(lengths)] * len(lengths) if mode == "batch_min" else lengths
+    keep = kept_text_rows(embeddings, text_len, mode)
     if out is None:
         out = embeddings[0].new_empty(len(embeddings), text_len, embeddings[0].shape[-1])
     for i, (e, n) in enumerate(zip(embeddings, keep)):
@@ -164,8 +171,7 @@ def compact_text(embeddings: list[torch.Tensor], text_len: int = 512,
     text_len - n zero rows act as one key counted text_len - n times; the model re-weights the T - n zero rows
     kept here to exactly that (`text_key_log_weight`). Same attention, same gradients, 4-8x fewer text rows.
     """
-    lengths = [min(e.shape[0], text_len) for e in embeddings]
-    keep = [min(lengths)] * len(lengths) if mode == "batch_min" else lengths
+    keep = kept_text_rows(embeddings, text_len, mode)
     need = compact_text_rows(max(keep), text_len, bucket=1)
     rows = compact_text_rows(max(keep), text_len, bucket) if rows is None else rows
     if not need <= rows <= text_len:
@@ -444,14 +450,10 @@ class CausalWanModel(nn.Module):
         nn.init.zeros_(self.head.head.weight)
 
     def attention_mask(self, layout: TokenLayout, device: torch.device):
-        """Cached per (layout, device, backend): a BlockMask on CUDA, a dense bool mask elsewhere."""
-        backend = self.attention_backend
-        if backend == "auto":
-            backend = "flex" if device.type == "cuda" else "dense"
-        key = (layout, str(device), backend, tuple(sorted(self.flex_mask_options.items())))
+        """Cached per (layout, device, backend, flex options): `make_attention_mask`."""
+        key = (layout, str(device), self.attention_backend, tuple(sorted(self.flex_mask_options.items())))
         if key not in self._masks:
-            self._masks[key] = (flex_block_mask(layout, device, **self.flex_mask_options) if backend == "flex"
-                                else dense_mask(layout, device))
+            self._masks[key] = make_attention_mask(layout, device, self.attention_backend, **self.flex_mask_options)
         return self._masks[key]
 
     def _patchify(self, latents, y):

@@ -47,11 +47,9 @@ def ac_block_indices(num_blocks: int, ac_blocks: int) -> list[int]:
     return sorted({i * num_blocks // k for i in range(k)}) if k else []
 
 
-def recomputed_blocks(cfg: ParallelConfig, num_blocks: int) -> int:
-    """Blocks whose matmuls run twice (full recompute); selective recompute re-runs only elementwise ops."""
-    if cfg.activation_checkpoint != "full":
-        return 0
-    return len(ac_block_indices(num_blocks, cfg.ac_blocks))
+def recomputed_blocks(mode: str, ac_blocks: int, num_blocks: int) -> int:
+    """Blocks whose matmuls run twice under recompute `mode` (full); selective re-runs only elementwise ops."""
+    return len(ac_block_indices(num_blocks, ac_blocks)) if mode == "full" else 0
 
 
 def apply_ac(model: nn.Module, mode: str, ac_blocks: int = -1) -> None:
