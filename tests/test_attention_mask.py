@@ -76,3 +76,36 @@ def test_flex_matches_dense_on_cpu():
     ref = masked_attention(q, k, v, dense_mask(lay))
     out = masked_attention(q, k, v, bm)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def _tiles(bm):
+    """(partial, full) tile sets of a BlockMask as bool [q tiles, kv tiles]."""
+    def dense(num, idx):
+        n = idx.shape[-1]
+        keep = torch.arange(n)[None] < num[0, 0, :, None]
+        out = torch.zeros(num.shape[-1], n, dtype=torch.bool)
+        rows = torch.arange(num.shape[-1])[:, None].expand(-1, n)
+        out[rows[keep], idx[0, 0][keep].long()] = True
+        return out
+    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+
+
+def test_lookup_and_expression_masks_skip_the_same_tiles():
+    for lay in (LAYOUTS["5b-libero"], LAYOUTS["tiny-window"]):
+        lookup, attrs = (_tiles(flex_block_mask(lay, "cpu", lookup=flag, block_size=16)) for flag in (True, False))
+        assert torch.equal(lookup[0], attrs[0]) and torch.equal(lookup[1], attrs[1])
+
+
+def test_lookup_mask_builds_eagerly_at_14b_layout():
+    """CUDA builds the lookup mask without compiling (compiling it at 15 940 tokens stalled for minutes); the eager
+    build marks exactly the 128x128 tiles that hold an allowed pair, full where every pair is allowed."""
+    lay = TokenLayout(9, 880, 2, 24, 1, 9)
+    partial, full = _tiles(flex_block_mask(lay, "cpu"))
+    m = dense_mask(lay)
+    n = -(-lay.seq_len // 128)
+    padded = torch.zeros(n * 128, n * 128, dtype=torch.bool)
+    padded[:lay.seq_len, :lay.seq_len] = m
+    del m
+    per_tile = padded.view(n, 128, n, 128).sum((1, 3), dtype=torch.int32)
+    assert torch.equal(partial | full, per_tile > 0)
+    assert torch.equal(full, per_tile == 128 * 128)

@@ -113,14 +113,18 @@ def count_allowed_pairs(layout: TokenLayout) -> int:
 
 def flex_block_mask(layout: TokenLayout, device, compile: bool | None = None, lookup: bool = True,
                     block_size: int = 128):
-    """FlexAttention BlockMask for `layout` (B and H broadcast); built compiled on CUDA by default.
+    """FlexAttention BlockMask for `layout` (B and H broadcast).
 
     The kernel evaluates the mask_mod inside partially masked tiles: with `lookup` (default) one load from a
-    precomputed dense [L, L] bool mask, else the §3.6 expression on per-token attributes (36 % slower fwd+bwd at
-    the 5B layout, 13 % at 14B on an H200: scripts/bench_attention.py).
+    precomputed dense [L, L] bool mask, else the §3.6 expression on per-token attributes (fwd+bwd 55 % slower at
+    the 5B layout, 15 % at 14B on an H200: docs/PERFORMANCE.md, scripts/bench_attention.py).
+
+    `compile` (default: only for the expression on CUDA) builds the mask with a compiled kernel. The lookup is a
+    gather that the eager build does in well under a second on a GPU (8 s on one CPU core at the 14B's 15 940
+    tokens, 3 GB peak), whereas compiling it at the 14B layout stalled the trainer in Triton for over 150 s.
     """
     device = torch.device(device)
-    compile = device.type == "cuda" if compile is None else compile
+    compile = device.type == "cuda" and not lookup if compile is None else compile
     from torch.nn.attention.flex_attention import create_block_mask
     if lookup:
         dense = dense_mask(layout, device)
