@@ -65,7 +65,9 @@ class ModelConfig:
     """How FlexAttention evaluates the mask in partial tiles: the §3.6 expression on token attributes, or a lookup
     in a precomputed dense [L, L] mask (scripts/bench_attention.py compares them)."""
     flex_block_size: int = 128
-    """FlexAttention tile (BlockMask block size); smaller tiles skip more of the masked pairs."""
+    """FlexAttention tile (BlockMask block size); smaller tiles would skip more masked pairs, but torch 2.11's
+    compiled CUDA kernel rejects 64 (its own tiles are 128: "Q and KV block size must be divisible by BLOCK_M"), so
+    other sizes serve the eager CPU path and experiments."""
 
     def flex_mask_options(self) -> dict:
         """`flex_block_mask` keyword arguments of these settings."""
