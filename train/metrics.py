@@ -7,6 +7,7 @@ console line (rank 0), with a tqdm bar in between.
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from pathlib import Path
@@ -118,7 +119,8 @@ def format_line(r: dict) -> str:
 
 class StepProfiler:
     """torch.profiler over steps (profile_start, profile_start + profile_steps]; rank 0 writes the top ops by
-    device time to profile-rank0.txt (and prints them) and a gzipped Chrome trace beside it."""
+    device time to profile-rank0.txt (and prints them) and a gzipped Chrome trace beside it; on CUDA the table is
+    followed by where the GPU sat idle (`device_idle`)."""
 
     def __init__(self, cfg: MetricsConfig, run_dir: Path, rank: int, device: torch.device):
         self.cfg, self.run_dir, self.rank, self.device = cfg, run_dir, rank, device
@@ -146,4 +148,58 @@ class StepProfiler:
         table = self.prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
         (self.run_dir / "profile-rank0.txt").write_text(table + "\n")
         print(f"profile of {self.cfg.profile_steps} steps after step {self.cfg.profile_start}:\n{table}", flush=True)
-        self.prof.export_chrome_trace(str(self.run_dir / "trace-rank0.json.gz"))  # gzipped by the ".gz" suffix
+        trace = self.run_dir / "trace-rank0.json.gz"
+        self.prof.export_chrome_trace(str(trace))  # gzipped by the ".gz" suffix
+        if self.device.type == "cuda":
+            with gzip.open(trace, "rt") as f:
+                idle = format_device_idle(device_idle(json.load(f)["traceEvents"]))
+            with open(self.run_dir / "profile-rank0.txt", "a") as f:
+                f.write("\n" + idle + "\n")
+            print(idle, flush=True)
+
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+
+
+def device_idle(events: list[dict], top: int = 8) -> dict:
+    """Where the GPU waits, from a torch.profiler Chrome trace's events: busy and idle time over the span of device
+    work, idle time by gap length, and the longest gaps with the host work that explains each (the innermost host
+    op covering most of the gap, and the CUDA runtime calls of over 1 ms overlapping it: a cudaFree, a sync)."""
+    dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
+    if not dev:
+        return {}
+    start, end, gaps = dev[0]["ts"], dev[0]["ts"], []
+    for e in dev:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, end, e["name"]))
+        end = max(end, e["ts"] + e["dur"])
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS]
+    buckets = {"under 10 us": 0.0, "10 us - 1 ms": 0.0, "1 ms and over": 0.0}
+    for us, _, _ in gaps:
+        buckets["under 10 us" if us < 10 else "10 us - 1 ms" if us < 1000 else "1 ms and over"] += us / 1e3
+    longest = []
+    for us, at, before in sorted(gaps, reverse=True)[:top]:
+        lo, hi = at, at + us
+        overlap = [(min(hi, e["ts"] + e["dur"]) - max(lo, e["ts"]), e) for e in host
+                   if e["ts"] < hi and e["ts"] + e["dur"] > lo]
+        covering = [e for o, e in overlap if o >= us / 2 and e.get("cat") in ("cpu_op", "user_annotation")]
+        op = min(covering, key=lambda e: e["dur"])["name"] if covering else None
+        runtime = [f"{e['name']} {e['dur'] / 1e3:.1f} ms" for _, e in overlap
+                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["dur"] > 1000]
+        longest.append({"ms": us / 1e3, "at_ms": (at - start) / 1e3, "before": before, "host_op": op,
+                        "runtime": runtime})
+    idle = sum(g[0] for g in gaps)
+    return {"span_ms": (end - start) / 1e3, "busy_ms": (end - start - idle) / 1e3, "idle_ms": idle / 1e3,
+            "gaps": len(gaps), "idle_ms_by_gap": buckets, "longest": longest}
+
+
+def format_device_idle(r: dict) -> str:
+    if not r:
+        return "device idle: no device events in the trace"
+    lines = [f"device idle: busy {r['busy_ms']:.1f} of {r['span_ms']:.1f} ms, idle {r['idle_ms']:.1f} ms in "
+             f"{r['gaps']} gaps (" + ", ".join(f"{k}: {v:.1f} ms" for k, v in r["idle_ms_by_gap"].items()) + ")"]
+    for g in r["longest"]:
+        lines.append(f"  {g['ms']:8.2f} ms at {g['at_ms']:.1f} ms, before {g['before'][:50]!r}; host: {g['host_op']}"
+                     + (f" ({'; '.join(g['runtime'])})" if g["runtime"] else ""))
+    return "\n".join(lines)

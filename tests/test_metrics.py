@@ -1,0 +1,35 @@
+"""The profiler's device-idle analysis on a Chrome trace in torch.profiler's export format."""
+
+from train.metrics import device_idle, format_device_idle
+
+
+def _x(cat, name, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 0}
+
+
+def test_device_idle_finds_gaps_and_the_host_work_behind_them():
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "python"}},
+        _x("kernel", "gemm", 0, 100),
+        _x("gpu_memcpy", "Memcpy HtoD", 50, 60),  # overlaps the gemm: no gap
+        _x("kernel", "adamw", 3110, 40),          # 3000 us gap after 110
+        _x("kernel", "gelu", 3155, 5),            # 5 us launch gap
+        _x("cpu_op", "train_step", 0, 4000),      # covers everything: not the innermost
+        _x("cpu_op", "aten::empty", 100, 3005),   # innermost op covering the long gap
+        _x("cuda_runtime", "cudaFree", 105, 2500),
+        _x("cuda_runtime", "cudaLaunchKernel", 3105, 4),
+    ]
+    r = device_idle(events)
+    assert r["span_ms"] == 3.16 and r["idle_ms"] == 3.005 and abs(r["busy_ms"] - 0.155) < 1e-12
+    assert r["gaps"] == 2
+    assert r["idle_ms_by_gap"] == {"under 10 us": 0.005, "10 us - 1 ms": 0.0, "1 ms and over": 3.0}
+    first = r["longest"][0]
+    assert (first["ms"], first["at_ms"], first["before"]) == (3.0, 0.11, "adamw")
+    assert first["host_op"] == "aten::empty" and first["runtime"] == ["cudaFree 2.5 ms"]
+    text = format_device_idle(r)
+    assert "busy 0.2 of 3.2 ms" in text and "host: aten::empty (cudaFree 2.5 ms)" in text
+
+
+def test_device_idle_of_a_cpu_trace_says_so():
+    assert device_idle([_x("cpu_op", "aten::mm", 0, 10)]) == {}
+    assert format_device_idle({}) == "device idle: no device events in the trace"
