@@ -99,7 +99,7 @@ def measure(cfg, model, workers: int, batches: int, cold: bool) -> dict:
     del it  # stops the worker processes
     samples = batches * cfg.data.micro_batch_size
     rate = samples / dt
-    return {"workers": workers, "cache": "cold" if cold else "warm", "samples": samples, "seconds": round(dt, 4),
+    return {"workers": workers, "cache": "cold" if cold else "warm", "samples": samples, "seconds": float(f"{dt:.6g}"),
             "samples_per_s": round(rate, 2), "samples_per_s_per_worker": round(rate / max(1, workers), 2),
             "ms_per_sample": round(1000 * dt / samples, 3), "batch_mib_per_s": round(nbytes / dt / 2**20, 1)}
 

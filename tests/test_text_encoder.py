@@ -40,8 +40,10 @@ def test_formats_shapes_and_batch_invariance(tiny_dir):
         assert emb.shape == (int(m.sum()), 32) and emb.dtype == torch.bfloat16
     for a, b in zip(out, folder.encode(PROMPTS, batch_size=4)):
         assert torch.equal(a, b)
-    for a, b in zip(out, wan.encode(PROMPTS, batch_size=1)):  # one by one, no padding at all
-        torch.testing.assert_close(a.float(), b.float(), atol=0.02, rtol=0.02)
+    # one by one, no padding at all. The bf16 outputs reach |3|, where one bf16 step is 0.016, and batched and
+    # unbatched CPU matmuls round differently (2-3 steps seen); a padding leak would move values by O(1).
+    for a, b in zip(out, wan.encode(PROMPTS, batch_size=1)):
+        torch.testing.assert_close(a.float(), b.float(), atol=0.06, rtol=0.02)
     assert all(torch.equal(a, b) for a, b in zip(out, wan.encode(PROMPTS, batch_size=4)))  # deterministic
 
 
