@@ -215,7 +215,7 @@ class BlockStack(nn.Module):
 
 def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, text_rows: int,
                      compile_: bool, attention: str, mask_options: dict, device: torch.device, warmup: int,
-                     steps: int) -> dict:
+                     steps: int, ac_others: str = "none") -> dict:
     nf, h, w = latent_fhw
     grid = (h // 2, w // 2)
     layout = cfg.layout(nf, grid[0] * grid[1])
@@ -223,7 +223,7 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks:
     dtype = torch.bfloat16
     torch.manual_seed(0)
     stack = BlockStack(cfg, device, dtype)
-    apply_ac(stack, ac, ac_blocks)  # the trainer's order: recompute wrapper, then compile
+    apply_ac(stack, ac, ac_blocks, ac_others)  # the trainer's order: recompute wrapper, then compile
     if compile_:
         apply_compile(stack)
     mask = make_attention_mask(layout, device, attention, **mask_options)
@@ -265,7 +265,8 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks:
 
 
 def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, text_rows: int, compile_: bool,
-               attention: str, mask_options: dict, device: torch.device, warmup: int, steps: int) -> dict:
+               attention: str, mask_options: dict, device: torch.device, warmup: int, steps: int,
+               ac_others: str = "none") -> dict:
     """Bound samples/s; a batch that runs out of device memory is halved (per-sample rate, so comparable); {} with a
     note when not even one sample fits."""
     while True:
@@ -275,7 +276,7 @@ def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, 
             torch.cuda.empty_cache()
         try:
             return _time_bound_once(cfg, latent_fhw, batch, ac, ac_blocks, text_rows, compile_, attention,
-                                    mask_options, device, warmup, steps)
+                                    mask_options, device, warmup, steps, ac_others)
         except Exception as e:  # noqa: BLE001 - compiled code may wrap the OOM in its own exception type
             if "out of memory" not in str(e).lower():
                 raise
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
         text_rows = (compact_text_rows(data_dims(shards)["text_len"], model_cfg.text_len) if cfg.data.compact_text
                      else model_cfg.text_len)
         result.update(latent=list(latent_fhw), seq_len=layout.seq_len, compact_text=cfg.data.compact_text,
-                      ac_blocks=cfg.parallel.ac_blocks, text_rows=text_rows,
+                      ac_blocks=cfg.parallel.ac_blocks, ac_others=cfg.parallel.ac_others, text_rows=text_rows,
                       context_len=text_rows + (model_cfg.image_len if model_cfg.model_type != "t2v" else 0))
 
         trainer = {}
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
             for name, mode in settings:
                 bounds[name] = time_bound(model_cfg, latent_fhw, micro, mode, cfg.parallel.ac_blocks, text_rows,
                                           cfg.parallel.compile, cfg.model.attention, cfg.model.flex_mask_options(),
-                                          device, args.bound_warmup, args.bound_steps)
+                                          device, args.bound_warmup, args.bound_steps, cfg.parallel.ac_others)
                 print(f"{name}: {bounds[name]}", flush=True)
         sps = result["samples_per_s_per_gpu"]
         for name in ("bound", "bound_no_recompute"):

@@ -71,6 +71,22 @@ def test_partial_recompute_wraps_evenly_spread_blocks_and_keeps_grads():
         torch.testing.assert_close(g, ref_grads[k.replace("._checkpoint_wrapped_module", "")], msg=k)
 
 
+def test_full_recompute_on_some_blocks_and_selective_on_the_others_keeps_grads():
+    ref_loss, ref_grads = _loss_and_grads(_model())
+    model = _model()
+    apply_ac(model, "full", ac_blocks=1, others="selective")
+    # every block wrapped; only block 0 without the selective policy (full recompute)
+    assert all(type(b).__name__ == "CheckpointWrapper" for b in model.blocks)
+    policies = ["context_fn" in b.checkpoint_fn.keywords for b in model.blocks]
+    assert policies == [False] + [True] * (len(model.blocks) - 1)
+    loss, grads = _loss_and_grads(model)
+    torch.testing.assert_close(loss, ref_loss)
+    for k, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[k.replace("._checkpoint_wrapped_module", "")], msg=k)
+    with pytest.raises(ValueError, match="none or selective"):
+        apply_ac(_model(), "full", ac_blocks=1, others="full")
+
+
 def test_fsdp_mixed_precision_trains_with_fp32_masters_and_official_names(tmp_path):
     model = _model()
     reference = {k: v.clone() for k, v in model.state_dict().items()}

@@ -111,7 +111,10 @@ class ParallelConfig:
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     """Recompute per block: none, full (whole block) or selective (keep matmul/attention outputs)."""
     ac_blocks: int = -1
-    """How many blocks recompute (spread evenly over the depth); the others keep every activation. -1 = all."""
+    """How many blocks recompute (spread evenly over the depth); the others do --parallel.ac-others. -1 = all."""
+    ac_others: Literal["none", "selective"] = "none"
+    """What the blocks left out by --parallel.ac-blocks do: keep every activation (none), or selective recompute.
+    With full recompute on N blocks and selective on the rest, N trades speed for memory between the two."""
     compile: bool = False
     """torch.compile each block."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"

@@ -52,19 +52,26 @@ def recomputed_blocks(mode: str, ac_blocks: int, num_blocks: int) -> int:
     return len(ac_block_indices(num_blocks, ac_blocks)) if mode == "full" else 0
 
 
-def apply_ac(model: nn.Module, mode: str, ac_blocks: int = -1) -> None:
+def apply_ac(model: nn.Module, mode: str, ac_blocks: int = -1, others: str = "none") -> None:
     """Wrap blocks for recompute: 'full' recomputes the whole block in backward, 'selective' only the cheap ops
-    (matmul, conv and attention outputs are kept). `ac_blocks` >= 0 wraps only that many, spread evenly."""
+    (matmul, conv and attention outputs are kept). `ac_blocks` >= 0 wraps only that many, spread evenly; the
+    other blocks get `others` ('none' or 'selective')."""
+    if mode not in ("none", "full", "selective"):
+        raise ValueError(f"activation checkpointing must be none, full or selective, got {mode!r}")
+    if others not in ("none", "selective"):
+        raise ValueError(f"the blocks outside ac_blocks recompute none or selective, got {others!r}")
     if mode == "none":
         return
-    if mode not in ("full", "selective"):
-        raise ValueError(f"activation checkpointing must be none, full or selective, got {mode!r}")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    kwargs = {"preserve_rng_state": False}
-    if mode == "selective":
-        kwargs["context_fn"] = _selective_context
-    for i in ac_block_indices(len(model.blocks), ac_blocks):
+    chosen = set(ac_block_indices(len(model.blocks), ac_blocks))
+    for i in range(len(model.blocks)):
+        block_mode = mode if i in chosen else others
+        if block_mode == "none":
+            continue
+        kwargs = {"preserve_rng_state": False}
+        if block_mode == "selective":
+            kwargs["context_fn"] = _selective_context
         model.blocks.register_module(str(i), checkpoint_wrapper(model.blocks[i], **kwargs))
 
 
@@ -87,7 +94,7 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh=None) -> nn.Module:
-    apply_ac(model, cfg.activation_checkpoint, cfg.ac_blocks)
+    apply_ac(model, cfg.activation_checkpoint, cfg.ac_blocks, cfg.ac_others)
     if cfg.compile:
         apply_compile(model)
     apply_fsdp(model, cfg, mesh)
