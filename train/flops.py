@@ -40,12 +40,10 @@ class DiTFlops:
     def fwd_bwd(self) -> float:
         return 3 * self.forward
 
-    @property
-    def fwd_bwd_recompute(self) -> float:
-        return self.fwd_bwd + self.blocks_forward
-
-    def train_step(self, recompute: bool) -> float:
-        return self.fwd_bwd_recompute if recompute else self.fwd_bwd
+    def train_step(self, recompute: float) -> float:
+        """fwd+bwd, plus one more forward of the fraction `recompute` of the blocks that recompute in full
+        (True = all of them, False = none; partial recompute: recomputed blocks / blocks)."""
+        return self.fwd_bwd + float(recompute) * self.blocks_forward
 
 
 def dit_flops(cfg: DiTConfig, latent_shape: tuple[int, int, int], text_rows: int | None = None) -> DiTFlops:

@@ -148,8 +148,7 @@ def train(cfg: Config) -> dict:
     # compact text: the first batch's text rows stand for all (prompt lengths vary little within a dataset)
     flops_per_sample = dit_flops(model.cfg, latent_shape, text_rows=first["text"].shape[1])
     recomputed = recomputed_blocks(cfg.parallel.activation_checkpoint, cfg.parallel.ac_blocks, model.cfg.num_layers)
-    flops = flops_per_sample.train_step(recompute=False) + recomputed / model.cfg.num_layers * \
-        flops_per_sample.blocks_forward
+    flops = flops_per_sample.train_step(recompute=recomputed / model.cfg.num_layers)
     metrics = MetricsLogger(cfg.metrics, run_dir, rank, device, cfg.steps, step, flops,
                             device_peak_flops(device, cfg.parallel.peak_tflops), world)
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, step + cfg.stop_after)
