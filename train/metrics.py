@@ -145,17 +145,14 @@ class StepProfiler:
 
     def _write(self) -> None:
         sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        table = self.prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
-        (self.run_dir / "profile-rank0.txt").write_text(table + "\n")
-        print(f"profile of {self.cfg.profile_steps} steps after step {self.cfg.profile_start}:\n{table}", flush=True)
+        report = self.prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
         trace = self.run_dir / "trace-rank0.json.gz"
         self.prof.export_chrome_trace(str(trace))  # gzipped by the ".gz" suffix
         if self.device.type == "cuda":
             with gzip.open(trace, "rt") as f:
-                idle = format_device_idle(device_idle(json.load(f)["traceEvents"]))
-            with open(self.run_dir / "profile-rank0.txt", "a") as f:
-                f.write("\n" + idle + "\n")
-            print(idle, flush=True)
+                report += "\n\n" + format_device_idle(device_idle(json.load(f)["traceEvents"]))
+        (self.run_dir / "profile-rank0.txt").write_text(report + "\n")
+        print(f"profile of {self.cfg.profile_steps} steps after step {self.cfg.profile_start}:\n{report}", flush=True)
 
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
