@@ -83,8 +83,13 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
 
 def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
     """fully_shard every block, then the root (embeddings, head, encoders). Parameters stay fp32 (the masters);
-    forward/backward gather them in `param_dtype`; gradients are reduce-scattered in `reduce_dtype`."""
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    forward/backward gather them in `param_dtype`; gradients are reduce-scattered in `reduce_dtype`.
+
+    Forward inputs are not cast: FSDP2's default would round the timesteps (1000 values -> 294 in bf16), the fp32
+    RoPE tables and the compact-text log-weights before the model sees them. The model casts its activations to
+    the parameter dtype itself, as the reference's autocast does, and keeps those three in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype],
+                              cast_forward_inputs=False)
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again first in backward: keep them gathered
