@@ -22,9 +22,15 @@ def main(argv: list[str] | None = None) -> None:
         lines = [f"  {name:<8} {help_}" for name, (_, help_) in available.items()]
         print("usage: python -m preprocess <command> [--help]\n\ncommands:\n" + "\n".join(lines))
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    from preprocess.errors import DatasetError
+    from preprocess.weights import WeightsError
+
     module = importlib.import_module(available[argv[0]][0])
     args = tyro.cli(module.Args, args=argv[1:], prog=f"python -m preprocess {argv[0]}", description=module.__doc__)
-    module.run(args)
+    try:
+        module.run(args)
+    except (DatasetError, WeightsError) as err:  # bad input: its one-line message, no traceback
+        raise SystemExit(str(err)) from None
 
 
 if __name__ == "__main__":

@@ -1,34 +1,48 @@
-"""Integrity check of a shard directory: exit 0 only when everything the manifest promises holds.
+"""Integrity check of a shard directory, local or on object storage: exit 0 only when everything the manifest
+promises holds.
 
-Checked: manifest <-> files (no shard missing, none extra), per-shard JSON, byte counts and sha256, sample counts,
-every member decodes with its recorded shape and dtype and holds finite values, keys are unique, every prompt id
-resolves in the text table, the statistics file is present and matches its hash. Every problem names the shard
-and the sample.
+    python -m preprocess check shards/droid
+    python -m preprocess check s3://bucket/shards/droid      # endpoint and credentials: the AWS_* variables
+
+Checked: the manifest (readable, this format version, its seal over its own content, its fields), wids.json,
+manifest <-> files (no shard missing, none extra), each shard's JSON (readable, sealed, agrees with the manifest,
+lists exactly the tar's members at their offsets), byte counts and sha256, sample counts, every member's CRC-32,
+every member decodes with its recorded shape and dtype and holds finite values, keys are unique and well formed,
+anchor multiplicities agree with meta.json, every prompt id resolves in the text table, the statistics file is
+present and matches its hash. Every problem names the file and the sample. Each tar is read once, front to back
+(its hash, headers and members in one pass), through shardformat.storage.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 import tarfile
 from dataclasses import dataclass
-from pathlib import Path
+from fnmatch import fnmatch
+from typing import Annotated, BinaryIO, Iterator
 
 import numpy as np
 import torch
 import tyro
 from tqdm import tqdm
 
-from preprocess.members import decode_members
-from preprocess.write import MANIFEST, iter_tar_samples, sha256_file
+from shardformat.keys import parse_key
+from shardformat.manifest import MANIFEST, WIDS_INDEX, Manifest, ShardEntry, ShardFormatError
+from shardformat.members import decode_members, split_member_name
+from shardformat.shard import ShardRecord, json_path, verify_members
+from shardformat.storage import COPY_BLOCK, STORE_ERRORS, ShardStore
 
 
 @dataclass
 class Args:
-    root: tyro.conf.Positional[Path]
-    """Shard directory (holds manifest.json)."""
+    root: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="DIR|URL")]]
+    """Shard directory (holds manifest.json): a path or a URL (s3://bucket/prefix, file:///path; S3 endpoint and
+    credentials from the AWS_* variables)."""
     members: bool = True
-    """Decode every member of every sample (slower, thorough); --no-members checks files and hashes only."""
+    """Decode every member of every sample (slower, thorough); --no-members checks files, hashes and indexes only."""
 
 
 def _finite(value) -> bool:
@@ -37,21 +51,69 @@ def _finite(value) -> bool:
     return not np.issubdtype(value.dtype, np.floating) or bool(np.isfinite(value).all())
 
 
-def check_text_table(root: Path, manifest: dict, problems: list[str]) -> set[str]:
+class HashingReader:
+    """Reads through a file object, hashing and counting every byte: one pass gives a tar's content and sha256."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.f.read(size)
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return data
+
+    def drain(self) -> None:
+        """Read what the tar reader left (the end-of-archive padding), so the hash covers the whole file."""
+        while self.read(COPY_BLOCK):
+            pass
+
+
+def tar_samples(f: BinaryIO, headers: dict[str, list]) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """(key, {suffix: bytes}) per sample of a tar read front to back, members grouped by key in file order;
+    `headers` collects key -> [[member name, data offset, size], ...] as read."""
+    key, group = None, {}
+    with tarfile.open(fileobj=f, mode="r|") as tar:
+        for info in tar:
+            k, suffix = split_member_name(info.name)
+            headers.setdefault(k, []).append([info.name, info.offset_data, info.size])
+            if not info.isfile():
+                continue
+            if k != key and group:
+                yield key, group
+                group = {}
+            key = k
+            group[suffix] = tar.extractfile(info).read()
+    if group:
+        yield key, group
+
+
+def check_statistics(store: ShardStore, manifest: Manifest, files: set[str], problems: list[str]) -> None:
+    stats = manifest.statistics
+    if stats["file"] not in files:
+        problems.append(f"{MANIFEST}: statistics file missing")
+    elif hashlib.sha256(store.read_bytes(stats["file"])).hexdigest() != stats["sha256"]:
+        problems.append(f"{stats['file']}: sha256 differs from the manifest")
+
+
+def check_text_table(store: ShardStore, manifest: Manifest, files: set[str], problems: list[str]) -> set[str]:
     from safetensors import safe_open
 
-    entry = manifest.get("text_table")
-    if not entry:
-        problems.append(f"{MANIFEST}: no text_table entry")
-        return set()
-    table, prompts = root / entry["file"], root / entry["prompts"]
-    for path in (table, prompts):
-        if not path.is_file():
-            problems.append(f"{path.relative_to(root)}: missing")
+    entry = manifest.text_table
+    for name in (entry["file"], entry["prompts"]):
+        if name not in files:
+            problems.append(f"{name}: missing")
             return set()
-    if sha256_file(table) != entry["sha256"]:
-        problems.append(f"{entry['file']}: sha256 differs from the manifest")
-    ids = set(json.loads(prompts.read_text()))
+    local = store.local_root(entry["file"], entry["prompts"])  # safetensors opens files by name
+    table, prompts = local / entry["file"], local / entry["prompts"]
+    with open(table, "rb") as f:
+        if hashlib.file_digest(f, "sha256").hexdigest() != entry["sha256"]:
+            problems.append(f"{entry['file']}: sha256 differs from the manifest")
+    try:
+        ids = set(json.loads(prompts.read_text()))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        problems.append(f"{entry['prompts']}: unreadable: {err}")
+        return set()
     try:
         with safe_open(table, framework="pt") as f:
             stored = set(f.keys())
@@ -67,76 +129,130 @@ def check_text_table(root: Path, manifest: dict, problems: list[str]) -> set[str
     return stored
 
 
-def check(root: Path, decode: bool = True) -> list[str]:
-    """All problems found, as messages naming the file and sample; empty when the directory is sound."""
-    problems: list[str] = []
-    manifest_path = root / MANIFEST
-    if not manifest_path.is_file():
-        return [f"{manifest_path}: missing (an unfinished run, or not a shard directory)"]
-    manifest = json.loads(manifest_path.read_text())
+def check_shard_json(store: ShardStore, entry: ShardEntry, files: set[str], problems: list[str]) -> ShardRecord | None:
+    """The shard's JSON, if readable and in agreement with the manifest entry."""
+    side = json_path(entry.shard).as_posix()
+    if side not in files:
+        problems.append(f"{side}: missing")
+        return None
+    try:
+        record = ShardRecord.from_dict(store.read_sealed_json(side), store.where(side))
+    except ShardFormatError as err:
+        problems.append(str(err))
+        return None
+    if (record.shard, record.count, record.bytes, record.sha256) != (entry.shard, entry.count, entry.bytes,
+                                                                      entry.sha256):
+        problems.append(f"{side}: disagrees with {MANIFEST}")
+    return record
 
-    stats = manifest.get("statistics")
-    if not stats or not (root / stats["file"]).is_file():
-        problems.append(f"{MANIFEST}: statistics file missing")
-    elif sha256_file(root / stats["file"]) != stats["sha256"]:
-        problems.append(f"{stats['file']}: sha256 differs from the manifest")
-    prompt_ids = check_text_table(root, manifest, problems)
 
-    listed = {s["shard"] for s in manifest["shards"]}
-    for extra in sorted({p.name for p in root.glob("shard-*.tar")} - listed):
-        problems.append(f"{extra}: not listed in {MANIFEST}")
-    keys: dict[str, str] = {}
-    total = 0
-    for entry in tqdm(manifest["shards"], desc="check", unit="shard", disable=not sys.stderr.isatty()):
-        name, path = entry["shard"], root / entry["shard"]
-        if not path.is_file():
-            problems.append(f"{name}: missing")
-            continue
-        side = path.with_suffix(".json")
-        if not side.is_file():
-            problems.append(f"{side.name}: missing")
-        elif {k: v for k, v in json.loads(side.read_text()).items() if k in entry} != entry:
-            problems.append(f"{side.name}: disagrees with {MANIFEST}")
-        if path.stat().st_size != entry["bytes"]:
-            problems.append(f"{name}: {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
-        if sha256_file(path) != entry["sha256"]:
-            problems.append(f"{name}: sha256 differs from the manifest")
-        count = 0
+def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None, prompt_ids: set[str],
+                keys: dict[str, str], decode: bool) -> list[str]:
+    """One pass over the tar: every sample, its size and sha256, its headers against the shard JSON."""
+    name, problems, count = entry.shard, [], 0
+    samples = {s.key: s for s in record.samples} if record else {}
+    headers: dict[str, list] = {}
+    with store.open(name) as f:
+        reader = HashingReader(f)
         try:
-            for key, members in iter_tar_samples(path):
+            for key, members in tar_samples(reader, headers):
                 count += 1
-                if key in keys:
-                    problems.append(f"{name}: sample {key}: key also in {keys[key]}")
-                keys[key] = name
-                if not decode:
-                    continue
-                try:
-                    meta, tensors = decode_members(members)
-                except Exception as err:  # members.decode_members raises ValueError; numpy/zstd their own
-                    problems.append(f"{name}: sample {key}: {err}")
-                    continue
-                for tname, value in tensors.items():
-                    if not _finite(value):
-                        problems.append(f"{name}: sample {key}: {tname} holds NaN or inf")
-                for column, pid in meta.get("prompt_ids", {}).items():
-                    if pid not in prompt_ids:
-                        problems.append(f"{name}: sample {key}: prompt id {pid} ({column}) not in the text table")
+                problems += check_sample(name, key, members, samples.get(key), prompt_ids, keys, decode)
+            complete = True
         except (tarfile.TarError, OSError, EOFError) as err:
             problems.append(f"{name}: truncated or unreadable tar after {count} samples: {err}")
-        if count != entry["count"]:
-            problems.append(f"{name}: {count} samples, the manifest says {entry['count']}")
-        total += count
-    if total != manifest["totals"]["samples"]:
-        problems.append(f"{MANIFEST}: totals.samples is {manifest['totals']['samples']}, the shards hold {total}")
+            complete = False
+        reader.drain()
+    if reader.bytes != entry.bytes:
+        problems.append(f"{name}: {reader.bytes} bytes, the manifest says {entry.bytes}")
+    if reader.sha256.hexdigest() != entry.sha256:
+        problems.append(f"{name}: sha256 differs from the manifest")
+    if count != entry.count:
+        problems.append(f"{name}: {count} samples, the manifest says {entry.count}")
+    if record is not None and complete:
+        listed = {s.key: [[f"{s.key}.{m.name}", m.offset, m.size] for m in s.members] for s in record.samples}
+        for key in sorted(listed.keys() | headers.keys()):
+            if listed.get(key) != headers.get(key):
+                problems.append(f"{json_path(name).as_posix()}: sample {key}: members and offsets differ from the "
+                                f"tar's headers")
+    return problems
+
+
+def check(root: str | os.PathLike, decode: bool = True) -> list[str]:
+    """All problems found in the shard directory at `root` (a path or URL), as messages naming the file and
+    sample; empty when the directory is sound."""
+    store = ShardStore(root)
+    try:
+        manifest = store.manifest()
+    except ShardFormatError as err:
+        return [str(err)]
+    files = set(store.list())
+    problems: list[str] = []
+    check_statistics(store, manifest, files, problems)
+    prompt_ids = check_text_table(store, manifest, files, problems)
+    try:
+        if store.read_json(WIDS_INDEX) != manifest.wids_index():
+            problems.append(f"{WIDS_INDEX}: disagrees with {MANIFEST}")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        problems.append(f"{WIDS_INDEX}: unreadable: {err}")
+
+    listed = {s.shard for s in manifest.shards}
+    for extra in sorted({f for f in files if fnmatch(f, "shard-*.tar") and "/" not in f} - listed):
+        problems.append(f"{extra}: not listed in {MANIFEST}")
+    keys: dict[str, str] = {}
+    for entry in tqdm(manifest.shards, desc="check", unit="shard", disable=not sys.stderr.isatty()):
+        if entry.shard not in files:
+            problems.append(f"{entry.shard}: missing")
+            continue
+        record = check_shard_json(store, entry, files, problems)
+        problems += check_shard(store, entry, record, prompt_ids, keys, decode)
+    return problems
+
+
+def check_sample(shard: str, key: str, members: dict[str, bytes], record, prompt_ids: set[str],
+                 keys: dict[str, str], decode: bool) -> list[str]:
+    """Problems of one sample; `keys` (key -> shard seen in) is updated."""
+    problems = []
+    where = f"{shard}: sample {key}"
+    if key in keys:
+        problems.append(f"{where}: key also in {keys[key]}")
+    keys[key] = shard
+    try:
+        parse_key(key)
+    except ValueError as err:
+        problems.append(f"{where}: {err}")
+    if record is not None:
+        try:
+            verify_members(shard, record, members)
+        except ShardFormatError as err:
+            problems.append(str(err))
+    if not decode:
+        return problems
+    try:
+        meta, tensors = decode_members(members)
+    except Exception as err:  # decode_members raises ValueError; numpy and json their own
+        return problems + [f"{where}: {err}"]
+    for tname, value in tensors.items():
+        if not _finite(value):
+            problems.append(f"{where}: {tname} holds NaN or inf")
+    if record is not None and meta.get("anchor_multiplicity") != record.anchor_multiplicity:
+        problems.append(f"{where}: anchor_multiplicity {meta.get('anchor_multiplicity')} in meta.json, "
+                        f"{record.anchor_multiplicity} in the shard JSON")
+    for column, pid in meta.get("prompt_ids", {}).items():
+        if pid not in prompt_ids:
+            problems.append(f"{where}: prompt id {pid} ({column}) not in the text table")
     return problems
 
 
 def run(args: Args) -> None:
-    problems = check(args.root, decode=args.members)
+    try:
+        problems = check(args.root, decode=args.members)
+    except STORE_ERRORS as err:  # the storage failed midway (network, permissions): one line, no traceback
+        raise SystemExit(f"{args.root}: {err}") from None
     if problems:
         print(f"FAILED: {len(problems)} problem(s) in {args.root}")
         for p in problems:
             print(f"  {p}")
         raise SystemExit(1)
-    manifest = json.loads((args.root / MANIFEST).read_text())
-    print(f"OK: {args.root}: {manifest['totals']['samples']} samples in {len(manifest['shards'])} shards")
+    manifest = ShardStore(args.root).manifest()
+    print(f"OK: {args.root}: {manifest.totals['samples']} samples in {len(manifest.shards)} shards")

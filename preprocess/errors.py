@@ -16,3 +16,7 @@ class DatasetError(Exception):
         if episode is not None:
             where.append(f"episode {episode}")
         super().__init__(": ".join(where + [reason]))
+
+    def __reduce__(self):
+        # rebuilt from its parts when raised in a worker process (the default would call it with the message only)
+        return DatasetError, (self.path, self.episode, self.reason)

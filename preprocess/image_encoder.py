@@ -1,6 +1,6 @@
 """CLIP ViT-H/14 vision tower (transformers), features after block 31 of 32 for frame 0 -> [257, 1280].
 
-Reference (dreamzero_data.md §3.2 step 9, dreamzero_model.md §2.3): frame 0 of the model-resolution canvas in [-1, 1]
+Reference (docs/REFERENCE.md#6-frozen-encoder-outputs): frame 0 of the model-resolution canvas in [-1, 1]
 -> bicubic 224x224 (align_corners=False, aspect squashed) -> x*0.5+0.5 -> CLIP mean/std -> ViT-H/14 output of the
 31st block, no final LayerNorm or projection. The reference runs it under bf16 autocast; the default here is bf16
 weights (same bf16 matmuls; LayerNorm affine in bf16 instead of fp32 -- within bf16 rounding).

@@ -1,4 +1,5 @@
-"""Training prompts (spec §5): the instruction, lower-cased, inserted twice into the embodiment's template.
+"""Training prompts: the instruction, lower-cased, inserted twice into the embodiment's template
+(docs/REFERENCE.md#4-prompts).
 
 Every annotation column is kept (DROID has three; the reference draws one per sample, so the trainer does too).
 `clean_text` is the umT5 tokenizer's text cleaning, reused by the text encoder.

@@ -4,38 +4,37 @@
         --text-encoder models_t5_umt5-xxl-enc-bf16.pth --tokenizer google/umt5-xxl --image-encoder clip.pth
 
 With no --src it writes the sample dataset and tiny checkpoints first, so it runs on a fresh machine. Work is cut
-into units of whole episodes (each video decoded once); units spill their samples under OUT/work/, and the
-finalize stage mixes all samples into shards of --samples-per-shard with one seeded permutation, encodes each
-unique prompt once, writes the statistics and finally manifest.json. Re-running skips finished units and shards;
-two runs with the same inputs give byte-identical shards. See docs/FORMAT.md for the format.
+into units of whole episodes (each video decoded once, preprocess.pipeline); units run here, in a process pool or
+on Ray (preprocess.executors) and spill their samples under OUT/work/; the finalize stage (preprocess.finalize)
+mixes all samples into shards of --samples-per-shard with one seeded permutation, encodes each unique prompt once,
+writes the statistics and finally manifest.json. Re-running skips finished units and shards; two runs with the
+same inputs give byte-identical shards. One run holds OUT at a time, and a run with other inputs than those OUT was
+built from refuses to start (preprocess.outdir). Bad arguments and unusable weights stop the run before any
+decoding. See docs/FORMAT.md for the format.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
-from preprocess.embodiments import Embodiment, get_embodiment
-from preprocess.errors import DatasetError
+from preprocess import outdir, write
+from preprocess.embodiments import get_embodiment
+from preprocess.executors import run_units
+from preprocess.finalize import finalize
 from preprocess.lerobot import LeRobotDataset
-from preprocess.members import encode_sample
-from preprocess.prompts import prompt_id, window_prompts
-from preprocess.state_action import columns_for, slice_keys, window_state_action
-from preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
-from preprocess.windows import episode_windows
-from preprocess import write
+from preprocess.pipeline import VAE_OF_MODEL, Job
+from shardformat.files import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,8 +51,11 @@ DATASETS = {
     "libero": DatasetPreset("libero_sim", "5b", "libero"),
     "franka_pnp": DatasetPreset("franka_pnp", "5b", "libero-v3"),
 }
-# Which Wan VAE a model recipe uses, and whether it needs the 14B first-frame input y.
-VAE_OF_MODEL = {"5b": "wan2.2", "5b-wan22": "wan2.2", "14b": "wan2.1"}
+# Arguments with a lower bound (None, where allowed, means "not given").
+AT_LEAST = {"batch_size": 1, "workers": 0, "threads_per_worker": 1, "num_units": 1, "unit_index": 0,
+            "episodes_per_unit": 1, "anchor_stride": 1, "augment_variants": 0, "samples_per_shard": 1, "seed": 0,
+            "max_episodes": 1}
+ENCODERS = ("vae", "image_encoder", "text_encoder", "tokenizer")
 
 
 @dataclass
@@ -82,13 +84,17 @@ class Args:
     slower). Outputs are stored as bf16 either way, as the reference feeds the DiT."""
     batch_size: int = 4
     """Windows per encoder batch."""
-    workers: int = 1
-    """Local executor: units processed in parallel (each worker decodes, transforms and encodes its units)."""
+    workers: int = 0
+    """CPU workers: each decodes, windows and transforms whole units (and with --executor local also encodes them).
+    0 = auto: with stream, every core but one per encoder device; with local, 1."""
     threads_per_worker: int | None = None
     """Torch threads per unit (default: CPU cores / workers). Float reductions depend on it, so byte-identical
-    reruns need the same value; it is recorded in the manifest."""
-    executor: Literal["local", "ray"] = "local"
-    """local: a process pool on this machine; ray: one Ray task per unit (pip install 'wampipe[ray]')."""
+    reruns need the same value; it is recorded with the build's inputs."""
+    executor: Literal["stream", "local", "ray"] = "stream"
+    """stream: --workers CPU processes decode, window and transform while one process per device (every local GPU
+    with --device cuda) holds the encoders for the whole run; local: a process pool whose workers each decode and
+    encode their units; ray: the stream's stages on a Ray cluster, CPU tasks per unit feeding one encoder actor per
+    GPU (pip install 'wampipe[ray]'). The same bytes either way."""
     ray_address: str | None = None
     """Ray cluster address (default: start or join a local instance)."""
     unit_index: int | None = None
@@ -117,289 +123,9 @@ class Args:
     """Stop at the first bad episode instead of skipping it (skips are recorded with their reason)."""
     metadata: Path | None = None
     """Use this metadata.json (e.g. a checkpoint's experiment_cfg/metadata.json) instead of computing statistics."""
-
-
-@dataclass(frozen=True)
-class Job:
-    """Everything a unit needs, picklable for worker processes and Ray."""
-
-    src: str
-    out: str
-    dataset: str
-    embodiment: str
-    model: str
-    vae: str
-    image_encoder: str
-    device: str
-    dtype: str
-    batch_size: int
-    anchor_stride: int
-    augment_variants: int
-    compress: str
-    seed: int
-    decode_backend: str
-    fail_fast: bool
-    threads: int
-
-
-# ---------------------------------------------------------------- one unit
-
-
-def _sample_key(dataset: str, episode: int, start: int, variant: int) -> str:
-    return f"{dataset}-e{episode:06d}-s{start:05d}-v{variant}"
-
-
-def _variant_seed(*parts: int) -> int:
-    """One augmentation draw per (seed, episode, window, variant), independent of unit cuts and workers."""
-    return int.from_bytes(hashlib.sha256("-".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
-
-
-class Encoders:
-    """The unit-side frozen encoders (VAE, CLIP) on the job's device."""
-
-    def __init__(self, job: Job):
-        from preprocess.image_encoder import load_image_encoder
-        from preprocess.vae import load_vae
-
-        dtype = getattr(torch, job.dtype)
-        self.vae = load_vae(job.vae, variant=VAE_OF_MODEL[job.model], device=job.device, dtype=dtype)
-        self.clip = load_image_encoder(job.image_encoder, device=job.device, dtype=dtype)
-        self.needs_y = VAE_OF_MODEL[job.model] == "wan2.1"
-
-    def __call__(self, videos_bcthw: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {"latents": self.vae.encode(videos_bcthw), "clip": self.clip.encode(videos_bcthw[:, :, 0])}
-        if self.needs_y:
-            out["y"] = self.vae.encode_first_frame(videos_bcthw[:, :, 0], videos_bcthw.shape[2])
-        return {k: v.to(torch.bfloat16).cpu() for k, v in out.items()}
-
-
-def _episode_samples(job: Job, ds: LeRobotDataset, emb: Embodiment, index: int):
-    """(key, video [3,T,h,w], tensors, meta) for every window x variant of one episode; raises DatasetError."""
-    state_cols = columns_for(ds.modality.state, emb.state_keys)
-    action_cols = columns_for(ds.modality.action, emb.action_keys)
-    episode = ds.episode(index, columns=list(dict.fromkeys(state_cols + action_cols)))
-    windows = episode_windows(episode.length, emb.window, job.anchor_stride)
-    if not windows:
-        return
-    states = slice_keys(episode, ds.modality.state, emb.state_keys)
-    actions = slice_keys(episode, ds.modality.action, emb.action_keys)
-    needed = np.unique(np.concatenate([w.video_rows for w in windows]))
-    position = np.full(episode.length, -1, np.int64)
-    position[needed] = np.arange(len(needed))
-    frames = np.stack([episode.cameras[c].read(needed, backend=job.decode_backend) for c in emb.cameras])
-    height, width = frames.shape[2:4]
-    model_video = None
-    if not job.augment_variants:  # one deterministic, per-frame transform: apply it to each frame once per episode
-        params = eval_params(height, width)
-        model_video = episode_model_video(episode_canvas(frames, emb, job.model, params), emb.preset(job.model).target_hw)
-    for window in windows:
-        state, action = window_state_action(states, actions, window, emb)
-        prompts = window_prompts(episode, window.start, emb)
-        rows = position[window.video_rows]
-        for variant in range(max(1, job.augment_variants)):
-            if model_video is not None:
-                video = model_video[:, rows]
-            else:
-                generator = torch.Generator().manual_seed(_variant_seed(job.seed, index, window.start, variant))
-                video, _, params = sample_video(list(frames[:, rows]), emb, job.model, generator=generator)
-            meta = {
-                "dataset": job.dataset, "embodiment": emb.tag, "episode": index, "window_start": window.start,
-                "anchor_multiplicity": window.weight, "variant": variant, "augmentation": params,
-                "prompt_ids": {c: prompt_id(p) for c, p in prompts.items()}, "model": job.model,
-            }
-            yield _sample_key(job.dataset, index, window.start, variant), video, {"state": state, "action": action}, meta, prompts
-
-
-def process_unit(job: Job, unit: int, episodes: list[int]) -> dict:
-    """Decode, transform and encode the unit's episodes; spill its samples. Returns the unit's JSON record."""
-    torch.set_num_threads(job.threads)  # fixed: conv reductions (and so the stored bits) depend on it
-    ds, emb = LeRobotDataset(job.src), get_embodiment(job.embodiment)
-    encoders = Encoders(job)
-    failures, skipped, prompts, done = [], [], {}, []
-
-    def samples():
-        pending = []
-        for index in episodes:
-            try:
-                produced = list(_episode_samples(job, ds, emb, index))
-            except DatasetError as err:
-                if job.fail_fast:
-                    raise
-                failures.append({"episode": index, "reason": str(err)})
-                continue
-            if not produced:
-                skipped.append({"episode": index, "reason": f"shorter than one window ({ds.episode_info(index).length} "
-                                                           f"rows, a full window needs {emb.window.extent + 1})"})
-                continue
-            done.append(index)
-            for item in produced:
-                prompts.update({prompt_id(p): p for p in item[4].values()})
-                pending.append(item)
-                if len(pending) == job.batch_size:
-                    yield from _encode(encoders, pending, job.compress)
-                    pending = []
-        if pending:
-            yield from _encode(encoders, pending, job.compress)
-
-    record = {"episodes": episodes, "failures": failures, "skipped": skipped, "prompts": prompts, "encoded": done}
-    return write.write_unit(Path(job.out), unit, samples(), record)
-
-
-def _encode(encoders: Encoders, pending: list, compress: str):
-    with torch.inference_mode():
-        outputs = encoders(torch.stack([item[1] for item in pending]))
-    for i, (key, _, tensors, meta, _) in enumerate(pending):
-        sample = {**tensors, **{k: v[i] for k, v in outputs.items()}}
-        yield key, encode_sample(key, sample, meta, compress)
-
-
-# ---------------------------------------------------------------- plan, executors, finalize
-
-
-def plan_units(ds: LeRobotDataset, episodes_per_unit: int, max_episodes: int | None) -> list[list[int]]:
-    """Deterministic work units: the dataset's episodes in index order, cut into groups."""
-    episodes = sorted(ds.episode_indices)[:max_episodes]
-    return [episodes[i : i + episodes_per_unit] for i in range(0, len(episodes), episodes_per_unit)]
-
-
-def run_units(job: Job, units: list[list[int]], args: Args) -> None:
-    todo = [u for u in range(len(units)) if not write.unit_done(Path(job.out), u)]
-    if args.num_units is not None:
-        todo = [u for u in todo if u % args.num_units == args.unit_index]
-    bar = tqdm(total=len(todo), desc="units", unit="unit")
-    if not todo:
-        bar.close()
-        return
-    start, samples = time.perf_counter(), 0
-
-    def progress(record: dict) -> None:
-        nonlocal samples
-        samples += record["count"]
-        bar.update(1)
-        bar.set_postfix(samples=samples, per_s=f"{samples / (time.perf_counter() - start):.2f}")
-
-    if args.executor == "ray":
-        import ray
-
-        ray.init(address=args.ray_address, ignore_reinit_error=True, log_to_driver=False)
-        gpus = 1 if job.device.startswith("cuda") else 0
-        task = ray.remote(num_gpus=gpus, num_cpus=job.threads)(process_unit)
-        refs = [task.remote(job, u, units[u]) for u in todo]
-        while refs:
-            ready, refs = ray.wait(refs, num_returns=1)
-            progress(ray.get(ready[0]))
-    elif args.workers <= 1:
-        for u in todo:
-            progress(process_unit(job, u, units[u]))
-    else:
-        with ProcessPoolExecutor(args.workers, mp_context=_spawn()) as pool:
-            futures = [pool.submit(process_unit, job, u, units[u]) for u in todo]
-            for future in as_completed(futures):
-                progress(future.result())
-    bar.close()
-
-
-def _spawn():
-    import multiprocessing
-
-    return multiprocessing.get_context("spawn")  # torch and decoders are not fork-safe
-
-
-def fingerprint(root: Path) -> str:
-    """Hash of the source's metadata files plus the names and sizes of all its data and video files."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        digest.update(f"{rel}\0{path.stat().st_size}\0".encode())
-        if rel.startswith("meta/"):
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def weights_identity(path: Path) -> dict:
-    """Path and sha256 of a weight file, or of a folder (hash over its files' names and hashes)."""
-    if path.is_file():
-        return {"path": str(path), "sha256": write.sha256_file(path)}
-    digest = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        digest.update(f"{f.relative_to(path).as_posix()}\0{write.sha256_file(f)}\0".encode())
-    return {"path": str(path), "sha256": digest.hexdigest()}
-
-
-def encode_text_table(out: Path, prompts: dict[str, str], args: Args) -> dict:
-    """umT5 output per unique prompt, trimmed to its token count, written as the shard directory's text table."""
-    from preprocess.text_encoder import load_text_encoder
-
-    ids = sorted(prompts)
-    encoder = load_text_encoder(args.text_encoder, args.tokenizer, device=args.device, dtype=getattr(torch, args.dtype))
-    with torch.inference_mode():
-        embeddings = encoder.encode([prompts[i] for i in ids])
-    return write.write_text_table(out, prompts, dict(zip(ids, embeddings)))
-
-
-def finalize(job: Job, units: list[list[int]], args: Args) -> dict:
-    out = Path(job.out)
-    missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
-    if missing:
-        raise SystemExit(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not done")
-    indexes = [json.loads(write.unit_paths(out, u)[1].read_text()) for u in range(len(units))]
-    plan = write.plan_shards(indexes, args.samples_per_shard, args.seed)
-    records = []
-    for shard, refs in enumerate(tqdm(plan, desc="shards", unit="shard")):
-        done = write.shard_done(out, shard)
-        if done is None or done["keys"] != [r.key for r in refs]:
-            done = write.write_shard(out, shard, refs)
-        records.append({k: done[k] for k in ("shard", "count", "bytes", "sha256")})
-    for stale in sorted(out.glob("shard-*.tar"))[len(plan):]:  # a previous run with other settings
-        stale.unlink()
-        stale.with_suffix(".json").unlink(missing_ok=True)
-
-    prompts = {pid: text for idx in indexes for pid, text in idx["prompts"].items()}
-    text_table = encode_text_table(out, prompts, args)
-    stats_path = out / "metadata.json"
-    if args.metadata is not None:
-        write.atomic_write_bytes(stats_path, args.metadata.read_bytes())
-    else:
-        from preprocess.stats import build_metadata
-
-        write.atomic_write_json(stats_path, build_metadata([Path(job.src)], get_embodiment(job.embodiment)))
-
-    failures = [f for idx in indexes for f in idx["failures"]]
-    skipped = [s for idx in indexes for s in idx["skipped"]]
-    member_bytes: dict[str, dict] = {}
-    for idx in indexes:
-        for members in idx["index"].values():
-            for name, _, size in members:
-                kind = name.split(".", 1)[1]
-                entry = member_bytes.setdefault(kind, {"count": 0, "bytes": 0})
-                entry["count"] += 1
-                entry["bytes"] += size
-    ds = LeRobotDataset(job.src)
-    manifest = {
-        "format": "wampipe-shards/1",
-        "source": {"root": job.src, "fingerprint": fingerprint(Path(job.src)), "codebase_version": ds.version,
-                   "episodes": sum(len(u) for u in units), "fps": ds.fps},
-        "dataset": job.dataset, "embodiment": job.embodiment, "model": job.model,
-        "transform": {"anchor_stride": job.anchor_stride, "augment_variants": job.augment_variants,
-                      "view_hw": list(get_embodiment(job.embodiment).view_size(job.model)),
-                      "target_hw": list(get_embodiment(job.embodiment).preset(job.model).target_hw),
-                      "vae_variant": VAE_OF_MODEL[job.model], "decode_backend": job.decode_backend,
-                      "threads_per_worker": job.threads},
-        "encoders": {"vae": weights_identity(Path(job.vae)), "image_encoder": weights_identity(Path(job.image_encoder)),
-                     "text_encoder": weights_identity(Path(args.text_encoder)),
-                     "tokenizer": weights_identity(Path(args.tokenizer)), "dtype": job.dtype},
-        "samples_per_shard": args.samples_per_shard, "seed": args.seed, "compress": job.compress,
-        "shards": records,
-        "text_table": text_table,
-        "statistics": {"file": "metadata.json", "sha256": write.sha256_file(stats_path)},
-        "member_bytes": member_bytes,
-        "failures": failures, "skipped": skipped,
-        "totals": {"samples": sum(r["count"] for r in records), "bytes": sum(r["bytes"] for r in records),
-                   "shards": len(records), "episodes_encoded": sum(len(i["encoded"]) for i in indexes),
-                   "episodes_failed": len(failures), "episodes_skipped": len(skipped)},
-    }
-    write.atomic_write_json(out / write.MANIFEST, manifest)
-    return manifest
+    overwrite: bool = False
+    """When OUT holds a build made from other inputs, delete it (its units only where they differ) instead of
+    refusing to start."""
 
 
 def prepare_defaults(args: Args) -> Args:
@@ -423,7 +149,7 @@ def prepare_defaults(args: Args) -> Args:
         for name, default in tiny_checkpoint_paths(tiny, VAE_OF_MODEL[args.model]).items():
             if getattr(args, name) is None:
                 setattr(args, name, default)
-    missing = [f"--{n.replace('_', '-')}" for n in ("vae", "text_encoder", "tokenizer", "image_encoder") if getattr(args, n) is None]
+    missing = [f"--{n.replace('_', '-')}" for n in ENCODERS if getattr(args, n) is None]
     if missing:
         raise SystemExit(f"with --src, also give the encoder weights: {' '.join(missing)} (see docs/WEIGHTS.md)")
     return args
@@ -439,33 +165,127 @@ def tiny_checkpoint_paths(tiny: Path, vae_variant: str) -> dict[str, Path]:
     }
 
 
+def plan_units(ds: LeRobotDataset, episodes_per_unit: int, max_episodes: int | None) -> list[list[int]]:
+    """Deterministic work units: the dataset's episodes in index order, cut into groups."""
+    episodes = sorted(ds.episode_indices)[:max_episodes]
+    return [episodes[i : i + episodes_per_unit] for i in range(0, len(episodes), episodes_per_unit)]
+
+
+# ---------------------------------------------------------------- checks before any work
+
+
+def check_arguments(args: Args) -> None:
+    for name, least in AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+    if (args.unit_index is None) != (args.num_units is None):
+        raise SystemExit("--unit-index and --num-units go together")
+    if args.num_units is not None and args.unit_index >= args.num_units:
+        raise SystemExit(f"--unit-index must be in [0, {args.num_units})")
+    if args.num_units is not None and args.overwrite:
+        raise SystemExit("--overwrite cannot be used by array jobs (they share OUT); run it once without --unit-index")
+
+
+def check_metadata(path: Path, tag: str) -> None:
+    try:
+        statistics = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--metadata {path}: unreadable ({err})") from None
+    if tag not in statistics:
+        raise SystemExit(f"--metadata {path}: no statistics for {tag} (it holds {sorted(statistics)})")
+
+
+def check_weights(args: Args) -> None:
+    """Load every encoder on the meta device: each file is read and checked key by key as for real, but no weight is
+    materialized, so a missing or wrong file stops the run before any decoding (WeightsError)."""
+    from preprocess.image_encoder import load_image_encoder
+    from preprocess.text_encoder import load_text_encoder
+    from preprocess.vae import load_vae
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
+        load_vae(args.vae, variant=VAE_OF_MODEL[args.model], device="meta")
+        load_image_encoder(args.image_encoder, device="meta")
+        load_text_encoder(args.text_encoder, args.tokenizer, device="meta")
+
+
+def build_inputs(args: Args, threads: int) -> dict:
+    """What the output is made from (preprocess.outdir): the source's fingerprint, every argument that changes output
+    bytes, and the sha256 of each encoder and of --metadata. Keys are argument names."""
+    same = ("dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend", "dtype",
+            "batch_size", "episodes_per_unit", "max_episodes", "samples_per_shard")
+    return {"src": outdir.fingerprint(args.src), **{name: getattr(args, name) for name in same},
+            "threads_per_worker": threads, "device": torch.device(args.device).type,
+            **{name: outdir.weights_sha256(Path(getattr(args, name))) for name in ENCODERS},
+            "metadata": None if args.metadata is None else sha256_file(args.metadata)}
+
+
+# ---------------------------------------------------------------- the run
+
+
+def default_workers(args: Args) -> int:
+    """--workers 0: the stream leaves one core to each encoder process and gives the rest to decoding."""
+    if args.executor != "stream":
+        return 1
+    from preprocess.stream import encoder_devices
+
+    return max(1, (os.cpu_count() or 1) - len(encoder_devices(args.device)))
+
+
+def build_units(job: Job, units: list[list[int]], args: Args) -> None:
+    todo = {u: units[u] for u in range(len(units)) if not write.unit_done(Path(job.out), u)
+            and (args.num_units is None or u % args.num_units == args.unit_index)}
+    bar = tqdm(total=len(todo), desc="units", unit="unit")
+    start, samples = time.perf_counter(), 0
+    for record in run_units(job, todo, args.executor, args.workers, args.ray_address):
+        samples += record["count"]
+        bar.update(1)
+        bar.set_postfix(samples=samples, per_s=f"{samples / (time.perf_counter() - start):.2f}")
+    bar.close()
+
+
 def run(args: Args) -> None:
+    check_arguments(args)
     args = prepare_defaults(args)
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    if (args.unit_index is None) != (args.num_units is None):
-        raise SystemExit("--unit-index and --num-units go together")
-    if args.num_units is not None and not 0 <= args.unit_index < args.num_units:
-        raise SystemExit(f"--unit-index must be in [0, {args.num_units})")
-    preset = DATASETS[args.dataset]
-    emb = get_embodiment(preset.embodiment)
+    emb = get_embodiment(DATASETS[args.dataset].embodiment)
     emb.preset(args.model)  # a clear error for a recipe the embodiment does not define
+    if args.metadata is not None:
+        check_metadata(args.metadata, emb.tag)
+    check_weights(args)
     ds = LeRobotDataset(args.src)
     units = plan_units(ds, args.episodes_per_unit, args.max_episodes)
+    array_job = args.num_units is not None and args.stage != "finalize"
     args.out.mkdir(parents=True, exist_ok=True)
-    job = Job(str(args.src), str(args.out), args.dataset, emb.tag, args.model, str(args.vae), str(args.image_encoder),
-              args.device, args.dtype, args.batch_size, args.anchor_stride, args.augment_variants, args.compress,
-              args.seed, args.decode_backend, args.fail_fast,
-              args.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, args.workers)))
-    print(f"{args.src}: {len(ds)} episodes -> {len(units)} units -> {args.out}")
-    if args.stage in ("all", "units"):
-        run_units(job, units, args)
-    if args.stage == "units" or (args.num_units is not None and args.stage != "finalize"):
-        print("units done; run again with --stage finalize once every unit is finished")
-        return
-    manifest = finalize(job, units, args)
+    with outdir.hold(args.out, shared=array_job):
+        args.workers = args.workers or default_workers(args)
+        threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
+        inputs = build_inputs(args, threads)
+        outdir.claim(args.out, inputs, args.overwrite)
+        if not array_job:  # no other run writes here: what a killed run left half-written can go
+            outdir.remove_temporaries(args.out)
+        job = Job(src=str(args.src), out=str(args.out), dataset=args.dataset, embodiment=emb.tag, model=args.model,
+                  **{name: str(getattr(args, name)) for name in ENCODERS},
+                  metadata=None if args.metadata is None else str(args.metadata), device=args.device,
+                  dtype=args.dtype, threads=threads, batch_size=args.batch_size, anchor_stride=args.anchor_stride,
+                  augment_variants=args.augment_variants, seed=args.seed, compress=args.compress,
+                  decode_backend=args.decode_backend, samples_per_shard=args.samples_per_shard,
+                  fail_fast=args.fail_fast, inputs=inputs)
+        print(f"{args.src}: {len(ds)} episodes -> {len(units)} units -> {args.out}")
+        if args.stage in ("all", "units"):
+            build_units(job, units, args)
+        if args.stage == "units" or array_job:
+            print("units done; run again with --stage finalize once every unit is finished")
+            return
+        manifest = finalize(job, units)
     t = manifest["totals"]
     print(f"done: {t['samples']} samples in {t['shards']} shards ({t['bytes'] / 2**20:.1f} MiB); episodes: "
           f"{t['episodes_encoded']} encoded, {t['episodes_skipped']} shorter than a window, {t['episodes_failed']} failed")
     for failure in manifest["failures"]:
         print(f"  FAILED episode {failure['episode']}: {failure['reason']}")
+    failed = {failure["episode"] for failure in manifest["failures"]}
+    for excluded in manifest["statistics"]["excluded"]:
+        if excluded["episode"] not in failed:
+            print(f"  statistics leave out episode {excluded['episode']}: {excluded['reason']}")

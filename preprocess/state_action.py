@@ -1,7 +1,7 @@
-"""State and action of one window (spec §4): slicing, relative actions, q99 normalization, padding with masks.
+"""State and action of one window (docs/REFERENCE.md#5-state-action-and-normalization): slicing, relative actions, and what the model sees of them.
 
-Pure functions, shared by the preprocessor (which stores raw float32 windows after slicing and the relative
-conversion) and the trainer (which normalizes with metadata.json statistics and pads).
+Pure functions: the preprocessor stores raw float32 windows after slicing and the relative conversion; the
+trainer normalizes them with metadata.json statistics and pads (shardformat.stats, shared with this module).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from preprocess.embodiments import Embodiment
 from preprocess.errors import DatasetError
 from preprocess.lerobot import Episode, ModalityEntry
 from preprocess.windows import Window
+from shardformat.stats import normalize_q99, pad_with_mask, stat_vector
 
 MAX_STATE_DIM = 64  # max_state_dim of every shipped recipe
 MAX_ACTION_DIM = 32  # max_action_dim
@@ -40,7 +41,7 @@ def slice_keys(episode: Episode, entries: Mapping[str, ModalityEntry], keys: Seq
 
 
 def relative_to_chunk_start(action_td: np.ndarray, state_at_chunk_start_kd: np.ndarray, horizon: int) -> np.ndarray:
-    """Subtract from each chunk of `horizon` action rows the raw state at that chunk's first row (spec §4.2)."""
+    """Subtract from each chunk of `horizon` action rows the raw state at that chunk's first row (docs/REFERENCE.md#5-state-action-and-normalization)."""
     k = action_td.shape[0] // horizon
     if action_td.shape[0] != k * horizon or state_at_chunk_start_kd.shape[0] != k:
         raise ValueError(f"{action_td.shape[0]} action rows and {state_at_chunk_start_kd.shape[0]} reference states "
@@ -66,48 +67,7 @@ def window_state_action(
     return state.astype(np.float32), np.concatenate(parts, 1).astype(np.float32)
 
 
-# ---------------------------------------------------------------- normalization (q99 mode, spec §4.3)
-
-
-def stat_vector(statistics: Mapping, modality: str, keys: Sequence[str], stat: str) -> np.ndarray:
-    """Concatenate one statistic of `keys` from a metadata.json `statistics` block, e.g. q01 of all state keys."""
-    block = statistics[modality]
-    missing = [k for k in keys if k not in block]
-    if missing:
-        raise KeyError(f"statistics.{modality} has no sub-keys {missing}")
-    return np.concatenate([np.asarray(block[k][stat], dtype=np.float64).reshape(-1) for k in keys])
-
-
-def normalize_q99(x: torch.Tensor, q01, q99) -> torch.Tensor:
-    """`2 (x - q01) / (q99 - q01) - 1` per dim, identity where q01 == q99, then everything clamped to [-1, 1]."""
-    q01 = torch.as_tensor(q01).to(x.dtype)
-    q99 = torch.as_tensor(q99).to(x.dtype)
-    varies = q01 != q99
-    span = torch.where(varies, q99 - q01, torch.ones_like(q99))
-    scaled = 2 * ((x - q01) / span) - 1
-    return torch.where(varies, scaled, x).clamp(-1, 1)
-
-
-def unnormalize_q99(y: torch.Tensor, q01, q99) -> torch.Tensor:
-    """Inverse of `normalize_q99` inside the clamp range."""
-    q01 = torch.as_tensor(q01).to(y.dtype)
-    q99 = torch.as_tensor(q99).to(y.dtype)
-    return torch.where(q01 != q99, (y + 1) / 2 * (q99 - q01) + q01, y)
-
-
-# ---------------------------------------------------------------- padding (spec §4.5)
-
-
-def pad_with_mask(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-pad the last dim to `width`; the mask is True on the real dims."""
-    d = x.shape[-1]
-    if d > width:
-        raise ValueError(f"{d} dims do not fit into {width}")
-    padded = torch.zeros(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
-    padded[..., :d] = x
-    mask = torch.zeros(*x.shape[:-1], width, dtype=torch.bool, device=x.device)
-    mask[..., :d] = True
-    return padded, mask
+# ---------------------------------------------------------------- what the model sees
 
 
 def model_state_action(

@@ -1,5 +1,5 @@
-"""Write DreamZero's metadata.json (the official `experiment_cfg/metadata.json` format, spec §4.4) for one or more
-LeRobot datasets of one embodiment. Reads only; nothing is written into a source dataset.
+"""Write DreamZero's metadata.json (the official `experiment_cfg/metadata.json` format) for one or more LeRobot
+datasets of one embodiment. Reads only; nothing is written into a source dataset.
 
     python -m preprocess stats --src /data/droid --embodiment oxe_droid --out metadata.json
 
@@ -7,16 +7,16 @@ Per state/action sub-key of the dataset's modality: max, min, mean, std, q01, q9
 numpy's linear quantiles, as the official `calculate_dataset_statistics`). Relative action keys get relative
 statistics instead: `action[i + k] - state[i]` for k < H and every i with i + H <= L, pooled (official
 `relative_stats_dreamzero.json`). Several datasets are merged as the official mixture does: weighted mean and
-std (weights = rows x --weights), min of min, max of max, min of q01, max of q99.
+std (weights = rows x --weights), min of min, max of max, min of q01, max of q99. Bad episodes (NaN, a parquet of
+another length than meta/ says, ...) are left out and reported, one line each.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Mapping
 
 import numpy as np
 import tyro
@@ -25,6 +25,7 @@ from tqdm import tqdm
 from preprocess.embodiments import Embodiment, get_embodiment
 from preprocess.errors import DatasetError
 from preprocess.lerobot import LeRobotDataset
+from shardformat.files import atomic_write_bytes
 
 STAT_NAMES = ("max", "min", "mean", "std", "q01", "q99")  # the official DatasetStatisticalValues field order
 RELATIVE_STATS_SEED = 42  # the official code samples episodes for relative stats with default_rng(42)
@@ -54,19 +55,34 @@ def run(args: Args) -> None:
             raise SystemExit(f"--out {args.out} lies inside the source dataset {src}; write it elsewhere")
     if args.weights and len(args.weights) != len(args.src):
         raise SystemExit(f"{len(args.weights)} --weights for {len(args.src)} --src")
-    metadata = build_metadata(args.src, embodiment, args.weights or None, args.max_relative_episodes)
+    skipped: list[dict] = []
+    metadata = build_metadata(args.src, embodiment, args.weights or None, args.max_relative_episodes, skipped=skipped)
+    for bad in skipped:
+        print(f"skipped {bad['reason']}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(metadata, indent=4) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out} ({embodiment.tag}, {len(args.src)} dataset(s))")
+    write_metadata(out, metadata)
+    print(f"wrote {out} ({embodiment.tag}, {len(args.src)} dataset(s), {len(skipped)} bad episode(s) left out)")
 
 
-def build_metadata(
-    roots: list[Path], embodiment: Embodiment, weights: list[float] | None = None, max_relative_episodes: int = 10000
-) -> dict:
-    """{tag: {"statistics": ..., "modalities": ..., "embodiment_tag": tag}} for one or several datasets."""
-    parts = [dataset_metadata(LeRobotDataset(root), embodiment, max_relative_episodes) for root in roots]
+def write_metadata(path: Path, metadata: dict) -> None:
+    """Atomically, in the official layout (statistics in their field order, not sorted)."""
+    atomic_write_bytes(path, (json.dumps(metadata, indent=4) + "\n").encode())
+
+
+def build_metadata(roots: list[Path], embodiment: Embodiment, weights: list[float] | None = None,
+                   max_relative_episodes: int = 10000, exclude: Mapping[int, str] | None = None,
+                   skipped: list[dict] | None = None) -> dict:
+    """{tag: {"statistics": ..., "modalities": ..., "embodiment_tag": tag}} for one or several datasets.
+
+    Episodes in `exclude` (index -> reason, e.g. those a shard build could not use) and episodes whose rows cannot
+    be used (NaN, a parquet of another length than meta/ says, ...) are left out; each is appended to `skipped`
+    as {"episode", "reason"}."""
+    parts = []
+    for root in roots:
+        skip = dict(exclude or {})
+        parts.append(dataset_metadata(LeRobotDataset(root), embodiment, max_relative_episodes, skip))
+        if skipped is not None:
+            skipped += [{"episode": i, "reason": reason} for i, reason in sorted(skip.items())]
     if len(parts) == 1:
         return {embodiment.tag: parts[0][0]}
     rows = np.array([n for _, n in parts], dtype=np.float64)
@@ -77,8 +93,11 @@ def build_metadata(
 # ---------------------------------------------------------------- one dataset
 
 
-def dataset_metadata(ds: LeRobotDataset, embodiment: Embodiment, max_relative_episodes: int = 10000) -> tuple[dict, int]:
-    """(metadata of one dataset, its row count)."""
+def dataset_metadata(ds: LeRobotDataset, embodiment: Embodiment, max_relative_episodes: int = 10000,
+                     skip: dict[int, str] | None = None) -> tuple[dict, int]:
+    """(metadata of one dataset, the row count it is computed from). Episodes in `skip` (index -> reason) are left
+    out; episodes whose rows cannot be used are added to it with their reason."""
+    skip = {} if skip is None else skip
     modality = ds.modality
     for kind, keys, entries in (("state", embodiment.state_keys, modality.state), ("action", embodiment.action_keys, modality.action)):
         missing = [k for k in keys if k not in entries]
@@ -89,8 +108,8 @@ def dataset_metadata(ds: LeRobotDataset, embodiment: Embodiment, max_relative_ep
         raise DatasetError(ds.root / "meta", None, f"{embodiment.tag} needs cameras {cameras}; dataset has {sorted(modality.video)}")
 
     columns = list(dict.fromkeys(e.original_key for e in [*modality.state.values(), *modality.action.values()]))
-    absolute = _column_statistics(ds, columns)
-    relative = _relative_statistics(ds, embodiment, max_relative_episodes)
+    absolute, rows = _column_statistics(ds, columns, skip)
+    relative = _relative_statistics(ds, embodiment, max_relative_episodes, skip)
 
     statistics = {}
     for kind, entries in (("state", modality.state), ("action", modality.action)):
@@ -115,7 +134,7 @@ def dataset_metadata(ds: LeRobotDataset, embodiment: Embodiment, max_relative_ep
                 "shape": [e.dim],
                 "continuous": bool(np.issubdtype(np.dtype(e.dtype), np.floating)),
             }
-    return {"statistics": statistics, "modalities": modalities, "embodiment_tag": embodiment.tag}, ds.total_frames
+    return {"statistics": statistics, "modalities": modalities, "embodiment_tag": embodiment.tag}, rows
 
 
 def summarize(values: np.ndarray) -> dict[str, list[float]]:
@@ -129,23 +148,35 @@ def summarize(values: np.ndarray) -> dict[str, list[float]]:
     }
 
 
-def _column_statistics(ds: LeRobotDataset, columns: list[str]) -> dict[str, dict[str, list[float]]]:
-    """Statistics of whole float32-cast columns over all rows (filled in place: no list of per-episode copies)."""
+def _column_statistics(ds: LeRobotDataset, columns: list[str],
+                       skip: dict[int, str]) -> tuple[dict[str, dict[str, list[float]]], int]:
+    """Statistics of whole float32-cast columns over the rows of every usable episode (filled in place: no list of
+    per-episode copies), and the number of those rows. Unusable episodes are added to `skip`."""
     dims = {c: int(np.prod(ds.features[c]["shape"])) for c in columns}
     data = {c: np.empty((ds.total_frames, d), dtype=np.float32) for c, d in dims.items()}
     row = 0
     for index in tqdm(ds.episode_indices, desc=f"stats {ds.root.name}", unit="episode"):
-        episode = ds.episode(index, columns, cameras=False)
-        for c in columns:
-            values = episode.columns[c].reshape(episode.length, -1)
-            if values.shape[1] != dims[c]:
-                raise DatasetError(ds.root, index, f"column {c!r} has {values.shape[1]} dims, info.json says {dims[c]}")
-            data[c][row : row + episode.length] = values
+        if index in skip:
+            continue
+        try:
+            episode = ds.episode(index, columns, cameras=False)
+            values = {c: episode.columns[c].reshape(episode.length, -1) for c in columns}
+            for c, v in values.items():
+                if v.shape[1] != dims[c]:
+                    raise DatasetError(ds.root, index, f"column {c!r} has {v.shape[1]} dims, info.json says {dims[c]}")
+        except DatasetError as err:
+            skip[index] = str(err)
+            continue
+        for c, v in values.items():
+            data[c][row : row + episode.length] = v
         row += episode.length
-    return {c: summarize(values[:row]) for c, values in data.items()}
+    if not row:
+        raise DatasetError(ds.root, None, f"no usable episode for statistics ({len(skip)} left out)")
+    return {c: summarize(filled[:row]) for c, filled in data.items()}, row
 
 
-def _relative_statistics(ds: LeRobotDataset, embodiment: Embodiment, max_episodes: int) -> dict[str, dict[str, list[float]]]:
+def _relative_statistics(ds: LeRobotDataset, embodiment: Embodiment, max_episodes: int,
+                         skip: dict[int, str]) -> dict[str, dict[str, list[float]]]:
     keys = [k for k in embodiment.relative_action_keys if k in ds.modality.action and k in ds.modality.state]
     if not keys:
         return {}
@@ -157,6 +188,8 @@ def _relative_statistics(ds: LeRobotDataset, embodiment: Embodiment, max_episode
     columns = list(dict.fromkeys(e.original_key for pair in entries.values() for e in pair))
     pooled: dict[str, list[np.ndarray]] = {k: [] for k in keys}
     for index in tqdm(indices.tolist(), desc=f"relative stats {ds.root.name}", unit="episode"):
+        if index in skip:  # drawn before skipping, so a dataset without bad episodes draws as the official code
+            continue
         episode = ds.episode(index, columns, cameras=False)
         n = episode.length - horizon + 1  # reference states i = 0 .. L - H
         if n <= 0:

@@ -1,10 +1,11 @@
 """umT5-xxl text encoder (transformers UMT5EncoderModel) + its tokenizer, as DreamZero runs it on each prompt.
 
-Reference (dreamzero_data.md §5, dreamzero_model.md §2.3): clean the text (ftfy, html.unescape twice, whitespace
-collapse), tokenize with EOS, truncate to 512, run the encoder with the attention mask, cast to bf16, zero every
-position past the prompt's own length. We store only the real rows (`[n_tokens, 4096]`); the trainer pads to 512.
+Reference (docs/REFERENCE.md#4-prompts and #6-frozen-encoder-outputs): clean the text (ftfy, html.unescape twice,
+whitespace collapse), tokenize with EOS, truncate to 512, run the encoder with the attention mask, cast to bf16, zero
+every position past the prompt's own length. We store only the real rows (`[n_tokens, 4096]`); the trainer pads to 512.
 Padding keys are masked, so encoding a batch padded to its longest prompt gives the same rows as padding to 512.
-The reference's batch-minimum zeroing bug (§1.2) is not reproduced: every prompt keeps its own length.
+The reference's batch-minimum zeroing bug (fixed upstream by dreamzero0/dreamzero#71) is not reproduced: every
+prompt keeps its own length.
 
 Loads a Diffusers `text_encoder/` folder (or any transformers UMT5 folder) and Wan's
 `models_t5_umt5-xxl-enc-bf16.pth` (keys renamed here); tokenizer from a `tokenizer/` (google/umt5-xxl) folder.

@@ -1,9 +1,9 @@
 """Wan VAE encoder (Wan2.1: 16 channels, 8x; Wan2.2 "VAE38": 48 channels, 16x) through diffusers' AutoencoderKLWan.
 
-Output = what DreamZero's head feeds its DiT (dreamzero_model.md §2.3, dreamzero_data.md §3.2 step 8): the posterior
+Output = what DreamZero's head feeds its DiT (docs/REFERENCE.md#6-frozen-encoder-outputs): the posterior
 mean of an untiled encode in bf16, normalized per channel as `(mu - mean_c) * (1 / std_c)` with both constants cast to
 bf16 first, exactly like the reference's `VideoVAE_.encode(x, scale)` with `scale = [mean, 1.0 / std]`. The 14B
-first-frame input `y` = [4-channel mask ; VAE([frame 0, zeros])] (step 10).
+first-frame input `y` = [4-channel mask ; VAE([frame 0, zeros])].
 
 Loads the original Wan `.pth` files (keys renamed here) and Diffusers `vae/` folders; both are checked key by key.
 """

@@ -1,4 +1,5 @@
-"""Camera views -> one canvas -> model-resolution video in [-1, 1] (spec §3), with torch ops only.
+"""Camera views -> one canvas -> model-resolution video in [-1, 1], with torch ops only
+(docs/REFERENCE.md#3-views-canvas-and-resize).
 
 Data side, per sample, exactly as the reference's torchvision v2 chain run on all views x frames at once:
 crop 95 % (center for eval, random for train: one offset shared by every view and frame) -> bilinear

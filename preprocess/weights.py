@@ -39,6 +39,9 @@ class WeightsError(Exception):
         self.reason = reason
         super().__init__(f"{self.path}: {reason}")
 
+    def __reduce__(self):  # rebuilt from its parts when raised in a worker process
+        return WeightsError, (self.path, self.reason)
+
 
 def recognize(state: dict[str, torch.Tensor]) -> str | None:
     """The kind of checkpoint (a key of `KIND_NAMES`), found by probe keys, with or without a `model.`-style prefix."""

@@ -1,7 +1,8 @@
-"""DreamZero's training windows of one episode (spec §2): every distinct full window and how often it is drawn.
+"""DreamZero's training windows of one episode: every distinct full window and how often it is drawn
+(docs/REFERENCE.md#2-windows-and-anchor-sampling).
 
 The reference trainers draw an anchor row f uniformly and turn it into a window with the language-bounded
-multi-anchor rule (§2.1). Many anchors give the same window, and episode starts/ends are hit 2-3x more often
+multi-anchor rule. Many anchors give the same window, and episode starts/ends are hit 2-3x more often
 than the middle. We enumerate each distinct full window once and keep that count as its `weight`, so a trainer
 that samples windows in proportion to `weight` draws exactly what RLinf draws.
 
@@ -106,7 +107,8 @@ def _walk(anchor: int, length: int, stride: int, language: np.ndarray | None):
 
 
 def rlinf_sample(anchor: int, length: int, pattern: WindowPattern, language: np.ndarray | None = None) -> AnchorSample:
-    """Re-statement of RLinf's multi-anchor sampling (R: sampling_strategy.py:151-349) for one anchor row."""
+    """Re-statement of RLinf's multi-anchor sampling for one anchor row
+    (`RLinf/RLinf rlinf/data/datasets/dreamzero/sampling_strategy.py`)."""
     empty = np.zeros(0, dtype=np.int64)
     per_anchor = len(pattern.video_offsets)
     max_frames = pattern.num_frames
@@ -163,8 +165,8 @@ def _anchor_weights(length: int, pattern: WindowPattern, language: np.ndarray | 
         if not np.array_equal(sample.video - video_start, offsets):
             raise AssertionError(f"anchor {f} of an episode of {length} rows gives video {sample.video.tolist()}, "
                                  f"not the pattern {offsets.tolist()}")
-        # Misaligned samples (video and actions from different windows, spec §8): count the anchor for the start
-        # that begins a full window (LIBERO: the video's; Franka: the actions').
+        # Misaligned samples (video and actions from different windows, RLinf's LIBERO/Franka recipes): count the
+        # anchor for the start that begins a full window (LIBERO: the video's; Franka: the actions').
         start = video_start if video_start + pattern.extent < length else action_start
         if start + pattern.extent >= length:
             raise AssertionError(f"anchor {f} of an episode of {length} rows maps to no full window")

@@ -13,7 +13,6 @@ give byte-identical files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tarfile
@@ -23,47 +22,22 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+# atomic_write_bytes and write_text_table are re-exported: preprocess.shards calls them as write.<name>
+from shardformat.files import atomic_write_bytes, atomic_write_json, atomic_writer, sha256_file  # noqa: F401
+from shardformat.manifest import ShardFormatError
+from shardformat.members import META, checksum, split_member_name
+from shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
+from shardformat.text import write_text_table  # noqa: F401
+
 SHARD_PATTERN = "shard-{:06d}.tar"
 UNIT_PATTERN = "unit-{:06d}.tar"
 WORK_DIR = "work"
-MANIFEST = "manifest.json"
-
-
-def sha256_file(path: Path, block: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 def write_tar(path: Path, members: Iterable[tuple[str, bytes]]) -> dict:
-    """Write members to `path` atomically; returns {"bytes", "sha256", "members"}."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    count = 0
-    with open(tmp, "wb") as f:
+    """Write members to `path` atomically; returns {"bytes", "sha256", "members": [[name, data offset, size], ...]}."""
+    index = []
+    with atomic_writer(path) as f:
         with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for name, data in members:
                 info = tarfile.TarInfo(name)
@@ -71,12 +45,9 @@ def write_tar(path: Path, members: Iterable[tuple[str, bytes]]) -> dict:
                 info.uid = info.gid = 0
                 info.uname = info.gname = ""
                 tar.addfile(info, _Reader(data))
-                count += 1
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return {"bytes": path.stat().st_size, "sha256": sha256_file(path), "members": count}
+                padded = -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                index.append([name, tar.offset - padded, len(data)])  # the data follows the header block(s)
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path), "members": index}
 
 
 class _Reader:
@@ -94,8 +65,6 @@ class _Reader:
 
 def iter_tar_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
     """(key, {suffix: bytes}) per sample, members grouped by key in file order."""
-    from preprocess.members import split_member_name
-
     key, group = None, {}
     with tarfile.open(path, mode="r:") as tar:
         for info in tar:
@@ -112,9 +81,7 @@ def iter_tar_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
 
 
 def member_index(path: Path) -> dict[str, list[list]]:
-    """key -> [[member name, data offset, size], ...] for random access into a finished tar."""
-    from preprocess.members import split_member_name
-
+    """key -> [[member name, data offset, size], ...] from the tar's headers."""
     index: dict[str, list[list]] = {}
     with tarfile.open(path, mode="r:") as tar:
         for info in tar:
@@ -150,7 +117,11 @@ def write_unit(out: Path, unit: int, samples: Iterable[tuple[str, list[tuple[str
     if len(set(keys)) != len(keys):
         tar.unlink()
         raise ValueError(f"unit {unit}: duplicate sample keys")
-    index = {**record, "unit": unit, "count": len(keys), **written, "index": member_index(tar)}
+    by_key: dict[str, list[list]] = {}
+    for name, offset, size in written["members"]:
+        by_key.setdefault(split_member_name(name)[0], []).append([name, offset, size])
+    index = {**record, "unit": unit, "count": len(keys), "bytes": written["bytes"], "sha256": written["sha256"],
+             "members": len(written["members"]), "index": by_key}
     atomic_write_json(index_path, index)
     return index
 
@@ -179,9 +150,12 @@ def plan_shards(unit_indexes: list[dict], samples_per_shard: int, seed: int) -> 
 
 
 def write_shard(out: Path, shard: int, refs: list[SampleRef]) -> dict:
-    """Copy the shard's samples out of the unit spills; then its JSON. Returns the JSON record."""
+    """Copy the shard's samples out of the unit spills; then its JSON (offsets, CRC-32s, anchor multiplicities).
+    Returns the JSON record."""
     path = out / SHARD_PATTERN.format(shard)
     handles: dict[int, int] = {}
+    crcs: list[int] = []
+    multiplicity: dict[str, int] = {}
 
     def members() -> Iterator[tuple[str, bytes]]:
         for ref in refs:
@@ -189,43 +163,33 @@ def write_shard(out: Path, shard: int, refs: list[SampleRef]) -> dict:
             if fd is None:
                 fd = handles[ref.unit] = os.open(unit_paths(out, ref.unit)[0], os.O_RDONLY)
             for name, offset, size in ref.members:
-                yield name, os.pread(fd, size, offset)
+                data = os.pread(fd, size, offset)
+                crcs.append(checksum(data))
+                if name == f"{ref.key}.{META}":
+                    multiplicity[ref.key] = int(json.loads(data)["anchor_multiplicity"])
+                yield name, data
 
     try:
         written = write_tar(path, members())
     finally:
         for fd in handles.values():
             os.close(fd)
-    record = {"shard": path.name, "count": len(refs), "bytes": written["bytes"], "sha256": written["sha256"],
-              "keys": [r.key for r in refs]}
-    atomic_write_json(path.with_suffix(".json"), record)
-    return record
+    located = iter(zip(written["members"], crcs))
+    samples = [SampleRecord(ref.key, multiplicity[ref.key],
+                            tuple(MemberRef(split_member_name(name)[1], offset, size, crc)
+                                  for (name, offset, size), crc in (next(located) for _ in ref.members)))
+               for ref in refs]
+    record = ShardRecord(path.name, written["bytes"], written["sha256"], samples)
+    record.write(json_path(path))
+    return record.to_dict()
 
 
 def shard_done(out: Path, shard: int) -> dict | None:
+    """The JSON record of a finished shard of this format version, else None (to be written again)."""
     path = out / SHARD_PATTERN.format(shard)
-    meta = path.with_suffix(".json")
-    if path.is_file() and meta.is_file():
-        return json.loads(meta.read_text())
-    return None
-
-
-# ---------------------------------------------------------------- text table
-
-
-def write_text_table(out: Path, prompts: dict[str, str], embeddings: dict) -> dict:
-    """text/embeddings.safetensors (prompt id -> bf16 [tokens, dim]) and text/prompts.json; returns the manifest
-    entry. `embeddings` maps each id of `prompts` to its umT5 output, already trimmed to the prompt's length."""
-    import torch
-    from safetensors.torch import save_file
-
-    text_dir = out / "text"
-    text_dir.mkdir(parents=True, exist_ok=True)
-    table = text_dir / "embeddings.safetensors"
-    tensors = {i: embeddings[i].to(torch.bfloat16).cpu().contiguous() for i in sorted(prompts)}
-    tmp = table.with_name(f".{table.name}.tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, table)
-    atomic_write_json(text_dir / "prompts.json", {i: {"text": prompts[i], "tokens": int(t.shape[0])} for i, t in tensors.items()})
-    return {"file": "text/embeddings.safetensors", "prompts": "text/prompts.json", "count": len(tensors),
-            "sha256": sha256_file(table)}
+    if not path.is_file() or not json_path(path).is_file():
+        return None
+    try:
+        return ShardRecord.read(json_path(path)).to_dict()
+    except ShardFormatError:  # an older format version or a damaged JSON: rewrite the shard
+        return None

@@ -3,10 +3,11 @@
     python scripts/bench_attention.py                    # both layouts, every variant, on CUDA
     python scripts/bench_attention.py --layouts 5b --iters 5
 
-Variants: FlexAttention with the §3.6 mask_mod (what the trainer uses), FlexAttention reading a precomputed dense
-mask, FlexAttention with 64x64 tiles, and SDPA with the dense bool mask (PyTorch picks the kernel). Each is checked
-against bf16 SDPA with the dense mask (max abs error of the output) and timed; effective TFLOP/s counts only the allowed pairs (4·pairs·D
-per head, x3.5 for fwd+bwd as FlashAttention counts it). Prints one JSON line per variant, then a summary line.
+Variants: FlexAttention with the mask expression (docs/REFERENCE.md#8-attention-mask) as mask_mod, FlexAttention
+reading a precomputed dense mask (what the trainer uses), FlexAttention with 64x64 tiles, and SDPA with the dense bool
+mask (PyTorch picks the kernel). Each is checked against bf16 SDPA with the dense mask (max abs error of the output)
+and timed; effective TFLOP/s counts only the allowed pairs (4·pairs·D per head, x3.5 for fwd+bwd as FlashAttention
+counts it). Prints one JSON line per variant, then a summary line.
 """
 
 from __future__ import annotations

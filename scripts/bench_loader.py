@@ -2,6 +2,7 @@
 
     python scripts/bench_loader.py --preset libero-5b                       # 0 and 1 worker, warm and cold
     python scripts/bench_loader.py --preset droid-14b --workers 0 1 2 4 --batches 16
+    python scripts/bench_loader.py --preset libero-5b --shards s3://bucket/bench   # ranged reads from object storage
 
 1. Synthetic shards of the preset's exact sample shapes (scripts/make_synthetic_shards.py, the project's writer).
 2. `train.data.ShardLoader` on the CPU device, as a rank of `train/main.py` builds it (the preset's data settings,
@@ -9,7 +10,9 @@
    DataLoader worker processes and their shared-memory hand-off), consumed as fast as it delivers.
 3. For each worker count: the rate over `--batches` micro-batches after one untimed batch per worker, with the shard
    files' page cache kept (warm: the files were just written) and dropped first (cold: posix_fadvise DONTNEED, so the
-   reads go to the disk).
+   reads go to the disk). With an object-store URL as --shards (written locally and uploaded, unless it holds a
+   manifest) every sample is one ranged GET; the page cache does not apply, so each count is measured once
+   (cache "remote").
 
 Per-worker rate = samples/s / workers (0 workers = the rank's own process, which the trainer never uses, but which
 shows the cost of one sample without the hand-off). The ratio divides it by `--gpu-samples-per-s`, by default the
@@ -34,6 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from preprocess.remote import remote_url  # noqa: E402
+from shardformat.storage import ShardStore, sync_up  # noqa: E402
 from train.config import parse_args as parse_trainer_args  # noqa: E402
 from train.data import ShardLoader  # noqa: E402
 from train.main import model_config  # noqa: E402
@@ -57,11 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=256,
                    help="synthetic windows to write (batches past them start a new epoch over the same files)")
     p.add_argument("--cache", choices=["warm", "cold", "both"], default="both",
-                   help="page cache of the shard files: kept, dropped before each measurement, or both")
+                   help="page cache of the shard files: kept, dropped before each measurement, or both (local "
+                        "shards only)")
     p.add_argument("--gpu-samples-per-s", type=float, default=None,
                    help="what one GPU consumes, for the ratio (default: the preset's figure in GPU_RATE)")
-    p.add_argument("--shards", type=Path, default=None,
-                   help="shard directory to reuse if it holds a manifest (written there otherwise)")
+    p.add_argument("--shards", default=None,
+                   help="shard directory or URL (s3://bucket/prefix) to reuse if it holds a manifest (written there "
+                        "otherwise; a URL: written under the work directory, then uploaded)")
     p.add_argument("--out", type=Path, default=None,
                    help="work directory (shards, result.json); default: a temporary one, deleted")
     args = p.parse_args(argv)
@@ -85,9 +92,9 @@ def batch_bytes(batch: dict) -> int:
     return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
 
 
-def measure(cfg, model, workers: int, batches: int, cold: bool) -> dict:
+def measure(cfg, model, workers: int, batches: int, cache: str) -> dict:
     cfg.data.num_workers = workers
-    if cold:
+    if cache == "cold":
         drop_page_cache(Path(cfg.data.shards))
     loader = ShardLoader(cfg.data, model, rank=0, world_size=1, device=torch.device("cpu"))
     it = iter(loader)
@@ -99,7 +106,7 @@ def measure(cfg, model, workers: int, batches: int, cold: bool) -> dict:
     del it  # stops the worker processes
     samples = batches * cfg.data.micro_batch_size
     rate = samples / dt
-    return {"workers": workers, "cache": "cold" if cold else "warm", "samples": samples, "seconds": float(f"{dt:.6g}"),
+    return {"workers": workers, "cache": cache, "samples": samples, "seconds": float(f"{dt:.6g}"),
             "samples_per_s": round(rate, 2), "samples_per_s_per_worker": round(rate / max(1, workers), 2),
             "ms_per_sample": round(1000 * dt / samples, 3), "batch_mib_per_s": round(nbytes / dt / 2**20, 1)}
 
@@ -108,22 +115,29 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench_loader-")) if args.out is None else args.out
     work.mkdir(parents=True, exist_ok=True)
-    shards = args.shards or work / "shards"
+    shards = args.shards or str(work / "shards")
+    url = remote_url(shards)
     gpu_rate = args.gpu_samples_per_s or GPU_RATE[args.preset]
     try:
-        cfg = parse_trainer_args(["--preset", args.preset, "--data.shards", str(shards),
+        cfg = parse_trainer_args(["--preset", args.preset, "--data.shards", shards,
                                   "--data.micro-batch-size", str(args.micro_batch)])
-        write_shards(cfg, args.preset, shards, args.windows)
+        if url is None:
+            write_shards(cfg, args.preset, Path(shards), args.windows)
+        elif not ShardStore(url).exists("manifest.json"):
+            write_shards(cfg, args.preset, work / "shards", args.windows)
+            sync_up(work / "shards", url)
         model = model_config(cfg)
         runs = []
-        for cold in {"warm": [False], "cold": [True], "both": [False, True]}[args.cache]:
+        caches = ["remote"] if url else {"warm": ["warm"], "cold": ["cold"], "both": ["warm", "cold"]}[args.cache]
+        for cache in caches:
             for workers in args.workers:
-                r = measure(cfg, model, workers, args.batches, cold)
+                r = measure(cfg, model, workers, args.batches, cache)
                 r["ratio_per_worker_to_gpu"] = round(r["samples_per_s_per_worker"] / gpu_rate, 1)
                 print(json.dumps(r), flush=True)
                 runs.append(r)
-        manifest = json.loads((shards / "manifest.json").read_text())
-        result = {"bench": "loader", "preset": args.preset, "micro_batch": args.micro_batch,
+        manifest = ShardStore(shards).read_json("manifest.json")
+        result = {"bench": "loader", "preset": args.preset, "shards": "local" if url is None else url.split(":")[0],
+                  "micro_batch": args.micro_batch,
                   "compact_text": cfg.data.compact_text, "gpu_samples_per_s": gpu_rate,
                   "sample_kib": round(manifest["totals"]["bytes"] / manifest["totals"]["samples"] / 1024, 1),
                   "min_ratio_per_worker_to_gpu": min((r["ratio_per_worker_to_gpu"] for r in runs if r["workers"]),

@@ -1,6 +1,6 @@
 """Preprocessing throughput per CPU core (decode + windows + views, no encoders) and bytes per sample by member.
 
-Runs the shard builder's own per-episode sample producer (`preprocess.shards._episode_samples`: decode each video
+Runs the shard builder's own per-episode sample producer (`preprocess.pipeline.episode_samples`: decode each video
 once, cut every window, crop/resize/canvas/model-resize) on generated sample datasets, pinned to one core with one
 torch thread, for DROID at the 5B (176x320) and 14B (352x640) sizes and LIBERO at 160x320. The encoders are
 measured separately (scripts/bench_encode.py, on a GPU); with them on a GPU, a farm of N cores produces about
@@ -32,11 +32,12 @@ sys.path.insert(0, str(ROOT))
 
 from preprocess.embodiments import get_embodiment  # noqa: E402
 from preprocess.lerobot import LeRobotDataset  # noqa: E402
-from preprocess.members import encode_sample  # noqa: E402
-from preprocess.shards import DATASETS, Job, _episode_samples  # noqa: E402
+from shardformat.members import encode_sample  # noqa: E402
+from preprocess.pipeline import Job, episode_samples  # noqa: E402
+from preprocess.shards import DATASETS  # noqa: E402
 from tests.conftest import make_sample  # noqa: E402
 
-# (dataset preset, model recipe) -> encoder output shapes per sample (dreamzero_model.md §0)
+# (dataset preset, model recipe) -> encoder output shapes per sample (docs/REFERENCE.md#11-sizes-and-flops)
 ENCODED = {
     ("droid", "5b"): {"latents": (48, 9, 11, 20), "clip": (257, 1280)},
     ("droid", "14b"): {"latents": (16, 9, 44, 80), "clip": (257, 1280), "y": (20, 9, 44, 80)},
@@ -47,15 +48,17 @@ ENCODED = {
 def measure(root: Path, dataset: str, model: str) -> dict:
     preset = DATASETS[dataset]
     emb = get_embodiment(preset.embodiment)
-    job = Job(str(root), "", dataset, emb.tag, model, "", "", "cpu", "float32", 1, 1, 0, "auto", 0, "torchcodec",
-              True, 1)
+    job = Job(src=str(root), out="", dataset=dataset, embodiment=emb.tag, model=model, vae="", image_encoder="",
+              text_encoder="", tokenizer="", metadata=None, device="cpu", dtype="float32", threads=1, batch_size=1,
+              anchor_stride=1, augment_variants=0, seed=0, compress="auto", decode_backend="torchcodec",
+              samples_per_shard=1, fail_fast=True, inputs={})
     ds = LeRobotDataset(root)
     samples, start, last = 0, time.perf_counter(), None
     for index in ds.episode_indices:
-        for last in _episode_samples(job, ds, emb, index):
+        for last in episode_samples(job, ds, emb, index):
             samples += 1
     elapsed = time.perf_counter() - start
-    key, video, tensors, meta, _ = last
+    key, video, tensors, meta = last.key, last.video, last.tensors, last.meta
     shapes = ENCODED[(dataset, model)]
     raw = {name: int(np.prod(shape)) * 2 + 128 for name, shape in shapes.items()}  # bf16 + .npy header
     stored = {}

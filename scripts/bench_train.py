@@ -3,6 +3,7 @@
     python scripts/bench_train.py --preset libero-5b --micro-batch 16 --global-batch 32         # 1 GPU
     python scripts/bench_train.py --preset libero-5b --nproc 2 --micro-batch 16 --global-batch 64
     python scripts/bench_train.py --preset droid-14b --nproc 2 -- --parallel.no-reshard-after-forward
+    python scripts/bench_train.py --preset libero-5b --nproc 4 -- --parallel.float8 tensorwise   # auto settings, fp8
     python scripts/bench_train.py --preset tiny --warmup-steps 2 --steps 4                        # CPU smoke run
 
 1. Synthetic shards of the preset's exact sample shapes (scripts/make_synthetic_shards.py, the project's writer),
@@ -14,8 +15,10 @@
    trainer's activation checkpointing and compile settings, and again without recompute. A batch that does not fit
    is halved until it does (the batch used is reported).
 
-Everything after `--` is passed to the trainer unchanged (and to the config the bound is built from). Prints the
-trainer's own log, then one final JSON line.
+Everything after `--` is passed to the trainer unchanged (and to the config the bound is built from). The presets'
+auto settings (recompute, micro-batch, resharding) are resolved here as the trainer resolves them on these GPUs
+(train/config.py resolve_auto), and checked against the trainer's config.json. Prints the trainer's own log, then one
+final JSON line.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -42,13 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from train.attention import make_attention_mask  # noqa: E402
-from train.config import Config, parse_args as parse_trainer_args  # noqa: E402
+from train.config import Config, device_memory_gib, parse_args as parse_trainer_args, resolve_auto  # noqa: E402
 from train.flops import dit_flops  # noqa: E402
 from train.data import data_dims  # noqa: E402
 from train.main import model_config  # noqa: E402
 from train.metrics import device_peak_flops  # noqa: E402
 from train.model import Block, DiTConfig, compact_text_rows, rope_tables, text_key_log_weight  # noqa: E402
-from train.parallel import apply_ac, apply_compile, recomputed_blocks  # noqa: E402
+from train.parallel import apply_ac, apply_compile, apply_float8, recomputed_blocks  # noqa: E402
 
 
 def _load_shard_writer():
@@ -79,8 +83,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help="samples per optimizer step over all ranks (default: preset's; 0 = micro-batch x nproc)")
     p.add_argument("--warmup-steps", type=int, default=5, help="optimizer steps excluded from the measurement")
     p.add_argument("--steps", type=int, default=20, help="measured optimizer steps")
-    p.add_argument("--ac", choices=["none", "full", "selective"], default=None,
-                   help="activation checkpointing per block (default: preset's)")
+    p.add_argument("--ac", choices=["auto", "none", "full", "selective"], default=None,
+                   help="activation checkpointing per block (default: preset's; auto = resolved for these GPUs)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each block (default: preset's)")
     p.add_argument("--bound-only", action="store_true",
@@ -125,6 +129,22 @@ def trainer_argv(args, shards: Path, run_dir: Path, extra: list[str]) -> list[st
     if args.compile is not None:
         argv += ["--parallel.compile" if args.compile else "--parallel.no-compile"]
     return argv + extra
+
+
+def trainer_device(cfg: Config) -> torch.device:
+    """The device the trainer's rank 0 trains on (train/main.py setup_distributed): what its auto settings size by."""
+    cuda = torch.cuda.is_available() and cfg.parallel.backend != "gloo"
+    return torch.device("cuda", 0) if cuda else torch.device("cpu")
+
+
+def check_same_resolution(cfg: Config, run_dir: Path) -> None:
+    """The trainer resolved the auto settings as this process did for the bound (its config.json says)."""
+    path = run_dir / "config.json"
+    theirs, ours = json.loads(path.read_text()), asdict(cfg)
+    parts = [("parallel", "activation_checkpoint"), ("data", "micro_batch_size"), ("parallel", "reshard_after_forward")]
+    differ = [f"{g}.{k} {theirs[g][k]} (here {ours[g][k]})" for g, k in parts if theirs[g][k] != ours[g][k]]
+    if differ:
+        raise SystemExit(f"{path}: the trainer resolved other settings than the bound uses: {'; '.join(differ)}")
 
 
 def batch_sizes(cfg: Config, world: int) -> tuple[int, int, int]:
@@ -215,7 +235,7 @@ class BlockStack(nn.Module):
 
 def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, text_rows: int,
                      compile_: bool, attention: str, mask_options: dict, device: torch.device, warmup: int,
-                     steps: int, ac_others: str = "none") -> dict:
+                     steps: int, ac_others: str = "none", float8: str = "none") -> dict:
     nf, h, w = latent_fhw
     grid = (h // 2, w // 2)
     layout = cfg.layout(nf, grid[0] * grid[1])
@@ -223,7 +243,8 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks:
     dtype = torch.bfloat16
     torch.manual_seed(0)
     stack = BlockStack(cfg, device, dtype)
-    apply_ac(stack, ac, ac_blocks, ac_others)  # the trainer's order: recompute wrapper, then compile
+    apply_float8(stack, float8)  # the trainer's order: float8 linears, recompute wrapper, then compile
+    apply_ac(stack, ac, ac_blocks, ac_others)
     if compile_:
         apply_compile(stack)
     mask = make_attention_mask(layout, device, attention, **mask_options)
@@ -266,7 +287,7 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks:
 
 def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, text_rows: int, compile_: bool,
                attention: str, mask_options: dict, device: torch.device, warmup: int, steps: int,
-               ac_others: str = "none") -> dict:
+               ac_others: str = "none", float8: str = "none") -> dict:
     """Bound samples/s; a batch that runs out of device memory is halved (per-sample rate, so comparable); {} with a
     note when not even one sample fits."""
     while True:
@@ -276,7 +297,7 @@ def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, 
             torch.cuda.empty_cache()
         try:
             return _time_bound_once(cfg, latent_fhw, batch, ac, ac_blocks, text_rows, compile_, attention,
-                                    mask_options, device, warmup, steps, ac_others)
+                                    mask_options, device, warmup, steps, ac_others, float8)
         except Exception as e:  # noqa: BLE001 - compiled code may wrap the OOM in its own exception type
             if "out of memory" not in str(e).lower():
                 raise
@@ -317,12 +338,16 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = work / "run"
     argv_trainer = trainer_argv(args, shards, run_dir, extra)
     cfg = parse_trainer_args(argv_trainer)
+    cfg, auto = resolve_auto(cfg, device_memory_gib(trainer_device(cfg)), args.nproc)
+    if auto:
+        print(auto, flush=True)
     micro, global_batch, accum = batch_sizes(cfg, args.nproc)
     total_steps = args.warmup_steps + args.steps
     result: dict = {"bench": "train", "preset": args.preset, "model": cfg.model.name, "world_size": args.nproc,
                     "micro_batch": micro, "global_batch": global_batch, "accum": accum,
                     "ac": cfg.parallel.activation_checkpoint, "compile": cfg.parallel.compile,
                     "attention": cfg.model.attention, "reshard_after_forward": cfg.parallel.reshard_after_forward,
+                    "float8": cfg.parallel.float8, "auto": auto,
                     "warmup_steps": args.warmup_steps, "steps": args.steps, "trainer_extra": extra}
     try:
         # windows for every step, plus the batches the loader workers have prefetched when the run ends
@@ -346,6 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
             if run_dir.exists():
                 shutil.rmtree(run_dir)  # a fresh run: no resume, a metrics.jsonl of this run only
             result["trainer_wall_s"] = run_trainer(args, argv_trainer, run_dir)
+            check_same_resolution(cfg, run_dir)
             trainer = measured_window(run_dir, args.warmup_steps, micro * accum)
         result.update({k: trainer.get(k) for k in ("samples_per_s_per_gpu", "mfu_pct", "data_wait_pct",
                                                     "peak_mem_gib", "measured_steps", "measured_s", "loss_last")})
@@ -361,7 +387,8 @@ def main(argv: list[str] | None = None) -> dict:
             for name, mode in settings:
                 bounds[name] = time_bound(model_cfg, latent_fhw, micro, mode, cfg.parallel.ac_blocks, text_rows,
                                           cfg.parallel.compile, cfg.model.attention, cfg.model.flex_mask_options(),
-                                          device, args.bound_warmup, args.bound_steps, cfg.parallel.ac_others)
+                                          device, args.bound_warmup, args.bound_steps, cfg.parallel.ac_others,
+                                          cfg.parallel.float8)
                 print(f"{name}: {bounds[name]}", flush=True)
         sps = result["samples_per_s_per_gpu"]
         for name in ("bound", "bound_no_recompute"):

@@ -39,7 +39,7 @@ LIBERO_TASKS = [
     "turn on the stove",
     "put the cream cheese in the bowl",
 ]
-# Full window extents (spec §2.2): episodes shorter than this yield no full window.
+# Full window extents: episodes shorter than this yield no full window (docs/REFERENCE.md#2-windows-and-anchor-sampling).
 WINDOW_EXTENT = {"droid": 97, "libero": 73, "libero-v3": 73}
 
 

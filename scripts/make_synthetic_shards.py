@@ -3,7 +3,8 @@
     python scripts/make_synthetic_shards.py --preset tiny --out build/shards-tiny --episodes 6
 
 Random latents / CLIP / y / state / action of the exact shapes and dtypes of a training preset, a text table, a
-metadata.json computed from the generated state/action (official statistics format) and a manifest. The trainer's
+metadata.json computed from the generated state/action (official statistics format) and a manifest. As in real
+data, an episode's first and last windows carry a higher anchor multiplicity (3 and 2) than the rest (1). The trainer's
 tests, `make demo` fallbacks and the GPU benchmarks use it where the real `python -m preprocess shards` (encoders on
 real video) would be too slow or needs weights. `preprocess.check` accepts the result.
 """
@@ -22,9 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from preprocess import write  # noqa: E402
 from preprocess.embodiments import get_embodiment  # noqa: E402
-from preprocess.members import encode_sample  # noqa: E402
 from preprocess.prompts import prompt_id  # noqa: E402
 from preprocess.stats import summarize  # noqa: E402
+from shardformat.files import atomic_write_json, sha256_file  # noqa: E402
+from shardformat.keys import sample_key  # noqa: E402
+from shardformat.manifest import FORMAT_VERSION, MANIFEST, Manifest  # noqa: E402
+from shardformat.members import encode_sample  # noqa: E402
+from shardformat.text import write_text_table  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -98,8 +103,8 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
     dims = SUBKEY_DIMS[emb.tag]
     columns = emb.annotation_columns or ("annotation.human.action.task_description",)
     out = Path(out)
-    if (out / write.MANIFEST).exists():
-        raise SystemExit(f"{out} already holds a {write.MANIFEST}")
+    if (out / MANIFEST).exists():
+        raise SystemExit(f"{out} already holds a {MANIFEST}")
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -118,8 +123,9 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
                 action = rng.normal(0, 0.5, shapes.action).astype(np.float32)
                 all_state.append(state)
                 all_action.append(action)
+                multiplicity = 3 if w == 0 else 2 if w == windows_per_episode - 1 else 1
                 for variant in range(max(1, augment_variants)):
-                    key = f"{shapes.dataset}-e{ep:06d}-s{w * 8:05d}-v{variant}"
+                    key = sample_key(shapes.dataset, ep, w * 8, variant)
                     tensors = {
                         "latents": (offset + 0.5 * torch.randn(shapes.latents, generator=gen)).to(torch.bfloat16),
                         "clip": torch.randn(shapes.clip, generator=gen).to(torch.bfloat16),
@@ -131,7 +137,7 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
                         y[4:] = torch.randn(shapes.y[0] - 4, *shapes.y[1:], generator=gen)
                         tensors["y"] = y.to(torch.bfloat16)
                     meta = {"dataset": shapes.dataset, "embodiment": emb.tag, "model": shapes.model, "episode": ep,
-                            "window_start": w * 8, "anchor_multiplicity": 1, "variant": variant,
+                            "window_start": w * 8, "anchor_multiplicity": multiplicity, "variant": variant,
                             "augmentation": {"crop": None, "jitter": None},
                             "prompt_ids": {col: prompt_id(p) for col, p in ep_prompts.items()}}
                     samples.append((key, encode_sample(key, tensors, meta, compress)))
@@ -150,7 +156,7 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
     for pid in sorted(prompts):
         tokens = int(rng.integers(2, shapes.max_text_tokens + 1))
         table[pid] = torch.randn(tokens, shapes.text_dim, generator=gen).to(torch.bfloat16)
-    text_table = write.write_text_table(out, prompts, table)
+    text_table = write_text_table(out, prompts, table)
 
     state, action = np.concatenate(all_state), np.concatenate(all_action)
     modalities = {"video": {}, **{kind: {k: {"absolute": True, "rotation_type": None, "shape": [d], "continuous": True}
@@ -158,24 +164,25 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
     metadata = {emb.tag: {"statistics": {"state": _statistics(state, dims["state"]),
                                          "action": _statistics(action, dims["action"])},
                           "modalities": modalities, "embodiment_tag": emb.tag}}
-    write.atomic_write_json(out / "metadata.json", metadata)
+    atomic_write_json(out / "metadata.json", metadata)
 
-    manifest = {
-        "format": "wampipe-shards/1",
+    manifest = Manifest.from_dict({
+        "format": FORMAT_VERSION,
         "source": {"root": "synthetic", "fingerprint": f"synthetic-{preset}-seed{seed}", "codebase_version": None,
                    "episodes": episodes, "fps": None},
         "dataset": shapes.dataset, "embodiment": emb.tag, "model": shapes.model,
+        "modality_keys": {"state": list(emb.state_keys), "action": list(emb.action_keys)},
         "transform": {"anchor_stride": 8, "augment_variants": augment_variants, "synthetic": preset},
         "encoders": {}, "samples_per_shard": samples_per_shard, "seed": seed, "compress": compress,
         "shards": records,
         "text_table": text_table,
-        "statistics": {"file": "metadata.json", "sha256": write.sha256_file(out / "metadata.json")},
+        "statistics": {"file": "metadata.json", "sha256": sha256_file(out / "metadata.json")},
         "member_bytes": {}, "failures": [], "skipped": [],
         "totals": {"samples": sum(r["count"] for r in records), "bytes": sum(r["bytes"] for r in records),
                    "shards": len(records), "episodes_encoded": episodes, "episodes_failed": 0, "episodes_skipped": 0},
-    }
-    write.atomic_write_json(out / write.MANIFEST, manifest)
-    return manifest
+    })
+    manifest.write(out)
+    return manifest.to_dict()
 
 
 def main(args: Args) -> None:

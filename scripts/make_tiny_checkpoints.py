@@ -13,6 +13,10 @@ DIR/
 
 Same architectures and key names as the released weights, small widths (latent channels, patch 14 and image 224
 stay real so normalization constants and preprocessing paths are the real ones). Deterministic.
+
+`--size full` writes the VAEs and CLIP at their released widths instead (random weights, for throughput
+benchmarks of the real loading and encoding code; ~3 GB); the umT5 encoder stays small, since the unit stage
+never runs it.
 """
 
 from __future__ import annotations
@@ -59,10 +63,10 @@ def randomize(module: torch.nn.Module, seed: int) -> None:
             p.copy_(1 + 0.1 * noise if is_gain else noise * min(0.2, p[0].numel() ** -0.5 if p.ndim > 1 else 0.1))
 
 
-def write_vae(out: Path, variant: str, seed: int) -> None:
+def write_vae(out: Path, variant: str, seed: int, full: bool = False) -> None:
     from diffusers import AutoencoderKLWan
 
-    dims = dict(base_dim=8) if variant == "wan2.1" else dict(base_dim=8, decoder_base_dim=12)
+    dims = {} if full else dict(base_dim=8) if variant == "wan2.1" else dict(base_dim=8, decoder_base_dim=12)
     model = AutoencoderKLWan(**{**VARIANTS[variant], **dims})
     randomize(model, seed)
     folder = out / variant
@@ -105,12 +109,13 @@ def write_umt5(out: Path, seed: int) -> None:
     torch.save(state, folder / "models_t5_umt5-xxl-enc-bf16.pth")
 
 
-def write_clip(out: Path, seed: int) -> None:
+def write_clip(out: Path, seed: int, full: bool = False) -> None:
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
     folder = out / "clip"
-    config = CLIPVisionConfig(**{**VIT_H_14, "hidden_size": 160, "intermediate_size": 320, "num_hidden_layers": 3,
-                                 "num_attention_heads": 2, "projection_dim": 24})
+    small = {"hidden_size": 160, "intermediate_size": 320, "num_hidden_layers": 3, "num_attention_heads": 2,
+             "projection_dim": 24}
+    config = CLIPVisionConfig(**{**VIT_H_14, **({} if full else small)})
     model = CLIPVisionModelWithProjection(config)
     randomize(model, seed)
     model.save_pretrained(folder / "image_encoder", safe_serialization=True)
@@ -122,19 +127,22 @@ def write_clip(out: Path, seed: int) -> None:
                folder / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="output folder (created)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    args = parser.parse_args()
+    parser.add_argument("--size", choices=["tiny", "full"], default="tiny",
+                        help="full: VAEs and CLIP at their released widths (benchmarks); umT5 stays tiny")
+    args = parser.parse_args(argv)
+    full = args.size == "full"
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_vae(args.out, "wan2.1", args.seed + 1)
-    write_vae(args.out, "wan2.2", args.seed + 2)
+    write_vae(args.out, "wan2.1", args.seed + 1, full)
+    write_vae(args.out, "wan2.2", args.seed + 2, full)
     write_umt5(args.out, args.seed + 3)
-    write_clip(args.out, args.seed + 4)
-    (args.out / "README.json").write_text(json.dumps({"tiny": True, "seed": args.seed}) + "\n")
-    print(f"tiny checkpoints written to {args.out}")
+    write_clip(args.out, args.seed + 4, full)
+    (args.out / "README.json").write_text(json.dumps({"tiny": not full, "size": args.size, "seed": args.seed}) + "\n")
+    print(f"{args.size} checkpoints written to {args.out}")
 
 
 if __name__ == "__main__":

@@ -36,3 +36,31 @@ def libero_root(tmp_path_factory) -> Path:
 def libero_v3_root(tmp_path_factory) -> Path:
     """The LIBERO content in the LeRobot v3.0 layout (multi-episode parquet and mp4 files)."""
     return make_sample(tmp_path_factory.mktemp("data") / "libero_v3", "libero-v3")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (moto's standalone server) on localhost, one per test session."""
+    from tests.s3 import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3") / "server.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch, request) -> str:
+    """A fresh bucket on the session's S3 server, with the AWS_* variables pointing at it for this test (and the
+    processes it starts); returns its s3:// URL."""
+    import re
+    import uuid
+
+    from shardformat.storage import ShardStore
+
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):  # the machine's own would win
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    bucket = f"{re.sub(r'[^a-z0-9]+', '-', request.node.name.lower())[:40].strip('-')}-{uuid.uuid4().hex[:8]}"
+    ShardStore(f"s3://{bucket}").fs.mkdir(bucket)
+    return f"s3://{bucket}"

@@ -1,4 +1,5 @@
-"""The §3.6 training mask: a slice-by-slice transcription of the table vs the vectorised mask."""
+"""The training attention mask (docs/REFERENCE.md#8-attention-mask): a slice-by-slice transcription of the table vs
+the vectorised mask."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from train.attention import TokenLayout, count_allowed_pairs, dense_mask, flex_b
 
 
 def table_mask(lay: TokenLayout) -> torch.Tensor:
-    """dreamzero_model.md §3.6, written as slice assignments over [C | N | A | S]."""
+    """docs/REFERENCE.md#8-attention-mask, written as slice assignments over [C | N | A | S]."""
     fs, nfpb, A, S, W = (lay.frame_seqlen, lay.num_frame_per_block, lay.num_action_per_block,
                          lay.num_state_per_block, lay.local_attn_size)
     K, V = lay.num_blocks, lay.video_len
@@ -51,7 +52,7 @@ def test_mask_matches_table(name):
 
 
 def test_spec_pair_counts():
-    # dreamzero_model.md §3.6: (q,k) pairs per layer
+    # allowed (query, key) pairs per layer (docs/REFERENCE.md#8-attention-mask)
     assert LAYOUTS["5b-libero"].seq_len == 968 and count_allowed_pairs(LAYOUTS["5b-libero"]) == 272_092
     assert LAYOUTS["5b-droid"].seq_len == 1000 and count_allowed_pairs(LAYOUTS["5b-droid"]) == 286_204
     big = TokenLayout(9, 880, 2, 24, 1, 9)

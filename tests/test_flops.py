@@ -1,4 +1,5 @@
-"""FLOPs per sample vs dreamzero_model.md §0/§7 and vs torch's FlopCounterMode on the tiny model."""
+"""FLOPs per sample vs the reference's table (docs/REFERENCE.md#11-sizes-and-flops) and vs torch's FlopCounterMode
+on the tiny model."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Flow-matching schedule, timestep sampling and loss (dreamzero_model.md §4)."""
+"""Flow-matching schedule, timestep sampling and loss (docs/REFERENCE.md#9-flow-matching-loss-and-schedule)."""
 
 import math
 
@@ -43,7 +43,7 @@ def test_timestep_distribution():
 
 
 def _loss_by_hand(model, batch, sched, seed, ids, cfg):
-    """§4.3/§4.4 written out for one call with the same random stream as flow_matching_loss."""
+    """The reference loss written out for one call with the same random stream as flow_matching_loss."""
     g = torch.Generator().manual_seed(seed)
     z, a = batch.latents, batch.actions
     aid = action_ids(ids, 2, model.cfg.num_action_per_block)
@@ -82,7 +82,7 @@ def test_loss_matches_spec_formula_and_quirk():
         fixed = flow_matching_loss(model, batch, sched, LossConfig(action_loss_over_all_dims=False),
                                    torch.Generator().manual_seed(7), ids)[1]
         assert math.isclose(quirk["loss_action"].item() / fixed["loss_action"].item(), 7 / 32, rel_tol=1e-5)
-        batch.has_real_action[0] = False  # per-sample multiplier (O's broadcast needs B == 1)
+        batch.has_real_action[0] = False  # per-sample multiplier (the official broadcast needs B == 1)
         half = flow_matching_loss(model, batch, sched, LossConfig(), torch.Generator().manual_seed(7), ids)[1]
         assert 0 < half["loss_action"] < quirk["loss_action"]
 

@@ -70,7 +70,7 @@ def test_i2v_tiny_uses_y():
 
 
 def test_block_causality():
-    """Noisy block i and action chunk i see clean blocks < i and their own block only (§3.6)."""
+    """Noisy block i and action chunk i see clean blocks < i and their own block only (REFERENCE.md, Attention mask)."""
     torch.manual_seed(0)
     model = _nonzero_head(build_model("tiny"))
     batch = random_batch(model.cfg, 1, (9, 4, 4), generator=torch.Generator().manual_seed(0))

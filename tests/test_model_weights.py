@@ -10,15 +10,15 @@ import torch
 from safetensors.torch import save_file
 
 from train.model import build_model
-from train.weights import (WeightsError, _allowed_absent, load_weights, prepare_state_dict, read_state_dict,
-                           save_weights)
+from train.weights import Checkpoint, WeightsError, _allowed_absent, load_weights, save_weights
 
-REF = Path("/work/shared/reference")
+ASSETS = Path(__file__).parent / "assets"
 
 
 def read_keys(name: str) -> dict[str, tuple[int, ...]]:
+    """The official DiT key list `tests/assets/<name>` (key, shape, dtype per line; derived from the model code)."""
     out = {}
-    for line in (REF / name).read_text().splitlines():
+    for line in (ASSETS / name).read_text().splitlines():
         if line and not line.startswith("#"):
             key, shape, _ = line.split("\t")
             out[key] = tuple(json.loads(shape.replace("(", "[").replace(")", "]").replace(",]", "]")))
@@ -37,7 +37,7 @@ def test_official_names_and_shapes_load_strictly(preset, keys_file, n_params, n_
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == keys
     model.load_state_dict(sd, strict=True, assign=True)
     assert sum(p.numel() for p in model.parameters()) == n_params
-    # what a Wan base lacks (spec §1.1): enc/dec for both, plus the CLIP branch for the ti2v 5B
+    # what a Wan base lacks (docs/REFERENCE.md#7-dit-token-layout-rope-and-timesteps): enc/dec for both, plus the CLIP branch for the ti2v 5B
     assert sum(math.prod(s) for k, s in keys.items() if _allowed_absent(model, k)) == n_new
 
 
@@ -92,7 +92,7 @@ def test_wan_base_cold_start_ti2v(tmp_path, caplog):
     (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
     torch.save({}, tmp_path / "Wan2.2_VAE.pth")  # other files in a Wan folder are not read
-    assert len(read_state_dict(tmp_path)) == len(base)
+    assert len(Checkpoint(tmp_path).shapes) == len(base)
 
     dst = build_model("tiny")
     with torch.no_grad():
@@ -133,12 +133,14 @@ def test_shape_mismatch_names_key(tmp_path):
         load_weights(build_model("tiny"), tmp_path / "bad.safetensors")
 
 
-def test_prepare_state_dict_for_a_meta_model(tmp_path):
-    """The trainer builds the model on meta / shards it; names and shapes are checked without memory."""
-    save_weights(_tiny(), tmp_path / "export")
-    with torch.device("meta"):
-        meta = build_model("tiny")
-    sd, report = prepare_state_dict(meta, tmp_path / "export")
-    assert set(sd) == set(meta.state_dict()) and all(v.device.type == "cpu" for v in sd.values())
-    meta.load_state_dict(sd, strict=True, assign=True)
-    assert next(meta.parameters()).device.type == "cpu"
+def test_missing_and_unexpected_keys_are_named_with_counts(tmp_path):
+    sd = _tiny().state_dict()
+    del sd["blocks.0.ffn.0.weight"], sd["blocks.1.ffn.0.weight"]
+    sd["blocks.0.self_attn.q.base_layer.weight"] = torch.zeros(1)  # an unmerged LoRA's name
+    save_file(sd, str(tmp_path / "peft.safetensors"))
+    with pytest.raises(WeightsError) as err:
+        load_weights(build_model("tiny"), tmp_path / "peft.safetensors")
+    assert str(err.value) == (
+        f"{tmp_path / 'peft.safetensors'} (export): 2 model keys missing, e.g. ['blocks.0.ffn.0.weight', "
+        "'blocks.1.ffn.0.weight']; 1 keys the model does not have, e.g. ['blocks.0.self_attn.q.base_layer.weight']; "
+        "PEFT/LoRA names: merge the LoRA into the base weights first")

@@ -1,4 +1,4 @@
-"""Prompt templates (spec §5), instruction parsing and the umT5 text cleaning."""
+"""Prompt templates (docs/REFERENCE.md#4-prompts), instruction parsing and the umT5 text cleaning."""
 
 from preprocess.embodiments import get_embodiment
 from preprocess.lerobot import LeRobotDataset

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from preprocess.check import check
-from preprocess.members import decode_members
-from preprocess.write import iter_tar_samples, sha256_file
+from preprocess.write import iter_tar_samples
+from shardformat.files import sha256_file
+from shardformat.members import decode_members
 from tests.conftest import ROOT
 
 FAST = ["--anchor-stride", "16", "--samples-per-shard", "4", "--episodes-per-unit", "2", "--batch-size", "2"]

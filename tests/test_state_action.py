@@ -1,4 +1,4 @@
-"""Slicing, relative actions, q99 normalization and padding (spec §4)."""
+"""Slicing, relative actions, q99 normalization and padding (docs/REFERENCE.md#5-state-action-and-normalization)."""
 
 import numpy as np
 import pytest
@@ -8,11 +8,11 @@ from preprocess.embodiments import get_embodiment
 from preprocess.errors import DatasetError
 from preprocess.lerobot import LeRobotDataset
 from preprocess.state_action import (
-    MAX_ACTION_DIM, MAX_STATE_DIM, columns_for, model_state_action, normalize_q99, pad_with_mask, slice_keys,
-    unnormalize_q99, window_state_action,
+    MAX_ACTION_DIM, MAX_STATE_DIM, columns_for, model_state_action, slice_keys, window_state_action,
 )
 from preprocess.stats import build_metadata
 from preprocess.windows import episode_windows
+from shardformat.stats import normalize_q99, pad_with_mask, unnormalize_q99
 
 
 def test_normalize_q99_values():

@@ -1,14 +1,17 @@
-"""metadata.json statistics against a direct numpy computation on the sample datasets (spec §4.3, §4.4)."""
+"""metadata.json statistics against a direct numpy computation on the sample datasets."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from preprocess.__main__ import main
 from preprocess.embodiments import get_embodiment
 from preprocess.stats import build_metadata, merge_metadata
 
@@ -128,3 +131,42 @@ def test_wrong_embodiment_is_a_clear_error(libero_root):
 
     with pytest.raises(DatasetError, match="joint_position"):
         build_metadata([libero_root], get_embodiment("oxe_droid"))
+
+
+def corrupt_droid(src: Path, dst: Path) -> Path:
+    """A copy of the sample DROID dataset with two bad episodes: a NaN in episode 0's state, and episode 3's parquet
+    ten rows shorter than meta/ says."""
+    shutil.copytree(src, dst)
+    nan = dst / "data/chunk-000/episode_000000.parquet"
+    table = pq.read_table(nan)
+    column = table.schema.get_field_index("observation.state")
+    state = table.column(column).to_pylist()
+    state[5][3] = float("nan")
+    field = table.schema.field(column)
+    pq.write_table(table.set_column(column, field, pa.array(state, field.type)), nan)
+    short = dst / "data/chunk-000/episode_000003.parquet"
+    pq.write_table(pq.read_table(short).slice(0, 123), short)  # meta says 133
+    return dst
+
+
+def assert_good_episode_statistics(metadata: dict, root: Path, good: list[int]) -> None:
+    """State and relative-action statistics equal a direct computation over the `good` episodes only."""
+    state_eps = [parquet_columns(root, "observation.state")[i] for i in good]
+    action_eps = [parquet_columns(root, "action")[i] for i in good]
+    stats = metadata["oxe_droid"]["statistics"]
+    assert_stats(stats["state"]["joint_position"], direct(np.concatenate(state_eps).astype(np.float32)[:, 7:14]))
+    relative = [a[i + k, 14:21] - s[i, 7:14] for s, a in zip(state_eps, action_eps)
+                for i in range(len(s) - 23) for k in range(24)]
+    assert_stats(stats["action"]["joint_position"], direct(np.array(relative)))
+
+
+def test_stats_cli_reports_and_leaves_out_bad_episodes(droid_root, tmp_path, capsys):
+    src = corrupt_droid(droid_root, tmp_path / "bad")
+    out = tmp_path / "metadata.json"
+    main(["stats", "--src", str(src), "--embodiment", "oxe_droid", "--out", str(out)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped")]
+    assert lines == [f"skipped {src / 'data/chunk-000/episode_000000.parquet'}: episode 0: column 'observation.state' "
+                     f"holds NaN or inf",
+                     f"skipped {src / 'data/chunk-000/episode_000003.parquet'}: episode 3: parquet has 123 rows, meta "
+                     f"says length 133"]
+    assert_good_episode_statistics(json.loads(out.read_text()), src, [1, 2])

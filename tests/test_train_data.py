@@ -1,7 +1,9 @@
-"""Trainer data path on synthetic shards written by the project's writer: order, equal shares, resume, decoding."""
+"""Trainer data path on synthetic shards written by the project's writer: order, weights, equal shares, resume,
+verified reads, decoding."""
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,10 +13,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from preprocess.check import check
-from preprocess.state_action import normalize_q99, pad_with_mask
+from shardformat.stats import normalize_q99, pad_with_mask
 from train.config import DataConfig
-from train.data import (ShardIndex, ShardLoader, SampleReader, batch_windows, batches_per_epoch, collate,
-                        window_name)
+from shardformat.keys import parse_key
+from shardformat.manifest import ShardFormatError
+from shardformat.shard import ShardRecord, json_path
+from train.data import (ShardIndex, ShardLoader, SampleReader, batch_positions, batches_per_epoch, collate,
+                        epoch_order)
 from train.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +32,8 @@ TINY = preset("tiny")
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    """25 windows x 2 variants in shards of 7 (the last one short), 5 synthetic episodes."""
+    """25 windows x 2 variants in shards of 7 (the last one short), 5 synthetic episodes; each episode's first and last
+    windows have anchor multiplicity 3 and 2, so an anchor-weighted epoch visits 5 x 8 = 40 windows."""
     out = tmp_path_factory.mktemp("shards") / "tiny"
     synthetic.make_synthetic_shards(out, "tiny", episodes=5, windows_per_episode=5, augment_variants=2,
                                     samples_per_shard=7, seed=3)
@@ -50,7 +56,7 @@ def test_synthetic_shards_pass_the_integrity_check(shards):
     index = ShardIndex(shards)
     assert len(index) == 25
     assert all(len(w.variants) == 2 for w in index.windows)
-    assert window_name("droid-e000012-s00034-v1") == "droid-e000012-s00034"
+    assert index.weights("anchor").tolist() == [3, 1, 1, 1, 2] * 5 and index.weights("uniform").tolist() == [1] * 25
 
 
 def test_epoch_split_is_disjoint_equal_and_seeded():
@@ -58,16 +64,52 @@ def test_epoch_split_is_disjoint_equal_and_seeded():
     nb = batches_per_epoch(n, world, micro)
     assert nb == 6  # 25 windows -> 12 per rank -> 6 micro-batches; one window rests each epoch
     for epoch in range(2):
-        per_rank = [np.concatenate([batch_windows(n, 0, epoch * nb + b, r, world, micro)[1] for b in range(nb)])
+        order = epoch_order(np.ones(n, np.int64), 0, epoch)
+        per_rank = [np.concatenate([order[batch_positions(n, epoch * nb + b, r, world, micro)[1]] for b in range(nb)])
                     for r in range(world)]
         assert [len(p) for p in per_rank] == [12, 12]
         assert not set(per_rank[0]) & set(per_rank[1])
-    e0 = batch_windows(n, 0, 0, 0, world, micro)
-    assert e0[0] == 0 and np.array_equal(e0[1], batch_windows(n, 0, 0, 0, world, micro)[1])
-    assert batch_windows(n, 0, nb, 0, world, micro)[0] == 1
-    orders = {tuple(np.concatenate([batch_windows(n, s, e * nb + b, 0, world, micro)[1] for b in range(nb)]))
-              for s in (0, 1) for e in (0, 1)}
+    assert batch_positions(n, 0, 0, world, micro)[0] == 0 and batch_positions(n, nb, 0, world, micro)[0] == 1
+    orders = {tuple(epoch_order(np.ones(n, np.int64), s, e)) for s in (0, 1) for e in (0, 1)}
     assert len(orders) == 4  # seed and epoch both change the permutation
+
+
+def test_anchor_sampling_visits_each_window_as_often_as_its_multiplicity():
+    """An epoch is a permutation of the multiset {window i, weights[i] times}: the reference shuffles all anchor rows
+    once per epoch, and weights[i] of them give window i. Uniform sampling is a plain permutation."""
+    weights = np.random.default_rng(0).integers(1, 4, 200)
+    visits = np.zeros_like(weights)
+    first_positions = []
+    for epoch in range(50):
+        order = epoch_order(weights, 7, epoch)
+        assert len(order) == weights.sum()
+        np.testing.assert_array_equal(np.bincount(order, minlength=len(weights)), weights)
+        visits += np.bincount(order, minlength=len(weights))
+        first_positions.append(order[0])
+    np.testing.assert_array_equal(visits, 50 * weights)
+    # the first position of an epoch is drawn in proportion to the weights: chi-square over 2000 epochs
+    draws = np.bincount([epoch_order(weights[:8], 1, e)[0] for e in range(2000)], minlength=8)
+    expected = 2000 * weights[:8] / weights[:8].sum()
+    assert ((draws - expected) ** 2 / expected).sum() < 24.3  # chi-square, 7 dof, p = 0.001
+    uniform = epoch_order(np.ones(200, np.int64), 7, 3)
+    np.testing.assert_array_equal(np.sort(uniform), np.arange(200))
+    np.testing.assert_array_equal(uniform, np.random.default_rng([7, 3]).permutation(200))
+
+
+def test_loader_draws_windows_by_anchor_multiplicity(shards):
+    """Both ranks of one anchor-weighted epoch together visit each window as often as its multiplicity (40 visits,
+    10 micro-batches of 2 per rank: nothing rests); --data.sampling uniform visits each window once (one rests)."""
+    index = ShardIndex(shards)
+    visits = np.zeros(len(index), np.int64)
+    for rank in range(2):
+        loader = _loader(shards, rank=rank)
+        assert (loader.epoch_length, loader.batches_per_epoch) == (40, 10)
+        for batch in _take(iter(loader), loader.batches_per_epoch):
+            np.add.at(visits, batch["window"].numpy(), 1)
+    np.testing.assert_array_equal(visits, index.weights("anchor"))
+    uniform = np.concatenate([b["window"].numpy() for rank in range(2)
+                              for b in _take(iter(_loader(shards, rank=rank, sampling="uniform")), 6)])
+    assert len(uniform) == len(set(uniform.tolist())) == 24
 
 
 def test_order_is_independent_of_workers_and_resume_is_exact(shards):
@@ -124,6 +166,12 @@ def test_world_size_change_is_refused_unless_reshuffle(shards):
     single = _loader(shards, world=1, reshuffle_on_resize=True)
     single.load_state_dict(state)
     assert single.next_batch == single.batches_per_epoch  # the next epoch's permutation, under the new world size
+    with pytest.raises(SystemExit, match="anchor sampling of 40 visits"):
+        _loader(shards, sampling="uniform").load_state_dict(state)
+    before_weights = {k: v for k, v in state.items() if k not in ("sampling", "epoch_length")}  # an older checkpoint
+    uniform = _loader(shards, sampling="uniform")
+    uniform.load_state_dict(before_weights)
+    assert uniform.next_batch == 3
 
 
 def test_batch_is_normalized_padded_and_text_is_a_table_row(shards):
@@ -172,3 +220,55 @@ def test_model_config_takes_widths_from_the_shards_and_overrides_depth(shards):
     assert (base.text_dim, base.image_dim) == (32, 24)  # tiny synthetic shards: 32-wide text, 24-wide CLIP
     assert {k: v for k, v in vars(deeper).items() if k != "num_layers"} == {
         k: v for k, v in vars(base).items() if k != "num_layers"}
+
+
+def test_trainer_data_imports_no_preprocessing_code():
+    probe = ("import train.data, sys; bad = sorted(m for m in sys.modules if m.startswith('preprocess') or "
+             "m == 'pyarrow'); assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _flip_member_byte(root: Path, member: str) -> tuple[str, str]:
+    """Flip one byte inside `member` of the first sample of shard 0 (tar and its JSON otherwise intact)."""
+    shard = root / "shard-000000.tar"
+    sample = ShardRecord.read(json_path(shard)).samples[0]
+    ref = next(m for m in sample.members if m.name == member)
+    data = bytearray(shard.read_bytes())
+    data[ref.offset + ref.size // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return shard, sample.key
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_flipped_byte_stops_training_with_the_member_named(shards, tmp_path, workers):
+    import shutil
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(shards, corrupt)
+    shard, key = _flip_member_byte(corrupt, "clip.npy")
+    message = f"{shard}: sample {key}: member clip.npy checksum mismatch (corrupt shard)"
+    index = ShardIndex(corrupt)
+    reader = SampleReader(index, TINY)
+    with pytest.raises(ShardFormatError) as err:
+        reader.raw(0, key)
+    assert str(err.value) == message
+    reader.close()
+    loader = _loader(corrupt, workers=workers, variant=parse_key(key).variant)
+    with pytest.raises(SystemExit) as stop:
+        _take(iter(loader), 40)  # 4 epochs of rank 0: the corrupt sample's window comes up (at the latest) there
+    assert str(stop.value) == message
+
+
+def test_old_or_edited_manifests_are_refused_in_one_line(shards, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(shards, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "format": "wampipe-shards/1"}))
+    with pytest.raises(SystemExit, match=r"format 'wampipe-shards/1', this code reads 'wampipe-shards/2': rebuild"):
+        _loader(old)
+    (old / "manifest.json").write_text(json.dumps({**manifest, "seed": manifest["seed"] + 1}))
+    with pytest.raises(SystemExit, match="content_sha256 does not match the content"):
+        _loader(old)

@@ -1,12 +1,14 @@
 """End to end: `torchrun --nproc-per-node=2 train/main.py --preset tiny` on CPU (gloo) over synthetic shards.
 
-One uninterrupted run and one run killed with SIGKILL and resumed, both in deterministic mode: the loss falls, the
-resumed run reproduces the uninterrupted losses exactly, both ranks take the same number of steps over uneven shards
-(25 windows: one rests each epoch, the last shard holds 4 samples), and the exported weights load back strictly.
+One uninterrupted run, and one run preempted with SIGTERM, resumed, killed with SIGKILL and resumed again, all in
+deterministic mode: the loss falls, the interrupted run logs exactly the uninterrupted rows (one per step), both
+ranks take the same number of steps over uneven shards, no rank outlives a SIGKILLed torchrun, and the exported
+weights load back strictly. A resume with more --steps continues the cosine from its step.
 """
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,9 @@ import torch
 
 from tests.test_train_data import synthetic
 from train.checkpoint import complete_checkpoints
+from train.config import OptimConfig
 from train.model import build_model
+from train.optim import lr_factor, warmup_steps
 from train.weights import load_weights
 
 pytestmark = pytest.mark.slow
@@ -33,9 +37,9 @@ def shards(tmp_path_factory) -> Path:
     return out
 
 
-def _command(shards: Path, run_dir: Path) -> list[str]:
+def _command(shards: Path | None, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(shards),
+            str(ROOT / "train" / "main.py"), "--preset", "tiny", *(["--data.shards", str(shards)] if shards else []),
             "--checkpoint.dir", str(run_dir), "--steps", str(STEPS), "--checkpoint.interval", "8",
             "--metrics.interval", "1", "--metrics.no-progress", "--metrics.no-tensorboard",
             "--parallel.deterministic", "--checkpoint.export-dtype", "float32"]
@@ -46,14 +50,15 @@ def _env():
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    """step -> loss; a step logged twice (before a kill and after the resume) keeps its last value."""
+    """step -> loss of the rows logged so far (while the run writes, its last line may be torn)."""
     out = {}
     path = run_dir / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                out[record["step"]] = record["loss"]
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        out[record["step"]] = record["loss"]
     return out
 
 
@@ -72,7 +77,7 @@ def test_loss_falls_and_ranks_take_equal_steps(full_run):
     summaries = [json.loads((full_run / f"summary-rank{r:05d}.json").read_text()) for r in range(2)]
     assert [s["steps"] for s in summaries] == [STEPS, STEPS]
     assert [s["next_batch"] for s in summaries] == [STEPS, STEPS]
-    assert summaries[0]["epoch"] == 4  # 6 micro-batches per epoch and rank: the run crossed 4 epoch ends
+    assert summaries[0]["epoch"] == 2  # 40 anchor-weighted visits = 10 micro-batches per epoch and rank
     assert [s for s, _ in complete_checkpoints(full_run)] == [8, 16, 24]
 
 
@@ -85,19 +90,91 @@ def test_exported_weights_load_back_strictly(full_run):
     assert not torch.equal(model.head.head.weight, fresh)  # zero-initialised head moved during training
 
 
-def test_sigkill_and_resume_reproduce_the_losses(shards, full_run, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(_command(shards, run_dir), env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _start(shards: Path, run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen(_command(shards, run_dir), env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while max(_losses(run_dir), default=0) < 10 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    killed_at = max(_losses(run_dir))
-    assert killed_at < STEPS and complete_checkpoints(run_dir)[-1][0] == 8
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
+    deadline = time.monotonic() + 300
+    while max(_losses(run_dir), default=0) < step and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (ranks, loader workers), from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, todo = set(), [pid]
+    while todo:
+        pid = todo.pop()
+        kids = {p for p, parent in parents.items() if parent == pid}
+        found |= kids
+        todo += kids
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def test_sigterm_sigkill_and_resume_reproduce_the_losses(shards, full_run, tmp_path):
+    run_dir = tmp_path / "run"
+    # SIGTERM to torchrun (as a scheduler sends before preemption): both ranks save the step they are at, exit cleanly
+    proc = _start(shards, run_dir)
+    _wait_for_step(proc, run_dir, 10)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    preempted_at = max(_losses(run_dir))
+    assert complete_checkpoints(run_dir)[-1][0] == preempted_at > 10  # not the interval's step 8
+    summaries = [json.loads((run_dir / f"summary-rank{r:05d}.json").read_text()) for r in range(2)]
+    assert [(s["preempted"], s["last_step"]) for s in summaries] == [(True, preempted_at)] * 2
+
+    # SIGKILL to torchrun only: its ranks (own sessions) must die with it, loader workers after them
+    proc = _start(shards, run_dir)
+    _wait_for_step(proc, run_dir, 18)
+    workers = _descendants(proc.pid)
+    assert len(workers) >= 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while _alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(workers), "processes of the killed run still running"
+    assert complete_checkpoints(run_dir)[-1][0] == 16 and max(_losses(run_dir)) > 16
+
     subprocess.run(_command(shards, run_dir), check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=600)
-    assert _losses(run_dir) == _losses(full_run)
+    assert [(r["step"], r["loss"]) for r in _rows(run_dir)] == [(r["step"], r["loss"]) for r in _rows(full_run)]
+
+
+def test_resume_with_more_steps_continues_the_cosine_without_warmup(shards, full_run, tmp_path):
+    """Also without --data.shards: the trainer reads `make shards`' output, shards/droid of the working directory."""
+    shutil.copytree(shards, tmp_path / "shards" / "droid")
+    run_dir = tmp_path / "run"
+    shutil.copytree(full_run, run_dir)
+    cmd = _command(None, run_dir) + ["--steps", "40", "--stop-after", "2"]
+    subprocess.run(cmd, check=True, env=_env(), cwd=tmp_path, capture_output=True, timeout=600)
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 3))
+    warmup = warmup_steps(OptimConfig(warmup_ratio=0.05), STEPS)  # fixed when the run started
+    # the first resumed step runs at the new curve's lr over 40 steps, not at the finished run's last lr (0)
+    assert [r["lr"] for r in rows[STEPS:]] == pytest.approx([1e-2 * lr_factor(s, warmup, 40) for s in (24, 25)])
+    assert rows[STEPS]["lr"] > 0.3e-2

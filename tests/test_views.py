@@ -23,7 +23,7 @@ def distinct_views(v: int, t: int, h: int, w: int) -> np.ndarray:
 
 
 def test_eval_crop_boxes():
-    assert eval_params(180, 320) == {"crop": [4, 8, 171, 304], "jitter": None}  # 171x304 (spec §3.1); round(4.5) = 4
+    assert eval_params(180, 320) == {"crop": [4, 8, 171, 304], "jitter": None}  # DROID crop 171x304; round(4.5) = 4
     assert eval_params(256, 256)["crop"] == [6, 6, 243, 243]
 
 

@@ -1,4 +1,5 @@
-"""Window index patterns and anchor multiplicities against dreamzero_data.md §2.2 and RLinf's rule (§2.1)."""
+"""Window index patterns and anchor multiplicities against the reference's table and RLinf's multi-anchor rule
+(docs/REFERENCE.md#2-windows-and-anchor-sampling)."""
 
 from collections import Counter
 
@@ -8,7 +9,8 @@ import pytest
 from preprocess.embodiments import EMBODIMENTS, get_embodiment
 from preprocess.windows import episode_windows, rlinf_sample, window_at
 
-# Spec §2.2, copied literally: video offsets, action rows, state rows, full windows per episode = L - extent.
+# The reference's patterns (docs/REFERENCE.md#2-windows-and-anchor-sampling), written out: video offsets, action
+# rows, state rows, full windows per episode = L - extent.
 SPEC = {
     "oxe_droid": (list(range(0, 97, 3)), 96, [0, 24, 48, 72], 96),
     "libero_sim": ([0, 3, 6, 9, 12, 15, 16, 18, 19, 21, 22, 25, 28, 31, 32, 34, 35, 37, 38, 41, 44, 47, 48, 50, 51,
@@ -59,14 +61,14 @@ def test_weights_count_rlinf_anchors(tag):
 
 
 def test_droid_l200_example():
-    """Spec §2.2: DROID L=200 gives 104 distinct windows, 57 hit by one anchor, 47 by 2 or 3 (RLinf: 3)."""
+    """DROID L=200 gives 104 distinct windows, 57 hit by one anchor, 47 by 2 or 3 (RLinf: 3)."""
     windows = episode_windows(200, get_embodiment("oxe_droid").window)
     assert len(windows) == 104
     assert Counter(w.weight for w in windows) == {1: 57, 3: 47}
 
 
 def test_droid_short_episodes_valid_anchors():
-    """Spec §2.3: RLinf keeps 5 of 97 anchors at L=97 and 118 of 120 at L=120."""
+    """RLinf keeps 5 of 97 anchors at L=97 and 118 of 120 at L=120."""
     pattern = get_embodiment("oxe_droid").window
     assert sum(w.weight for w in episode_windows(97, pattern)) == 5
     assert sum(w.weight for w in episode_windows(120, pattern)) == 118
@@ -83,7 +85,7 @@ def test_droid_rlinf_is_aligned():
 
 
 def test_libero_misalignment_is_not_reproduced():
-    """Spec §8: RLinf LIBERO, L=200, f=163 pairs video a0=115 with actions/states a0=131; our window 115 is aligned."""
+    """RLinf LIBERO, L=200, f=163 pairs video a0=115 with actions/states a0=131; our window 115 is aligned."""
     pattern = get_embodiment("libero_sim").window
     s = rlinf_sample(163, 200, pattern)
     assert (s.video[0], s.action[0], s.state[0]) == (115, 131, 131)

@@ -1,4 +1,4 @@
-"""DreamZero's teacher-forcing attention mask (dreamzero_model.md §3.6) and the two kernels that apply it.
+"""DreamZero's teacher-forcing attention mask (docs/REFERENCE.md#8-attention-mask) and the two kernels that apply it.
 
 The DiT sequence is four streams laid end to end:
 
@@ -74,7 +74,8 @@ class TokenLayout:
 
 
 def allowed(sq, bq, fq, sk, bk, fk, nfpb: int, window: int):
-    """§3.6 table as elementwise tensor logic (broadcasts; also valid inside a flex mask_mod)."""
+    """The table of docs/REFERENCE.md#8-attention-mask as elementwise tensor logic (broadcasts; also valid inside a
+    flex mask_mod)."""
     # clean stream: frame 0 sees itself; block β sees frame 0 and clean blocks ≤ β inside the window
     clean_end = 1 + (bq + 1) * nfpb
     lo = torch.clamp(clean_end - window, min=1) if window > 0 else torch.ones_like(clean_end)
@@ -116,7 +117,7 @@ def flex_block_mask(layout: TokenLayout, device, compile: bool | None = None, lo
     """FlexAttention BlockMask for `layout` (B and H broadcast).
 
     The kernel evaluates the mask_mod inside partially masked tiles: with `lookup` (default) one load from a
-    precomputed dense [L, L] bool mask, else the §3.6 expression on per-token attributes (fwd+bwd 55 % slower at
+    precomputed dense [L, L] bool mask, else the `allowed` expression on per-token attributes (fwd+bwd 55 % slower at
     the 5B layout, 15 % at 14B on an H200: docs/PERFORMANCE.md, scripts/bench_attention.py).
 
     `compile` (default: only for the expression on CUDA) builds the mask with a compiled kernel. The lookup is a
@@ -145,8 +146,8 @@ def flex_block_mask(layout: TokenLayout, device, compile: bool | None = None, lo
 
 
 def make_attention_mask(layout: TokenLayout, device, backend: str = "auto", **flex_options):
-    """The §3.6 mask for an attention backend: a FlexAttention BlockMask ('flex', `flex_block_mask` options) or the
-    dense bool mask for SDPA ('dense'); 'auto' = flex on CUDA, dense elsewhere."""
+    """The teacher-forcing mask for an attention backend: a FlexAttention BlockMask ('flex', `flex_block_mask`
+    options) or the dense bool mask for SDPA ('dense'); 'auto' = flex on CUDA, dense elsewhere."""
     device = torch.device(device)
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "dense"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import torch
 import tyro
 
 from train.loss import LossConfig
@@ -22,16 +23,25 @@ from train.loss import LossConfig
 class DataConfig:
     """Shard loading (train/data.py)."""
 
-    shards: Path | None = None
-    """Shard directory holding manifest.json (python -m preprocess shards / scripts/make_synthetic_shards.py)."""
+    shards: str | None = None
+    """Shard directory holding manifest.json (python -m preprocess shards / scripts/make_synthetic_shards.py): a
+    path or a URL (s3://bucket/prefix; endpoint and credentials from the AWS_* variables, docs/FORMAT.md)."""
+    cache_dir: Path | None = None
+    """Local folder for whole-file copies of remote shards: each shard is downloaded whole on its first read and
+    read from disk after, so it needs room for the dataset (and the text table lands here). None = one ranged
+    request per sample, straight to the object store. Ignored for local shards."""
     micro_batch_size: int = 1
-    """Samples per rank per forward/backward."""
+    """Samples per rank per forward/backward; 0 = auto, chosen with the recompute mode for the GPUs
+    (train/config.py resolve_auto; the 5B and 14B presets' default), keeping the global batch."""
     num_workers: int = 2
     """Loader worker processes per rank (0 = load in the training process)."""
     prefetch_factor: int = 2
     """Batches each worker loads ahead."""
     seed: int = 0
     """Seed of the per-epoch sample permutation and of the per-visit prompt / variant draws."""
+    sampling: Literal["anchor", "uniform"] = "anchor"
+    """anchor: each epoch visits every window as often as the reference's sampler, which shuffles all anchor rows,
+    draws it (its anchor multiplicity: episode starts and ends 2-3x); uniform: every window once per epoch."""
     reshuffle_on_resize: bool = False
     """Allow resuming with a different world size: the data position restarts at the next epoch's permutation."""
     variant: int = -1
@@ -55,14 +65,16 @@ class ModelConfig:
     """Override the preset's block count (0 = the preset's): a shallower real-width model for debugging and
     benchmarks on fewer GPUs. Weights from --model.init-from must match."""
     init_from: Path | None = None
-    """Weights to start from (DreamZero checkpoint, Wan base or our export); None = the reference's random init."""
+    """Weights to start from (DreamZero checkpoint folder, Wan base or our export; train/weights.py); each rank
+    reads only its own shard's rows. None = random init (the references start from a Wan base or a DreamZero
+    checkpoint: docs/DIFFERENCES.md)."""
     init_device: Literal["cpu", "meta"] = "cpu"
     """cpu: build and init the full model on every rank (identical init from the seed), then shard;
-    meta: build on the meta device, shard, then init on the GPU shards (large models)."""
+    meta: build on the meta device, shard, then init (or load --model.init-from) on the GPU shards (large models)."""
     attention: Literal["auto", "flex", "dense"] = "auto"
     """Attention kernel: flex on CUDA, dense SDPA elsewhere (auto)."""
     flex_mask: Literal["attrs", "lookup"] = "lookup"
-    """How FlexAttention evaluates the mask in partial tiles: the §3.6 expression on token attributes, or a lookup
+    """How FlexAttention evaluates the mask in partial tiles: the mask expression on token attributes (docs/REFERENCE.md#8-attention-mask), or a lookup
     in a precomputed dense [L, L] mask (scripts/bench_attention.py compares them)."""
     flex_block_size: int = 128
     """FlexAttention tile (BlockMask block size); smaller tiles would skip more masked pairs, but torch 2.11's
@@ -76,7 +88,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay (dreamzero_model.md §5)."""
+    """AdamW with linear warmup and cosine decay (docs/REFERENCE.md#10-optimizer-recipe)."""
 
     lr: float = 1e-5
     """Peak learning rate."""
@@ -94,6 +106,9 @@ class OptimConfig:
     """Final learning rate as a fraction of lr (cosine floor)."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 = no clipping)."""
+    skip_nonfinite: int = 0
+    """Optimizer steps with a non-finite loss or gradient norm to skip over the whole run (the step's batches are
+    dropped with a warning naming their samples); 0 = stop at the first (exit 1, nothing saved)."""
     fused: bool | None = None
     """Fused AdamW kernel; None = on for CUDA."""
 
@@ -108,8 +123,9 @@ class ParallelConfig:
     """Compute dtype of parameters inside forward/backward (FSDP2 MixedPrecisionPolicy); masters stay fp32."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Gradient reduce-scatter dtype."""
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
-    """Recompute per block: none, full (whole block) or selective (keep matmul/attention outputs)."""
+    activation_checkpoint: Literal["auto", "none", "full", "selective"] = "none"
+    """Recompute per block: none, full (whole block) or selective (keep matmul/attention outputs); auto = the
+    fastest measured setting that fits the GPUs (`resolve_auto`: the 5B/14B presets' default)."""
     ac_blocks: int = -1
     """How many blocks recompute (spread evenly over the depth); the others do --parallel.ac-others. -1 = all."""
     ac_others: Literal["none", "selective"] = "none"
@@ -121,8 +137,13 @@ class ParallelConfig:
     """Process group backend; auto = nccl with CUDA, else gloo."""
     deterministic: bool = False
     """Deterministic algorithms (bitwise-reproducible resume; slower on GPU)."""
-    reshard_after_forward: bool = True
-    """Free gathered block parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like)."""
+    reshard_after_forward: tyro.conf.DisallowNone[bool | None] = True
+    """Free gathered block parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like);
+    unset (None) = auto, as --parallel.activation-checkpoint auto."""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """Float8 matmuls in the DiT blocks' linears (torchao float8 training; pip install -e '.[fp8]'; CUDA compute
+    capability >= 8.9): tensorwise = one scale per tensor, FSDP all-gathers the weights in float8; rowwise = one
+    scale per row (closer to bf16, slower). Embeddings, head, encoders and norms stay bf16."""
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s of one device for MFU; 0 = detect (H100/H200: 989), unknown = no MFU."""
 
@@ -144,9 +165,13 @@ class CheckpointConfig:
     export: bool = True
     """Export consolidated weights (safetensors, official key names) at the end."""
     export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """dtype of the exported weights."""
+    """dtype of the exported weights (with --checkpoint.export-base holding weights: the base's dtypes instead)."""
     export_prefix: Literal["", "action_head.model."] = ""
     """Key prefix of the export: '' = plain DiT names; 'action_head.model.' = a DreamZero checkpoint layout."""
+    export_base: Path | None = None
+    """Official DreamZero checkpoint folder the run started from (config.json, experiment_cfg/conf.yaml, weights;
+    for a Wan-base start the first two alone): the export becomes an eval-ready folder in its layout with the
+    shards' statistics (train/export.py, docs/EVALUATION.md); checked at start-up. None = plain weights."""
 
 
 @dataclass
@@ -186,6 +211,9 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
+AUTO_MICRO = 0  # --data.micro-batch-size 0: resolved with the recompute mode (resolve_auto)
+
+
 def _preset(name: str, model: str, micro: int, global_batch: int, steps: int, lr: float, warmup_ratio: float,
             ac: str, compile: bool, init_device: str, interval: int, workers: int, **top) -> Config:
     return Config(
@@ -193,7 +221,9 @@ def _preset(name: str, model: str, micro: int, global_batch: int, steps: int, lr
         data=DataConfig(micro_batch_size=micro, num_workers=workers),
         model=ModelConfig(name=model, init_device=init_device),
         optim=OptimConfig(lr=lr, warmup_ratio=warmup_ratio),
-        parallel=ParallelConfig(global_batch_size=global_batch, activation_checkpoint=ac, compile=compile),
+        # an auto preset leaves resharding to resolve_auto too
+        parallel=ParallelConfig(global_batch_size=global_batch, activation_checkpoint=ac, compile=compile,
+                                reshard_after_forward=None if ac == "auto" else True),
         checkpoint=CheckpointConfig(dir=Path(f"checkpoints/{name}"), interval=interval),
     )
 
@@ -201,13 +231,51 @@ def _preset(name: str, model: str, micro: int, global_batch: int, steps: int, lr
 PRESETS: dict[str, Config] = {
     # CPU demo / tests: tiny DiT, high lr so the loss visibly falls within a few dozen steps
     "tiny": _preset("tiny", "tiny", 2, 0, 40, 1e-2, 0.05, "none", False, "cpu", 20, 1),
-    # RLinf's 5B LIBERO recipe: 32/GPU, global 256, 50k steps, warmup 5 %
-    "libero-5b": _preset("libero-5b", "5b-libero", 32, 256, 50_000, 1e-5, 0.05, "full", True, "meta", 500, 4),
-    # 5B DROID (RLinf target 176x320): global 256, warmup 1 %
-    "droid-5b": _preset("droid-5b", "5b", 32, 256, 50_000, 1e-5, 0.01, "full", True, "meta", 500, 4),
+    # RLinf's 5B LIBERO recipe: global 256, 50k steps, warmup 5 % (32/GPU with full recompute: RECIPES)
+    "libero-5b": _preset("libero-5b", "5b-libero", AUTO_MICRO, 256, 50_000, 1e-5, 0.05, "auto", True, "meta", 500, 4),
+    # 5B DROID (RLinf target 176x320): global 256, warmup 5 % as both references' 5B recipes
+    "droid-5b": _preset("droid-5b", "5b", AUTO_MICRO, 256, 50_000, 1e-5, 0.05, "auto", True, "meta", 500, 4),
     # 14B DROID: 1/GPU, global 8, 2000 steps, warmup 1 %
-    "droid-14b": _preset("droid-14b", "14b", 1, 8, 2_000, 1e-5, 0.01, "full", True, "meta", 200, 4),
+    "droid-14b": _preset("droid-14b", "14b", AUTO_MICRO, 8, 2_000, 1e-5, 0.01, "auto", True, "meta", 200, 4),
 }
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The parts of a configuration that `auto` resolves."""
+
+    ac: str
+    micro: int
+    reshard: bool
+
+    def describe(self) -> str:
+        recompute = "no recompute" if self.ac == "none" else f"{self.ac} recompute"
+        return f"{recompute}, micro-batch {self.micro}, {'' if self.reshard else 'no '}reshard after forward"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A setting measured to fit (scripts/bench_train.py, docs/PERFORMANCE.md) on `min_gpus` GPUs of `min_gib`
+    each; it also fits more GPUs (less sharded state per GPU) and larger ones."""
+
+    preset: str
+    min_gpus: int
+    min_gib: float
+    setting: Throughput
+    evidence: str
+
+
+# Fastest first. H100 80 GB cards report ~79 GiB, H200s ~140 GiB.
+MEASURED = [
+    Measured("libero-5b", 4, 75, Throughput("selective", 8, False),
+             "14.07 samples/s/GPU at 71 GiB on 4 H100, against 13.00 with the recipe's full recompute"),
+    Measured("libero-5b", 1, 135, Throughput("selective", 8, False), "14.6-15.0 samples/s at 117.5 GiB on 1 H200"),
+    Measured("droid-14b", 4, 135, Throughput("full", 1, True),
+             "0.255 samples/s/GPU at 126 GiB on 4 H200; selective recompute runs out of memory"),
+]
+# Where nothing was measured, and on CPU: the preset's batch recipe with full recompute, the safest (tiny: none).
+RECIPES = {"tiny": Throughput("none", 2, True), "libero-5b": Throughput("full", 32, True),
+           "droid-5b": Throughput("full", 32, True), "droid-14b": Throughput("full", 1, True)}
 
 
 def preset_config(name: str) -> Config:
@@ -216,8 +284,103 @@ def preset_config(name: str) -> Config:
     return copy.deepcopy(PRESETS[name])
 
 
+def _fitting_micro(micro: int, global_batch: int, world_size: int) -> int:
+    """The largest micro-batch <= `micro` that keeps the recipe's global batch (a whole number of micro-batches per
+    rank and step); `micro` itself when none does (the trainer then says why)."""
+    if not global_batch:
+        return micro
+    return next((m for m in range(micro, 0, -1) if global_batch % (m * world_size) == 0), micro)
+
+
+def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tuple[Config, str | None]:
+    """A copy of `cfg` whose auto parts (--parallel.activation-checkpoint auto, --data.micro-batch-size 0, unset
+    --parallel.[no-]reshard-after-forward) take the fastest MEASURED setting for the preset that fits `world_size`
+    GPUs of `gpu_mem_gib` each, else the preset's RECIPES entry (None = CPU: the recipe). Given parts are kept.
+    Returns the copy and one line saying what was chosen and why (None when nothing was auto)."""
+    p, d = cfg.parallel, cfg.data
+    auto = {"ac": p.activation_checkpoint == "auto", "micro": d.micro_batch_size == AUTO_MICRO,
+            "reshard": p.reshard_after_forward is None}
+    if not any(auto.values()):
+        return cfg, None
+    fits = [m for m in MEASURED if m.preset == cfg.preset and gpu_mem_gib is not None
+            and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib]
+    chosen = fits[0].setting if fits else RECIPES[cfg.preset]
+    gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
+    where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
+    why = (f"measured {fits[0].evidence}" if fits else
+           "the preset's recipe" if gpu_mem_gib is None else "nothing measured fits these GPUs: the preset's recipe")
+    out = copy.deepcopy(cfg)
+    if auto["ac"]:
+        out.parallel.activation_checkpoint = chosen.ac
+    if auto["reshard"]:
+        out.parallel.reshard_after_forward = chosen.reshard
+    if auto["micro"]:
+        out.data.micro_batch_size = _fitting_micro(chosen.micro, p.global_batch_size, world_size)
+    result = Throughput(out.parallel.activation_checkpoint, out.data.micro_batch_size,
+                        out.parallel.reshard_after_forward)
+    given = [{"ac": "recompute", "micro": "micro-batch", "reshard": "resharding"}[k] for k, a in auto.items() if not a]
+    batch = f", global batch {p.global_batch_size}" if p.global_batch_size else ""
+    return out, (f"auto settings for {cfg.preset} on {where}: {result.describe()}{batch} ({why})"
+                 + (f"; given: {', '.join(given)}" if given else ""))
+
+
+def device_memory_gib(device: torch.device) -> float | None:
+    """Total memory of a CUDA device in GiB (what resolve_auto sizes by); None for any other device."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / 2**30
+
+
+DEFAULT_SHARDS = Path("shards/droid")  # where `make shards` writes
+
+
+def default_shards() -> Path:
+    if (DEFAULT_SHARDS / "manifest.json").is_file():
+        return DEFAULT_SHARDS
+    raise SystemExit(f"no shards given and {DEFAULT_SHARDS}/manifest.json does not exist: pass --data.shards DIR (a "
+                     f"directory written by `python -m preprocess shards` or `make shards`)")
+
+
+def validate(cfg: Config) -> None:
+    """Refuse settings the trainer cannot run with, in one line, before anything starts."""
+    d, o, p, c, m = cfg.data, cfg.optim, cfg.parallel, cfg.checkpoint, cfg.metrics
+    rules = [
+        ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"),
+        ("--stop-after", cfg.stop_after, cfg.stop_after >= 0, ">= 0"),
+        ("--data.micro-batch-size", d.micro_batch_size, d.micro_batch_size >= 1 or d.micro_batch_size == AUTO_MICRO,
+         ">= 1"),
+        ("--data.num-workers", d.num_workers, d.num_workers >= 0, ">= 0"),
+        ("--data.prefetch-factor", d.prefetch_factor, d.prefetch_factor >= 1, ">= 1"),
+        ("--data.variant", d.variant, d.variant >= -1, ">= -1"),
+        ("--model.num-layers", cfg.model.num_layers, cfg.model.num_layers >= 0, ">= 0"),
+        ("--optim.lr", o.lr, o.lr > 0, "> 0"),
+        ("--optim.betas", o.betas, all(0 <= b < 1 for b in o.betas), "in [0, 1)"),
+        ("--optim.eps", o.eps, o.eps > 0, "> 0"),
+        ("--optim.weight-decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("--optim.warmup-steps", o.warmup_steps, o.warmup_steps >= -1, ">= -1"),
+        ("--optim.warmup-ratio", o.warmup_ratio, 0 <= o.warmup_ratio <= 1, "in [0, 1]"),
+        ("--optim.min-lr-ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+        ("--optim.grad-clip", o.grad_clip, o.grad_clip >= 0, ">= 0"),
+        ("--optim.skip-nonfinite", o.skip_nonfinite, o.skip_nonfinite >= 0, ">= 0"),
+        ("--parallel.global-batch-size", p.global_batch_size,
+         p.global_batch_size >= 0 and (d.micro_batch_size < 1 or p.global_batch_size % d.micro_batch_size == 0),
+         f"0 or a positive multiple of the micro-batch {d.micro_batch_size}"),
+        ("--parallel.ac-blocks", p.ac_blocks, p.ac_blocks >= -1, ">= -1"),
+        ("--parallel.peak-tflops", p.peak_tflops, p.peak_tflops >= 0, ">= 0"),
+        ("--checkpoint.interval", c.interval, c.interval >= 0, ">= 0"),
+        ("--checkpoint.keep-last", c.keep_last, c.keep_last >= 1, ">= 1"),
+        ("--metrics.interval", m.interval, m.interval >= 1, ">= 1"),
+        ("--metrics.profile-start", m.profile_start, m.profile_start >= 0, ">= 0"),
+        ("--metrics.profile-steps", m.profile_steps, m.profile_steps >= 0, ">= 0"),
+    ]
+    bad = [f"{flag} {value} (must be {need})" for flag, value, ok, need in rules if not ok]
+    if bad:
+        raise SystemExit("invalid settings: " + "; ".join(bad))
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
-    """`--preset NAME` selects the defaults, then tyro parses every flag on top of them."""
+    """`--preset NAME` selects the defaults, then tyro parses every flag on top of them; without --data.shards the
+    trainer reads `make shards`' output, shards/droid. Invalid settings exit with one line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     name = "tiny"
     for i, arg in enumerate(argv):
@@ -225,4 +388,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
             name = argv[i + 1]
         elif arg.startswith("--preset="):
             name = arg.split("=", 1)[1]
-    return tyro.cli(Config, default=preset_config(name), args=argv, description=__doc__)
+    cfg = tyro.cli(Config, default=preset_config(name), args=argv, description=__doc__)
+    if cfg.data.shards is None:
+        cfg.data.shards = default_shards()
+    validate(cfg)
+    return cfg

@@ -4,15 +4,21 @@ Order is a pure function of (seed, epoch, rank), never of timing or worker count
 
     windows   every sample key `<dataset>-e<ep>-s<start>-v<variant>` grouped by window (variants of one window),
               sorted by name, so the order does not depend on how samples were cut into shards
-    epoch e   one permutation of all windows, seeded by (seed, e); rank r takes every world-th window of it,
-              cut to the same number of micro-batches on every rank (no hang at epoch end with uneven shards)
+    epoch e   a permutation, seeded by (seed, e), in which each window appears as often as its anchor
+              multiplicity (`--data.sampling anchor`: the reference's sampler shuffles all anchor rows, and episode
+              starts and ends are the window of 2-3 anchors) or once (`uniform`); rank r takes every world-th
+              position, cut to the same number of micro-batches on every rank (no hang at epoch end)
     batch g   global batch counter over epochs; loader worker w produces the batches g = w mod num_workers, so
               the DataLoader's in-order round robin delivers g, g+1, ... exactly
-    visit     the variant and the prompt column are drawn from (seed, epoch, window): fresh on every epoch
+    visit     the variant and the prompt column are drawn from (seed, epoch, position): fresh on every visit
 
-Samples are read by random access (pread at the tar member offsets), so the permutation is an exact uniform
-shuffle over the whole dataset; a streaming shuffle buffer, which only mixes neighbours, is not needed. The state
-is the next batch number: `state_dict()` / `load_state_dict()` resume exactly where the last consumed batch ended.
+Samples are read by random access (one pread, or one ranged request to an object store, per sample at the member
+offsets the shard JSONs record, each member checked against its CRC-32), so the permutation is an exact shuffle over
+the whole dataset; a streaming shuffle buffer, which only mixes neighbours, is not needed. `--data.shards` is a path
+or an fsspec URL (s3://...), read through shardformat.storage; the order never depends on where the shards lie.
+The state is the next batch number: `state_dict()` / `load_state_dict()` resume exactly where the last consumed
+batch ended. This module imports no preprocessing code: the shard format lives in
+`shardformat`.
 """
 
 from __future__ import annotations
@@ -22,16 +28,18 @@ import os
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from preprocess.embodiments import get_embodiment
-from preprocess.members import decode_members
-from preprocess.state_action import normalize_q99, pad_with_mask, stat_vector
-from preprocess.write import MANIFEST, member_index
+from shardformat.keys import parse_key, window_name
+from shardformat.manifest import Manifest, ShardFormatError
+from shardformat.members import decode_members
+from shardformat.shard import json_path, read_members
+from shardformat.stats import normalize_q99, pad_with_mask, stat_vector
+from shardformat.storage import STORE_ERRORS, ShardStore
+from shardformat.text import TextTable
 from train.config import DataConfig
 from train.model import DiTConfig, compact_text, compact_text_rows, pad_text
 
@@ -40,135 +48,169 @@ BATCH_KEYS = ("latents", "clip", "text", "state", "actions", "action_mask", "has
 
 @dataclass(frozen=True)
 class Window:
-    """One training window and where each of its augmentation variants lives: ((shard index, key), ...)."""
+    """One training window, how often the reference's sampler draws it, and where each of its augmentation variants
+    lives: ((shard index, key), ...)."""
 
     name: str
+    anchor_multiplicity: int
     variants: tuple[tuple[int, str], ...]
 
 
-def window_name(key: str) -> str:
-    """`droid-e000012-s00034-v1` -> `droid-e000012-s00034` (a key without a variant suffix is its own window)."""
-    base, sep, variant = key.rpartition("-v")
-    return base if sep and variant.isdigit() else key
-
-
 class ShardIndex:
-    """The manifest's shards and windows, the statistics and the text table of one shard directory."""
+    """The manifest's shards and windows, the statistics and the text table of one shard directory (a path or URL;
+    `cache_dir`: whole-file copies of remote shards, shardformat.storage).
 
-    def __init__(self, root: Path | str):
-        self.root = Path(root)
-        path = self.root / MANIFEST
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing (not a shard directory, or an unfinished preprocessing run)")
-        self.manifest = json.loads(path.read_text())
-        self.shards: list[Path] = []
-        grouped: dict[str, list[tuple[int, int, str]]] = {}
-        for i, entry in enumerate(self.manifest["shards"]):
-            shard = self.root / entry["shard"]
-            side = shard.with_suffix(".json")
-            if not shard.is_file() or not side.is_file():
-                raise FileNotFoundError(f"{shard}: listed in {path} but missing (or its .json is)")
-            keys = json.loads(side.read_text())["keys"]
-            if len(keys) != entry["count"]:
-                raise ValueError(f"{side}: {len(keys)} keys, {path} says {entry['count']}")
-            self.shards.append(shard)
-            for key in keys:
-                variant = key.rpartition("-v")[2]
-                grouped.setdefault(window_name(key), []).append((int(variant) if variant.isdigit() else 0, i, key))
-        self.windows = [Window(name, tuple((s, k) for _, s, k in sorted(v))) for name, v in sorted(grouped.items())]
-        self.embodiment = get_embodiment(self.manifest["embodiment"])
-        metadata = json.loads((self.root / self.manifest["statistics"]["file"]).read_text())
-        if self.embodiment.tag not in metadata:
-            raise KeyError(f"{self.root / self.manifest['statistics']['file']}: no statistics for "
-                           f"{self.embodiment.tag!r} (has {sorted(metadata)})")
-        stats = metadata[self.embodiment.tag]["statistics"]
-        keys = {"state": self.embodiment.state_keys, "action": self.embodiment.action_keys}
-        self.q01 = {m: stat_vector(stats, m, keys[m], "q01") for m in keys}
-        self.q99 = {m: stat_vector(stats, m, keys[m], "q99") for m in keys}
-        self.text_table = self.root / self.manifest["text_table"]["file"]
+    Raises ShardFormatError (naming the file) for a directory this code cannot read."""
+
+    def __init__(self, root: str | os.PathLike, cache_dir: str | os.PathLike | None = None):
+        self.store = ShardStore(root, cache_dir)
+        self.root = self.store.url
+        self.manifest = self.store.manifest()
+        self.shards = [self.store.where(entry.shard) for entry in self.manifest.shards]  # for messages
+        self.windows = self._read_windows()
+        self.q01, self.q99 = self._read_statistics()
+        text = self.manifest.text_table  # small: a local copy, opened by name (safetensors)
+        try:
+            self.text = TextTable(self.store.local_root(text["file"], text["prompts"]), text)
+        except STORE_ERRORS as err:
+            raise ShardFormatError(f"{self.store.where(text['file'])}: unreadable: {err}") from None
+
+    def _read_windows(self) -> list[Window]:
+        """Every sample key of the shard JSONs, grouped by window, sorted by name."""
+        names = [entry.shard for entry in self.manifest.shards]
+        try:
+            present = set(self.store.list())
+        except STORE_ERRORS as err:
+            raise ShardFormatError(f"{self.root}: cannot list: {err}") from None
+        for name in names:
+            if name not in present or json_path(name).as_posix() not in present:
+                raise ShardFormatError(f"{self.store.where(name)}: listed in the manifest but missing (or its .json "
+                                       f"is)")
+        grouped: dict[str, list[tuple[int, int, str, int]]] = {}
+        for i, (entry, record) in enumerate(zip(self.manifest.shards, self.store.shard_records(names))):
+            side = self.store.where(json_path(entry.shard).as_posix())
+            if record.count != entry.count:
+                raise ShardFormatError(f"{side}: {record.count} keys, the manifest says {entry.count}")
+            for sample in record.samples:
+                try:
+                    variant = parse_key(sample.key).variant
+                except ValueError as err:
+                    raise ShardFormatError(f"{side}: {err}") from None
+                grouped.setdefault(window_name(sample.key), []).append((variant, i, sample.key,
+                                                                        sample.anchor_multiplicity))
+        return [self._window(name, sorted(v)) for name, v in sorted(grouped.items())]
+
+    def _read_statistics(self) -> tuple[dict, dict]:
+        """q01 and q99 of the state and action columns, from the statistics file of the manifest's embodiment."""
+        tag, statistics = self.manifest.embodiment, self.manifest.statistics["file"]
+        where = self.store.where(statistics)
+        try:
+            metadata = json.loads(self.store.read_bytes(statistics))
+        except (*STORE_ERRORS, ValueError) as err:
+            raise ShardFormatError(f"{where}: unreadable: {err}") from None
+        if tag not in metadata:
+            raise ShardFormatError(f"{where}: no statistics for {tag!r} (has {sorted(metadata)})")
+        stats, keys = metadata[tag]["statistics"], self.manifest.modality_keys
+        return ({m: stat_vector(stats, m, keys[m], "q01") for m in ("state", "action")},
+                {m: stat_vector(stats, m, keys[m], "q99") for m in ("state", "action")})
+
+    def _window(self, name: str, variants: list[tuple[int, int, str, int]]) -> Window:
+        multiplicities = {m for *_, m in variants}
+        if len(multiplicities) != 1:
+            raise ShardFormatError(f"{self.root}: window {name}: its variants disagree on anchor_multiplicity "
+                                   f"({sorted(multiplicities)})")
+        return Window(name, multiplicities.pop(), tuple((s, k) for _, s, k, _ in variants))
+
+    def weights(self, sampling: str) -> np.ndarray:
+        """Visits of each window per epoch: its anchor multiplicity, or 1 each for uniform sampling."""
+        if sampling == "uniform":
+            return np.ones(len(self.windows), np.int64)
+        return np.array([w.anchor_multiplicity for w in self.windows], np.int64)
 
     @property
     def longest_prompt(self) -> int:
         """umT5 rows of the longest prompt in the text table."""
-        prompts = json.loads((self.root / self.manifest["text_table"]["prompts"]).read_text())
-        return max(p["tokens"] for p in prompts.values())
+        return self.text.longest_prompt
 
     def __len__(self) -> int:
         return len(self.windows)
 
 
-def epoch_permutation(num_windows: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(num_windows)
+def open_index(root: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> ShardIndex:
+    """ShardIndex, or a one-line SystemExit naming the file when the directory cannot be read."""
+    try:
+        return ShardIndex(root, cache_dir)
+    except ShardFormatError as err:
+        raise SystemExit(str(err)) from None
 
 
-def batches_per_epoch(num_windows: int, world_size: int, micro_batch_size: int) -> int:
-    return num_windows // world_size // micro_batch_size
+def epoch_order(weights: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    """Window at each position of `epoch`: window i `weights[i]` times, in a permutation seeded by (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(np.repeat(np.arange(len(weights)), weights))
 
 
-def batch_windows(num_windows: int, seed: int, g: int, rank: int, world_size: int, micro: int) -> tuple[int, np.ndarray]:
-    """(epoch, window indices) of global batch `g` on `rank`."""
-    nb = batches_per_epoch(num_windows, world_size, micro)
-    epoch, b = divmod(g, nb)
-    mine = epoch_permutation(num_windows, seed, epoch)[rank::world_size][: nb * micro]
-    return epoch, mine[b * micro : (b + 1) * micro]
+def batches_per_epoch(epoch_length: int, world_size: int, micro_batch_size: int) -> int:
+    return epoch_length // world_size // micro_batch_size
 
 
-def data_dims(root: Path | str) -> dict:
+def batch_positions(epoch_length: int, g: int, rank: int, world_size: int, micro: int) -> tuple[int, np.ndarray]:
+    """(epoch, positions in the epoch order) of global batch `g` on `rank`: every world-th position, from `rank`."""
+    epoch, b = divmod(g, batches_per_epoch(epoch_length, world_size, micro))
+    return epoch, rank + world_size * np.arange(b * micro, (b + 1) * micro)
+
+
+def data_dims(root: str | os.PathLike) -> dict:
     """The DiTConfig fields a shard directory fixes: latent channels (+ y), tokens per latent frame, actions per block,
     text and CLIP widths, longest prompt. The tiny preset takes them from the data; real presets are checked."""
-    index = ShardIndex(root)
+    index = open_index(root)
     reader = SampleReader(index, None)
     try:
-        shard, key = index.windows[0].variants[0]
-        _, t = reader.raw(shard, key)
-        with reader._text_table() as table:
-            text_dim = table.get_slice(next(iter(table.keys()))).get_shape()[-1]
+        _, t = reader.raw(*index.windows[0].variants[0])
+    except ShardFormatError as err:
+        raise SystemExit(str(err)) from None
     finally:
         reader.close()
     c, frames, h, w = t["latents"].shape
     blocks = (frames - 1) // 2  # num_frame_per_block = 2
     dims = {"model_type": "i2v" if "y" in t else "ti2v", "in_dim": c + (t["y"].shape[0] if "y" in t else 0),
             "out_dim": c, "frame_seqlen": (h // 2) * (w // 2), "num_action_per_block": t["action"].shape[0] // blocks,
-            "text_dim": int(text_dim), "image_dim": int(t["clip"].shape[-1]), "image_len": int(t["clip"].shape[0])}
+            "text_dim": index.text.dim, "image_dim": int(t["clip"].shape[-1]), "image_len": int(t["clip"].shape[0])}
     return dims | {"text_len": index.longest_prompt}
 
 
 class SampleReader:
-    """Random access to samples (pread at member offsets) and decoding into model inputs; one per worker."""
+    """Verified random access to samples (one read per sample at the recorded member offsets, CRC-32 checked) and
+    decoding into model inputs; one per worker."""
 
     def __init__(self, index: ShardIndex, model: DiTConfig):
         self.index, self.model = index, model
-        self._fds: dict[int, int] = {}
-        self._members = lru_cache(maxsize=64)(lambda shard: member_index(self.index.shards[shard]))
-        self._text = None
+        self._records = lru_cache(maxsize=64)(self._read_record)
+
+    def _read_record(self, shard: int) -> dict:
+        """{key: SampleRecord} of one shard (its JSON is read again after dropping out of the LRU cache)."""
+        (record,) = self.index.store.shard_records([self.index.manifest.shards[shard].shard])
+        return {s.key: s for s in record.samples}
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self.index.store.close()
 
     def raw(self, shard: int, key: str) -> tuple[dict, dict]:
-        members = self._members(shard).get(key)
-        if members is None:
-            raise KeyError(f"{self.index.shards[shard]}: sample {key} listed in the shard's JSON but not in the tar")
-        fd = self._fds.get(shard)
-        if fd is None:
-            fd = self._fds[shard] = os.open(self.index.shards[shard], os.O_RDONLY)
-        data = {name.partition(".")[2]: os.pread(fd, size, offset) for name, offset, size in members}
+        """(meta, tensors) of one sample; ShardFormatError names the shard, sample and member of any corruption."""
+        name, where = self.index.manifest.shards[shard].shard, self.index.shards[shard]
+        record = self._records(shard).get(key)
+        if record is None:
+            raise ShardFormatError(f"{self.index.store.where(json_path(name).as_posix())}: no sample {key}")
         try:
-            return decode_members(data)
+            members = read_members(lambda offset, size: self.index.store.read_range(name, offset, size), where, record)
+        except (*STORE_ERRORS, EOFError) as err:  # a truncated file, or the object store failed
+            raise ShardFormatError(f"{where}: sample {key}: unreadable: {err}") from None
+        try:
+            return decode_members(members)
         except ValueError as err:
-            raise ValueError(f"{self.index.shards[shard]}: sample {key}: {err}") from None
-
-    def _text_table(self):
-        from safetensors import safe_open
-
-        return safe_open(str(self.index.text_table), framework="pt")
+            raise ShardFormatError(f"{where}: sample {key}: {err}") from None
 
     def text(self, prompt_id: str) -> torch.Tensor:
-        if self._text is None:
-            self._text = self._text_table()
-        return self._text.get_tensor(prompt_id)
+        return self.index.text.get(prompt_id)
 
     def sample(self, window: Window, rng: np.random.Generator, variant: int = -1, column: str = "") -> dict:
         """One window's model inputs, with this visit's variant and prompt column."""
@@ -179,7 +221,7 @@ class SampleReader:
         meta, t = self.raw(shard, key)
         prompt_ids = meta["prompt_ids"]
         if column and column not in prompt_ids:
-            raise KeyError(f"{self.index.shards[shard]}: sample {key} has no prompt column {column!r} "
+            raise ShardFormatError(f"{self.index.shards[shard]}: sample {key} has no prompt column {column!r} "
                            f"(has {sorted(prompt_ids)})")
         columns = sorted(prompt_ids)
         column = column or columns[rng.integers(len(columns))]
@@ -188,8 +230,9 @@ class SampleReader:
         for name, width in (("state", m.max_state_dim), ("action", m.action_dim)):
             x = torch.from_numpy(np.asarray(t[name], np.float32))
             if x.shape[-1] != self.index.q01[name].size:
-                raise ValueError(f"{self.index.shards[shard]}: sample {key}: {name} has {x.shape[-1]} dims, the "
-                                 f"statistics of {self.index.embodiment.tag} have {self.index.q01[name].size}")
+                raise ShardFormatError(f"{self.index.shards[shard]}: sample {key}: {name} has {x.shape[-1]} dims, the "
+                                       f"statistics of {self.index.manifest.embodiment} have "
+                                       f"{self.index.q01[name].size}")
             x, mask = pad_with_mask(normalize_q99(x, self.index.q01[name], self.index.q99[name]), width)
             out["actions" if name == "action" else name] = x
             if name == "action":
@@ -221,26 +264,36 @@ def collate(samples: list[dict], text_len: int, compact_rows: int | None = None)
 
 
 class BatchStream(IterableDataset):
-    """Infinite stream of one rank's batches from global batch `start` on, split over loader workers."""
+    """Infinite stream of one rank's batches from global batch `start` on, split over loader workers.
 
-    def __init__(self, root: Path, model: DiTConfig, cfg: DataConfig, rank: int, world_size: int, start: int):
-        self.root, self.model, self.cfg = root, model, cfg
+    A corrupt or unreadable sample ends the stream with {"error": message} in place of its batch."""
+
+    def __init__(self, index: ShardIndex, model: DiTConfig, cfg: DataConfig, rank: int, world_size: int, start: int):
+        self.index, self.model, self.cfg = index, model, cfg
         self.rank, self.world_size, self.start = rank, world_size, start
 
     def __iter__(self):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        index = ShardIndex(self.root)
+        index, cfg = self.index, self.cfg
         reader = SampleReader(index, self.model)
-        n, cfg = len(index), self.cfg
+        weights = index.weights(cfg.sampling)
+        epoch_length, order, order_epoch = int(weights.sum()), None, None
         # one text width for the whole run (the longest prompt's): compiled blocks see a single shape
         rows = compact_text_rows(index.longest_prompt, self.model.text_len) if cfg.compact_text else None
         try:
             g = self.start + wid
             while True:
-                epoch, windows = batch_windows(n, cfg.seed, g, self.rank, self.world_size, cfg.micro_batch_size)
-                samples = [reader.sample(index.windows[w], np.random.default_rng([cfg.seed, epoch, int(w), 1]),
-                                         cfg.variant, cfg.text_column) for w in windows]
+                epoch, positions = batch_positions(epoch_length, g, self.rank, self.world_size, cfg.micro_batch_size)
+                if epoch != order_epoch:
+                    order, order_epoch = epoch_order(weights, cfg.seed, epoch), epoch
+                windows = order[positions]
+                try:
+                    samples = [reader.sample(index.windows[w], np.random.default_rng([cfg.seed, epoch, int(p), 1]),
+                                             cfg.variant, cfg.text_column) for w, p in zip(windows, positions)]
+                except ShardFormatError as err:
+                    yield {"error": str(err)}  # the trainer stops with this one line when the batch is due
+                    return
                 batch = collate(samples, self.model.text_len, rows)
                 batch["window"] = torch.as_tensor(windows, dtype=torch.int64)
                 batch["batch"] = torch.tensor(g)
@@ -258,14 +311,15 @@ class ShardLoader:
 
     def __init__(self, cfg: DataConfig, model: DiTConfig, rank: int, world_size: int, device: torch.device):
         if cfg.shards is None:
-            raise SystemExit("--data.shards is required (a directory with manifest.json)")
+            raise SystemExit("--data.shards is required (a directory or URL with manifest.json)")
         self.cfg, self.model, self.rank, self.world_size, self.device = cfg, model, rank, world_size, device
-        self.index = ShardIndex(cfg.shards)
+        self.index = open_index(cfg.shards, cfg.cache_dir)
         self.num_windows = len(self.index)
-        self.batches_per_epoch = batches_per_epoch(self.num_windows, world_size, cfg.micro_batch_size)
+        self.epoch_length = int(self.index.weights(cfg.sampling).sum())
+        self.batches_per_epoch = batches_per_epoch(self.epoch_length, world_size, cfg.micro_batch_size)
         if self.batches_per_epoch == 0:
-            raise SystemExit(f"{cfg.shards}: {self.num_windows} windows cannot fill one micro-batch of "
-                             f"{cfg.micro_batch_size} on each of {world_size} ranks")
+            raise SystemExit(f"{cfg.shards}: {self.epoch_length} window visits per epoch cannot fill one micro-batch "
+                             f"of {cfg.micro_batch_size} on each of {world_size} ranks")
         self.next_batch = 0
         self.wait_s = 0.0
 
@@ -275,28 +329,28 @@ class ShardLoader:
 
     def state_dict(self) -> dict:
         return {"next_batch": self.next_batch, "world_size": self.world_size, "seed": self.cfg.seed,
-                "micro_batch_size": self.cfg.micro_batch_size, "num_windows": self.num_windows}
+                "micro_batch_size": self.cfg.micro_batch_size, "num_windows": self.num_windows,
+                "sampling": self.cfg.sampling, "epoch_length": self.epoch_length}
 
     def load_state_dict(self, state: dict) -> None:
-        same = {k: state[k] for k in ("world_size", "micro_batch_size", "num_windows", "seed")} == {
-            "world_size": self.world_size, "micro_batch_size": self.cfg.micro_batch_size,
-            "num_windows": self.num_windows, "seed": self.cfg.seed}
-        if same:
+        # states saved before weighted sampling existed were uniform: one visit per window and epoch
+        state = {"sampling": "uniform", "epoch_length": state["num_windows"], **state}
+        layout = ("world_size", "micro_batch_size", "num_windows", "seed", "sampling", "epoch_length")
+        mine = {k: v for k, v in self.state_dict().items() if k in layout}
+        if {k: state[k] for k in layout} == mine:
             self.next_batch = state["next_batch"]
             return
         if not self.cfg.reshuffle_on_resize:
             raise SystemExit(
-                f"checkpoint data state (world size {state['world_size']}, micro-batch {state['micro_batch_size']}, "
-                f"{state['num_windows']} windows, seed {state['seed']}) differs from this run (world size "
-                f"{self.world_size}, micro-batch {self.cfg.micro_batch_size}, {self.num_windows} windows, seed "
-                f"{self.cfg.seed}); pass --data.reshuffle-on-resize to continue at the next epoch")
-        old_epoch = state["next_batch"] // batches_per_epoch(state["num_windows"], state["world_size"],
+                f"checkpoint data state ({_describe(state)}) differs from this run ({_describe(mine)}); pass "
+                f"--data.reshuffle-on-resize to continue at the next epoch")
+        old_epoch = state["next_batch"] // batches_per_epoch(state["epoch_length"], state["world_size"],
                                                              state["micro_batch_size"])
         self.next_batch = (old_epoch + 1) * self.batches_per_epoch
 
     def _loader(self) -> DataLoader:
         cfg = self.cfg
-        stream = BatchStream(Path(cfg.shards), self.model, cfg, self.rank, self.world_size, self.next_batch)
+        stream = BatchStream(self.index, self.model, cfg, self.rank, self.world_size, self.next_batch)
         pin = cfg.pin_memory and self.device.type == "cuda"
         kwargs = {"prefetch_factor": cfg.prefetch_factor} if cfg.num_workers else {}
         return DataLoader(stream, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin, **kwargs)
@@ -317,6 +371,8 @@ class ShardLoader:
             t0 = time.perf_counter()
             batch = next(source)
             self.wait_s += time.perf_counter() - t0
+            if "error" in batch:
+                raise SystemExit(batch["error"])
             return self._to_device(batch, stream)
 
         pending = fetch()
@@ -333,3 +389,8 @@ class ShardLoader:
             self.next_batch += 1
             pending = fetch()  # the next batch's H2D copy runs on its own stream while this one is computed on
             yield batch
+
+
+def _describe(state: dict) -> str:
+    return (f"world size {state['world_size']}, micro-batch {state['micro_batch_size']}, {state['num_windows']} "
+            f"windows, seed {state['seed']}, {state['sampling']} sampling of {state['epoch_length']} visits")

@@ -1,6 +1,7 @@
-"""Analytic FLOPs per sample of the DiT training step (dreamzero_model.md §7; 1 FMA = 2 FLOPs).
+"""Analytic FLOPs per sample of the DiT training step (one fused multiply-add = 2 FLOPs; reference figures in
+docs/REFERENCE.md#11-sizes-and-flops).
 
-Counts the matmuls (linears, convs, attention QKᵀ and PV over the allowed pairs of the §3.6 mask);
+Counts the matmuls (linears, convs, attention QKᵀ and PV over the allowed pairs of the attention mask);
 elementwise work (norms, modulation, RoPE, softmax) is not counted, as in `FlopCounterMode`.
 Backward = 2 × forward; per-block activation recompute adds one forward of the blocks.
 """
@@ -15,7 +16,7 @@ from train.model import DiTConfig
 
 @dataclass(frozen=True)
 class DiTFlops:
-    """FLOPs of one sample, broken down as in the spec's table."""
+    """FLOPs of one sample, broken down as in docs/REFERENCE.md#11-sizes-and-flops."""
 
     token_linears: float
     context_kv: float

@@ -1,9 +1,10 @@
-"""DreamZero's flow-matching objective (dreamzero_model.md §4) on precomputed inputs.
+"""DreamZero's flow-matching objective (docs/REFERENCE.md#9-flow-matching-loss-and-schedule) on precomputed inputs.
 
 Reference quirks kept by default (switch them off through `LossConfig`):
 * the action loss is divided by all 32 padded action dims, not by the real ones (LIBERO: scale 7/32);
 * noise is drawn in the dtype of the inputs (bf16 latents → bf16 Gaussian), as `randn_like` does there.
-Fixed by design: `has_real_action` is a per-sample multiplier (O's broadcast only runs at 1 sample/GPU).
+Fixed by design: `has_real_action` is a per-sample multiplier (the official code's broadcast only runs at 1
+sample/GPU).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class FlowMatchScheduler:
     def __init__(self, num_train_timesteps: int = 1000, shift: float = 5.0, sigma_max: float = 1.0,
                  sigma_min: float = 0.0):
         n = num_train_timesteps
-        s = torch.linspace(sigma_max, sigma_min, n + 1, dtype=torch.float32)[:-1]  # extra_one_step; fp32 as O
+        s = torch.linspace(sigma_max, sigma_min, n + 1, dtype=torch.float32)[:-1]  # extra_one_step; fp32 as upstream
         self.sigmas = shift * s / (1 + (shift - 1) * s)
         self.timesteps = self.sigmas * n
         bell = torch.exp(-2 * ((self.timesteps - n / 2) / n) ** 2)
@@ -65,7 +66,7 @@ def action_ids(frame_ids: torch.Tensor, num_frame_per_block: int, num_action_per
 def flow_matching_loss(model: CausalWanModel, batch: DiTBatch, scheduler: FlowMatchScheduler,
                        cfg: LossConfig = LossConfig(), generator: torch.Generator | None = None,
                        frame_ids: torch.Tensor | None = None):
-    """One training loss (§4.4). Returns (loss, dict of detached terms)."""
+    """One training loss (timesteps, noise, forward, weighted MSE). Returns (loss, dict of detached terms)."""
     mcfg = model.cfg
     z, a = batch.latents, batch.actions
     B, nf = z.shape[0], z.shape[2]
@@ -89,7 +90,7 @@ def flow_matching_loss(model: CausalWanModel, batch: DiTBatch, scheduler: FlowMa
     video_pred, action_pred = model(z_t, t_frames, z, a_t, t_actions, batch.state, batch.text, batch.clip, batch.y,
                                     batch.text_lengths)
 
-    # odd latent height/width: the patch conv floors, so the target is cropped (O …tf.py:780-783)
+    # odd latent height/width: the patch conv floors, so the target is cropped (as the official action head)
     target = target[..., : video_pred.shape[-2], : video_pred.shape[-1]]
     w = scheduler.weights.to(dev)
     per_frame = (video_pred.float() - target.float()).pow(2).mean(dim=(1, 3, 4))  # [B, F]

@@ -6,15 +6,20 @@
 One optimizer step = `accum` micro-batches of `data.micro_batch_size` per rank, accum = global batch /
 (micro-batch x world size); gradients are reduce-scattered only on the last micro-batch. The model init is the same
 on every rank (seeded by `--seed`); noise and timesteps come from a per-rank generator whose state is checkpointed.
+Before its optimizer step, each step all-reduces two flags: a non-finite loss or gradient norm on any rank (the run
+stops naming the samples, or drops the batches, --optim.skip-nonfinite) and SIGTERM on any rank (every rank saves
+this step and exits 0). docs/TRAINING.md lists the guarantees.
 """
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import json
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
@@ -25,16 +30,19 @@ import torch
 import torch.distributed as dist
 
 from train import checkpoint
-from train.config import Config, parse_args
+from train.config import Config, device_memory_gib, parse_args, resolve_auto
 from train.data import ShardLoader, data_dims
+from train.export import check_base, shard_statistics
 from train.flops import dit_flops
 from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.metrics import MetricsLogger, StepProfiler, device_peak_flops
-from train.model import CausalWanModel, DiTBatch, preset
-from train.optim import build_optimizer, build_scheduler, clip_grad_norm
-from train.parallel import parallelize, recomputed_blocks
+from train.model import CausalWanModel, DiTBatch, DiTConfig, preset
+from train.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_grad_norm, warmup_steps
+from train.parallel import check_float8, float8_after_step, parallelize, recomputed_blocks
+from train.weights import WeightsError, load_weights
 
 MODEL_INPUTS = [f.name for f in fields(DiTBatch)]
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
@@ -70,27 +78,38 @@ def model_config(cfg: Config):
     return model_cfg
 
 
-def build(cfg: Config, device: torch.device) -> CausalWanModel:
-    """Same init on every rank, then parallelize; parameters end up as fp32 shards on `device`."""
-    model_cfg = model_config(cfg)
+def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device) -> CausalWanModel:
+    """The DiT of `model_cfg`, parallelized, with fp32 shards on `device`: the seeded init, or --model.init-from of
+    which each rank reads only its own rows (with --model.init-device meta no rank ever holds the full model)."""
     torch.manual_seed(cfg.seed)
-    if cfg.model.init_device == "meta":
-        if cfg.model.init_from is not None:
-            raise SystemExit("--model.init-from needs --model.init-device cpu (weights are loaded before sharding)")
-        with torch.device("meta"):
-            model = CausalWanModel(model_cfg)
-        parallelize(model, cfg.parallel)
+    meta = cfg.model.init_device == "meta"
+    with torch.device("meta" if meta else "cpu"):
+        model = CausalWanModel(model_cfg)
+    parallelize(model, cfg.parallel)
+    if meta:
         model.to_empty(device=device)
         model._masks = {}
+    else:
+        model.to(device)
+    if cfg.model.init_from is not None:
+        try:
+            load_weights(model, cfg.model.init_from, seed=cfg.seed)
+        except WeightsError as e:
+            raise SystemExit(f"--model.init-from {e}") from None
+    elif meta:
         with torch.no_grad():
             model.init_weights()
-    else:
-        model = CausalWanModel(model_cfg)
-        if cfg.model.init_from is not None:
-            from train.weights import load_weights
-            load_weights(model, cfg.model.init_from)
-        parallelize(model, cfg.parallel)
-        model.to(device)
+    return model
+
+
+def build(cfg: Config, device: torch.device) -> CausalWanModel:
+    """Same init on every rank, then parallelize; parameters end up as fp32 shards on `device`."""
+    model = sharded_model(model_config(cfg), cfg, device)
+    if cfg.checkpoint.export and cfg.checkpoint.export_base is not None:  # refuse an unusable base now, not at the end
+        try:
+            check_base(cfg.checkpoint.export_base, model, shard_statistics(cfg.data.shards)[1])
+        except WeightsError as e:
+            raise SystemExit(f"--checkpoint.export-base {e}") from None
     model.attention_backend = cfg.model.attention
     model.flex_mask_options = cfg.model.flex_mask_options()
     return model
@@ -101,9 +120,86 @@ def noise_generator(cfg: Config, rank: int, device: torch.device, step: int = 0)
     return torch.Generator(device).manual_seed(1_000_003 * (cfg.seed + 1) + rank + 7919 * step)
 
 
+def exit_with_launcher() -> None:
+    """Under torchrun, die with the launcher: torchrun starts each rank in its own session, so a SIGKILLed torchrun
+    would leave its ranks training (and holding GPUs). The kernel sends SIGKILL when the parent exits
+    (PR_SET_PDEATHSIG); a parent that exited before that shows as another parent pid."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent == 1 or os.getppid() != parent:
+        raise SystemExit("torchrun exited before this rank started")
+
+
+class Preemption:
+    """SIGTERM asks for a checkpoint of the current step and a clean exit (0). Schedulers send it before they
+    preempt a job, and torchrun forwards it to each rank's process group, which holds the rank's loader workers too:
+    a worker killed mid-step would make the DataLoader raise in the rank, so `shielding_forks` forks them with
+    SIGTERM blocked (they exit when the rank closes the loader, or dies)."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._request)
+
+    def _request(self, signum, frame) -> None:
+        self.requested = True
+
+    @contextmanager
+    def shielding_forks(self):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            yield
+        finally:  # a SIGTERM that came meanwhile is delivered now
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def step_flags(losses: list[torch.Tensor], grad_norm: torch.Tensor, preempted: bool) -> tuple[bool, bool]:
+    """The step's one collective: (any rank's loss or the gradient norm is non-finite, any rank got SIGTERM), so
+    every rank skips, stops or saves at the same step."""
+    bad = ~torch.isfinite(torch.stack(losses)).all() | ~torch.isfinite(grad_norm)
+    flags = torch.stack([bad.float(), torch.tensor(float(preempted), device=bad.device)])
+    dist.all_reduce(flags)
+    nonfinite, stop = flags.tolist()
+    return nonfinite > 0, stop > 0
+
+
+def describe_samples(batch: dict, index) -> list[str]:
+    """`window in shard files (non-finite inputs)` per sample of a micro-batch: those with a NaN/Inf input if any,
+    else all (the model itself overflowed)."""
+    described = []
+    for j, w in enumerate(batch["window"].tolist()):
+        window = index.windows[w]
+        shards = ", ".join(sorted({str(index.shards[s]) for s, _ in window.variants}))
+        bad = [k for k in MODEL_INPUTS
+               if k in batch and batch[k].is_floating_point() and not torch.isfinite(batch[k][j]).all()]
+        described.append((bad, f"{window.name} in {shards}" + (f" (non-finite {', '.join(bad)})" if bad else "")))
+    return [d for bad, d in described if bad] or [d for _, d in described]
+
+
+def nonfinite_report(step: int, micro_batches: list[tuple[dict, torch.Tensor]], grad_norm: torch.Tensor,
+                     index) -> str:
+    """Collective (the error path only): one line naming the step and, over all ranks, the samples whose loss went
+    non-finite."""
+    mine = [d for batch, loss in micro_batches if not torch.isfinite(loss) for d in describe_samples(batch, index)]
+    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
+    samples = [d for part in gathered for d in part]
+    if not samples:
+        return f"step {step}: non-finite gradient norm {grad_norm.item()} (every loss finite)"
+    more = f" and {len(samples) - 8} more" if len(samples) > 8 else ""
+    return f"step {step}: non-finite loss on {'; '.join(samples[:8])}{more}"
+
+
 def train(cfg: Config) -> dict:
+    exit_with_launcher()
+    preemption = Preemption()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack, for hangs
     rank, world, device = setup_distributed(cfg)
+    cfg, auto = resolve_auto(cfg, device_memory_gib(device), world)
+    check_float8(cfg.parallel.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    if rank == 0 and auto:
+        print(auto, flush=True)
     if cfg.parallel.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -111,30 +207,34 @@ def train(cfg: Config) -> dict:
     global_batch = cfg.parallel.global_batch_size or micro * world
     accum, rem = divmod(global_batch, micro * world)
     if rem or accum < 1:
-        raise SystemExit(f"global batch {global_batch} is not a multiple of micro-batch {micro} x {world} ranks")
+        raise checkpoint.RunError(f"global batch {global_batch} is not a multiple of micro-batch {micro} x {world} "
+                                  f"ranks")
     run_dir = Path(cfg.checkpoint.dir)
 
     model = build(cfg, device)
     optimizer = build_optimizer(model, cfg.optim, device)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     loader = ShardLoader(cfg.data, model.cfg, rank, world, device)
     gen = noise_generator(cfg, rank, device)
     fm = FlowMatchScheduler(cfg.loss.num_train_timesteps, cfg.loss.shift).to(device)
 
-    step = 0
+    step, skipped, warmup = 0, 0, warmup_steps(cfg.optim, cfg.steps)
     found = checkpoint.complete_checkpoints(run_dir) if cfg.checkpoint.resume else []
     if found:
-        extra = checkpoint.load(found[-1][1], model, optimizer)
-        step = extra["step"]
-        scheduler.load_state_dict(extra["scheduler"])
-        loader.load_state_dict(extra["data"])
-        if extra["same_rank"]:
-            gen.set_state(extra["rng"])
+        state = checkpoint.load(found[-1][1], model, optimizer)
+        step, skipped, warmup = state["step"], state["skipped"], state["warmup"]
+        if step > cfg.steps:
+            raise checkpoint.RunError(f"{found[-1][1]} is at step {step}, beyond --steps {cfg.steps}: pass a larger "
+                                      f"--steps or another --checkpoint.dir")
+        loader.load_state_dict(state["data"])
+        if state["same_rank"]:
+            gen.set_state(state["rng"])
         else:  # another world size: fresh per-rank streams
             gen = noise_generator(cfg, rank, device, step)
         if rank == 0:
             print(f"resumed from {found[-1][1]} at step {step} (epoch {loader.epoch}, batch {loader.next_batch})",
                   flush=True)
+    apply_hyperparameters(optimizer, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps, start=step, warmup=warmup)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1, default=str) + "\n")
@@ -142,60 +242,91 @@ def train(cfg: Config) -> dict:
               f"({device.type}), micro-batch {micro}, accum {accum}, global batch {global_batch}, "
               f"{loader.num_windows} windows, {loader.batches_per_epoch} batches/epoch/rank", flush=True)
 
-    batches = iter(loader)
-    first = next(batches)
-    latent_shape = tuple(first["latents"].shape[2:])
-    # compact text: the first batch's text rows stand for all (prompt lengths vary little within a dataset)
-    flops_per_sample = dit_flops(model.cfg, latent_shape, text_rows=first["text"].shape[1])
-    recomputed = recomputed_blocks(cfg.parallel.activation_checkpoint, cfg.parallel.ac_blocks, model.cfg.num_layers)
-    flops = flops_per_sample.train_step(recompute=recomputed / model.cfg.num_layers)
-    metrics = MetricsLogger(cfg.metrics, run_dir, rank, device, cfg.steps, step, flops,
-                            device_peak_flops(device, cfg.parallel.peak_tflops), world)
-    end = cfg.steps if not cfg.stop_after else min(cfg.steps, step + cfg.stop_after)
-    profiler = StepProfiler(cfg.metrics, run_dir, rank, device)
-    profiler.after_step(step)  # a profile that starts at the first step
-    pending = first
-    start_step = step
-    while step < end:
-        terms_sum: dict[str, torch.Tensor] = {}
-        for i in range(accum):
-            batch, pending = (pending, None) if pending is not None else (next(batches), None)
-            model.set_requires_gradient_sync(i == accum - 1)
-            inputs = DiTBatch(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
-            loss, terms = flow_matching_loss(model, inputs, fm, cfg.loss, generator=gen)
-            (loss / accum).backward()
-            for k, v in terms.items():
-                terms_sum[k] = terms_sum.get(k, 0) + v / accum
-        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        metrics.step({**terms_sum, "grad_norm": grad_norm}, micro * accum)
-        profiler.after_step(step)
-        if step % cfg.metrics.interval == 0 or step == end:
-            metrics.log(step, lr, loader.wait_s)
-        if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or (
-                step == cfg.steps and cfg.checkpoint.save_final):
-            extra = {"step": step, "scheduler": scheduler.state_dict(), "data": loader.state_dict(),
-                     "rng": gen.get_state(), "world_size": world}
-            checkpoint.save(cfg.checkpoint, step, model, optimizer, extra)
-    metrics.close()
+    batches, metrics = iter(loader), None
+    try:
+        with preemption.shielding_forks():  # the loader forks its workers for the first batch
+            first = next(batches)
+        latent_shape = tuple(first["latents"].shape[2:])
+        # compact text: the first batch's text rows stand for all (prompt lengths vary little within a dataset)
+        flops_per_sample = dit_flops(model.cfg, latent_shape, text_rows=first["text"].shape[1])
+        recomputed = recomputed_blocks(cfg.parallel.activation_checkpoint, cfg.parallel.ac_blocks, model.cfg.num_layers)
+        flops = flops_per_sample.train_step(recompute=recomputed / model.cfg.num_layers)
+        metrics = MetricsLogger(cfg.metrics, run_dir, rank, device, cfg.steps, step, flops,
+                                device_peak_flops(device, cfg.parallel.peak_tflops), world, config=asdict(cfg))
+        end = cfg.steps if not cfg.stop_after else min(cfg.steps, step + cfg.stop_after)
+        profiler = StepProfiler(cfg.metrics, run_dir, rank, device)
+        profiler.after_step(step)  # a profile that starts at the first step
+        pending = first
+        start_step, stop = step, False
+        while step < end and not stop:
+            terms_sum: dict[str, torch.Tensor] = {}
+            micro_batches = []  # kept for the step's checks: (batch, loss)
+            for i in range(accum):
+                batch, pending = (pending, None) if pending is not None else (next(batches), None)
+                model.set_requires_gradient_sync(i == accum - 1)
+                inputs = DiTBatch(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
+                loss, terms = flow_matching_loss(model, inputs, fm, cfg.loss, generator=gen)
+                (loss / accum).backward()
+                micro_batches.append((batch, terms["loss"]))
+                for k, v in terms.items():
+                    terms_sum[k] = terms_sum.get(k, 0) + v / accum
+            grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+            # checked before the optimizer step, so no NaN ever reaches the weights (one host sync per step)
+            nonfinite, stop = step_flags([loss for _, loss in micro_batches], grad_norm, preemption.requested)
+            if nonfinite:
+                skipped += 1
+                report = nonfinite_report(step + 1, micro_batches, grad_norm, loader.index)
+                if skipped > cfg.optim.skip_nonfinite:
+                    last = checkpoint.complete_checkpoints(run_dir)
+                    raise checkpoint.RunError(
+                        f"{report}: stopped, nothing saved (last checkpoint: {last[-1][1] if last else 'none'}); "
+                        f"--optim.skip-nonfinite N skips up to N such steps")
+                optimizer.zero_grad(set_to_none=True)
+                if rank == 0:
+                    print(f"{report}: its batches dropped, the step runs again on the next ones ({skipped} of "
+                          f"--optim.skip-nonfinite {cfg.optim.skip_nonfinite})", flush=True)
+            else:
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                float8_after_step(model, cfg.parallel.float8)
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                metrics.step({**terms_sum, "grad_norm": grad_norm}, micro * accum)
+                profiler.after_step(step)
+                if step % cfg.metrics.interval == 0 or step == end or stop:
+                    metrics.log(step, lr, loader.wait_s)
+            if stop or (not nonfinite and ((cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or (
+                    step == cfg.steps and cfg.checkpoint.save_final))):
+                state = {"step": step, "skipped": skipped, "warmup": warmup, "data": loader.state_dict(),
+                         "rng": gen.get_state(), "world_size": world}
+                path = checkpoint.save(cfg.checkpoint, step, model, optimizer, state)
+                if stop and rank == 0:
+                    print(f"SIGTERM: saved {path}, exiting", flush=True)
+    finally:  # closing the loader shuts its workers down: they ignore SIGTERM, so at exit nothing else would
+        batches.close()
+        if metrics is not None:
+            metrics.close()
     summary = {"rank": rank, "steps": step - start_step, "last_step": step, "next_batch": loader.next_batch,
-               "epoch": loader.epoch, "samples": (step - start_step) * micro * accum}
+               "epoch": loader.epoch, "samples": (step - start_step) * micro * accum, "skipped": skipped,
+               "preempted": stop}
     (run_dir / f"summary-rank{rank:05d}.json").write_text(json.dumps(summary) + "\n")
-    if step == cfg.steps and cfg.checkpoint.export:
+    if step == cfg.steps and cfg.checkpoint.export and not stop:  # after a SIGTERM, the next run exports
+        checkpoint.require_finite(model, "export")
         path = checkpoint.export(cfg.checkpoint, model, metadata={"step": step, "preset": cfg.preset,
-                                                                  "model": cfg.model.name})
+                                                                  "model": cfg.model.name}, shards=cfg.data.shards)
         if rank == 0:
             print(f"exported {path}", flush=True)
-    dist.destroy_process_group()
     return summary
 
 
 def main(argv: list[str] | None = None) -> None:
-    train(parse_args(argv))
+    cfg = parse_args(argv)
+    try:
+        train(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import time
 from pathlib import Path
 
@@ -34,10 +35,15 @@ def device_peak_flops(device: torch.device, override_tflops: float = 0.0) -> flo
 
 
 class MetricsLogger:
-    """Accumulates per-step values between logs; `log()` is collective (an all-reduce of the sums)."""
+    """Accumulates per-step values between logs; `log()` is collective (an all-reduce of the sums).
+
+    A run that starts at `start_step` (resumed, or fresh) first drops the rows of later steps that an earlier run in
+    the same directory logged (metrics.jsonl rewritten; TensorBoard's purge_step), so every step has one row. The
+    run's `config` goes to TensorBoard as text."""
 
     def __init__(self, cfg: MetricsConfig, run_dir: Path, rank: int, device: torch.device, total_steps: int,
-                 start_step: int, flops_per_sample: float, peak_flops: float | None, world_size: int):
+                 start_step: int, flops_per_sample: float, peak_flops: float | None, world_size: int,
+                 config: dict | None = None):
         self.cfg, self.rank, self.device, self.world_size = cfg, rank, device, world_size
         self.flops_per_sample, self.peak_flops = flops_per_sample, peak_flops
         self.sums: dict[str, torch.Tensor] = {}
@@ -48,13 +54,17 @@ class MetricsLogger:
         self.jsonl = self.tb = self.bar = None
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
+            drop_rows_after(run_dir / "metrics.jsonl", start_step)
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
             if cfg.tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
-                    self.tb = SummaryWriter(str(run_dir / "tb"))
+                    self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
                 except ImportError:  # tensorboard is a dependency, but a bare environment may lack it
                     print("tensorboard not installed: metrics go to metrics.jsonl and the console only")
+                if self.tb is not None and config is not None:
+                    self.tb.add_text("config", "```json\n" + json.dumps(config, indent=1, default=str) + "\n```",
+                                     start_step)
             if cfg.progress:
                 from tqdm import tqdm
                 self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
@@ -104,6 +114,22 @@ class MetricsLogger:
         for h in (self.bar, self.tb, self.jsonl):
             if h is not None:
                 h.close()
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Keep the rows of steps <= `step` (and drop a line torn by a kill); atomic."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
 
 
 def format_line(r: dict) -> str:

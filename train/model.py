@@ -1,6 +1,6 @@
 """DreamZero's causal Wan DiT (the reference `CausalWanModel`), training forward only.
 
-Parameter names and shapes equal the official ones (`/work/shared/reference/dreamzero_{5b,14b}_keys.txt`),
+Parameter names and shapes equal the official ones (`tests/assets/dreamzero_{5b,14b}_keys.txt`),
 so official checkpoints load strictly (see `train/weights.py`). No parallelism here: `model.blocks` is an
 `nn.ModuleList` that FSDP2 / activation checkpointing / compile wrap per block from outside.
 
@@ -69,7 +69,7 @@ class DiTConfig:
     num_frame_per_block: int = 2
     """Latent frames per causal block."""
     num_action_per_block: int = 24
-    """Action tokens per block (R's LIBERO: 16)."""
+    """Action tokens per block (RLinf's LIBERO recipe: 16)."""
     num_state_per_block: int = 1
     """State tokens per block."""
     action_dim: int = 32
@@ -143,8 +143,9 @@ def pad_text(embeddings: list[torch.Tensor], text_len: int = 512,
     """Zero-pad per-prompt umT5 outputs [L_i, 4096] to [B, text_len, 4096] (into `out` when given, e.g. a
     loader worker's shared memory).
 
-    'per_sample' keeps each prompt's own length (upstream PR #71, = O at 1 sample/GPU).
-    'batch_min' reproduces O's bug: every sample is cut at the shortest prompt in the batch.
+    'per_sample' keeps each prompt's own length (fixed upstream by dreamzero0/dreamzero#71; equals the official
+    code at 1 sample/GPU).
+    'batch_min' reproduces the official code's bug: every sample is cut at the shortest prompt in the batch.
     """
     keep = kept_text_rows(embeddings, text_len, mode)
     if out is None:
@@ -218,7 +219,8 @@ def rope_angles(positions: torch.Tensor, dim: int) -> torch.Tensor:
 
 def rope_tables(layout: TokenLayout, grid_hw: tuple[int, int], head_dim: int, device,
                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [L, head_dim/2] for the whole sequence (§3.3), angles in float64, tables in `dtype`.
+    """cos, sin [L, head_dim/2] for the whole sequence, angles in float64, tables in `dtype`
+    (docs/REFERENCE.md#7-dit-token-layout-rope-and-timesteps).
 
     Video: pairs split 22/21/21 (for head_dim 128) over (frame, row, col); clean and noisy copies share
     positions. Actions and states: 1D RoPE over all pairs at positions j and k.
@@ -466,7 +468,8 @@ class CausalWanModel(nn.Module):
 
     def forward(self, noisy_latents, t_frames, clean_latents, noisy_actions, t_actions, state, text, clip, y=None,
                 text_lengths=None):
-        """Teacher-forcing forward (spec §3.1). Returns (video_pred [B, C_out, F, 2⌊h/2⌋, 2⌊w/2⌋], action_pred).
+        """Teacher-forcing forward (docs/REFERENCE.md#7-dit-token-layout-rope-and-timesteps).
+        Returns (video_pred [B, C_out, F, 2⌊h/2⌋, 2⌊w/2⌋], action_pred).
 
         With `text_lengths`, `text` is the compact form (`compact_text`); without, the full text_len rows."""
         cfg = self.cfg

@@ -1,4 +1,4 @@
-"""AdamW, linear warmup + cosine decay, global gradient-norm clipping (dreamzero_model.md §5)."""
+"""AdamW, linear warmup + cosine decay, global gradient-norm clipping (docs/REFERENCE.md#10-optimizer-recipe)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from train.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW on every trainable parameter with the same weight decay (RLinf; O exempts biases and LayerNorms)."""
+    """AdamW on every trainable parameter with the same weight decay (as RLinf; the official trainer exempts biases
+    and LayerNorms)."""
     fused = device.type == "cuda" if cfg.fused is None else cfg.fused
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -32,9 +33,20 @@ def lr_factor(step: int, warmup: int, steps: int, min_ratio: float = 0.0) -> flo
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    warm = warmup_steps(cfg, steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warm, steps, cfg.min_lr_ratio))
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, steps: int, start: int = 0,
+                    warmup: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """The lr of optimizer step `start` + i is a pure function of the step, so nothing of it is checkpointed. A
+    resumed run passes its step and the warmup it started with: a longer --steps continues the cosine over the new
+    total from the current step (the lr rises to the new curve's value there), without warming up again."""
+    warm = warmup_steps(cfg, steps) if warmup is None else warmup
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(start + i, warm, steps, cfg.min_lr_ratio))
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> None:
+    """The flags' peak lr, betas, eps and weight decay, over those a loaded checkpoint restored; call before
+    `build_scheduler` (it scales `initial_lr`)."""
+    for group in optimizer.param_groups:
+        group.update(initial_lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Parallelism applied from outside to an unmodified CausalWanModel, torchtitan's order:
-activation checkpointing per block -> torch.compile per block -> fully_shard per block -> fully_shard(root).
+"""Parallelism applied from outside to an unmodified CausalWanModel, torchtitan's order: float8 linears (optional)
+-> activation checkpointing per block -> torch.compile per block -> fully_shard per block -> fully_shard(root).
 
 The model keeps its official parameter names: the checkpoint wrapper and compile's `_orig_mod` are stripped by
 torch.distributed.checkpoint's state-dict helpers, which checkpoint.py uses for saving and exporting.
@@ -8,6 +8,7 @@ torch.distributed.checkpoint's state-dict helpers, which checkpoint.py uses for 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -27,6 +28,8 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_mm.default,  # float8 matmuls
+    torch.ops.aten.max.default,  # float8 scales: a full reduction to re-run, a scalar to keep (torchtitan)
 }
 
 
@@ -98,7 +101,59 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
 
 
+def float8_filter(module: nn.Module, fqn: str) -> bool:
+    """The linears float8 training converts: those inside the DiT blocks whose widths are multiples of 16 (float8
+    matmul kernels need them); the embeddings, head and action/state encoders stay in bf16."""
+    return (fqn.startswith("blocks.") and isinstance(module, nn.Linear)
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def check_float8(mode: str, capability: tuple[int, int] | None) -> None:
+    """Refuse --parallel.float8 in one line where it cannot run: without torchao, or without a CUDA device of compute
+    capability >= 8.9 (`capability`; None = no CUDA device), the first with float8 matmuls."""
+    if mode == "none":
+        return
+    if capability is None or tuple(capability) < (8, 9):
+        found = "no CUDA device" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+        raise SystemExit(f"--parallel.float8 {mode} needs a CUDA GPU of compute capability >= 8.9 (float8 matmuls), "
+                         f"found {found}")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"--parallel.float8 {mode} needs torchao (pip install -e '.[fp8]'): {e}") from None
+
+
+def apply_float8(model: nn.Module, mode: str) -> int:
+    """Swap `float8_filter`'s linears for torchao's Float8Linear (same parameter names, so checkpoints and exports do
+    not change) with the `mode` recipe; tensorwise lets FSDP all-gather the weights in float8 (then call
+    `float8_after_step` after each optimizer step). Returns the number of converted linears."""
+    if mode == "none":
+        return 0
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = replace(Float8LinearConfig.from_recipe_name(mode), enable_fsdp_float8_all_gather=mode == "tensorwise")
+    if mode == "rowwise":  # compiled float8 casts then round as eager ones do (torchtitan sets it too)
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
+    convert_to_float8_training(model, module_filter_fn=float8_filter, config=config)
+    return sum(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def float8_after_step(model: nn.Module, mode: str) -> None:
+    """After an optimizer step with tensorwise float8: every float8 weight's scale for the next all-gathers, in one
+    all-reduce (instead of one per weight during forward)."""
+    if mode == "tensorwise":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh=None) -> nn.Module:
+    if cfg.activation_checkpoint == "auto" or cfg.reshard_after_forward is None:
+        raise ValueError("auto settings are unresolved: pass the config through train.config.resolve_auto first")
+    apply_float8(model, cfg.float8)
     apply_ac(model, cfg.activation_checkpoint, cfg.ac_blocks, cfg.ac_others)
     if cfg.compile:
         apply_compile(model)

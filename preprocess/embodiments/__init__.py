@@ -1,8 +1,8 @@
 """Embodiment registry: everything that differs between robots when a DreamZero sample is built.
 
 One small module per robot defines an `Embodiment` and names it `EMBODIMENT`; `_MODULES` below lists those modules.
-Adding a robot = one new module + one line in `_MODULES`. Numbers follow ../shared/reference/dreamzero_data.md
-(§2.2 window patterns, §3.1 views, §4.1 keys, §4.5 ids, §5 prompt templates).
+Adding a robot = one new module + one line in `_MODULES`. Numbers follow docs/REFERENCE.md
+(window patterns, views, state/action keys, embodiment ids, prompt templates).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ CanvasLayout = Literal["droid_2x2", "side_by_side"]
 
 @dataclass(frozen=True)
 class WindowPattern:
-    """DreamZero's multi-anchor window (spec §2.1): K chunks, one anchor every `macro_stride` rows.
+    """DreamZero's multi-anchor window: K chunks, one anchor every `macro_stride` rows
+    (docs/REFERENCE.md#2-windows-and-anchor-sampling).
 
     Each anchor contributes `len(video_offsets)` video frames, `action_horizon` action rows and one state row.
     """
@@ -29,7 +30,7 @@ class WindowPattern:
 
     @property
     def boundary_stride(self) -> int:
-        """Distance of the appended boundary frame from the last frame (R: V[1] - V[0])."""
+        """Distance of the appended boundary frame from the last frame (RLinf: V[1] - V[0])."""
         return self.video_offsets[1] - self.video_offsets[0] if len(self.video_offsets) > 1 else 1
 
     @property
@@ -55,7 +56,7 @@ class WindowPattern:
 
     @property
     def extent(self) -> int:
-        """A window starting at a0 is full iff a0 + extent < L (RLinf's acceptance rules, spec §2.1/§2.2)."""
+        """A window starting at a0 is full iff a0 + extent < L (RLinf's acceptance rules)."""
         last_anchor = (self.num_chunks - 1) * self.macro_stride
         video = max(max(self.frame_offsets), last_anchor + max(max(self.video_offsets), self.action_horizon - 1))
         action = last_anchor + self.action_horizon  # every anchor needs a + H < L
@@ -77,7 +78,7 @@ class Embodiment:
     embodiment_id: int  # id in the reference's tag mapping (selects the prompt template there)
     cameras: tuple[str, ...]  # modality.json short camera names, in the reference's video_concat_order
     view_hw: tuple[int, int]  # default per-view resize (height, width) after the 95 % crop
-    layout: CanvasLayout  # how the views form one canvas (spec §3.1)
+    layout: CanvasLayout  # how the views form one canvas (docs/REFERENCE.md#3-views-canvas-and-resize)
     window: WindowPattern
     state_keys: tuple[str, ...]  # state sub-keys in concat order
     action_keys: tuple[str, ...]  # action sub-keys in concat order

@@ -1,5 +1,5 @@
 """Franka pick-and-place (RLinf franka_sft_dreamzero_5b.yaml): LIBERO's keys, views and prompt with 12-step blocks.
-Spec §2.2, §3.1."""
+docs/REFERENCE.md, Windows and Views."""
 
 from dataclasses import replace
 

@@ -1,4 +1,4 @@
-"""LIBERO (physical-intelligence/libero, 10 fps, two 256x256 cameras), RLinf's recipe: spec §1.4, §2.2, §3.1, §4.1, §5."""
+"""LIBERO (physical-intelligence/libero, 10 fps, two 256x256 cameras), RLinf's recipe; REFERENCE.md sections 1-5."""
 
 from preprocess.embodiments import Embodiment, Preset, WindowPattern
 

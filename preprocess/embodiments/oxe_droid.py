@@ -1,4 +1,4 @@
-"""DROID (GEAR-Dreams/DreamZero-DROID-Data, 15 fps, three 180x320 cameras), spec §1.3, §2.2, §3.1, §4.1, §5."""
+"""DROID (GEAR-Dreams/DreamZero-DROID-Data, 15 fps, three 180x320 cameras); docs/REFERENCE.md sections 1-5."""
 
 from preprocess.embodiments import Embodiment, Preset, WindowPattern
 

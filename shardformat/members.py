@@ -1,25 +1,34 @@
 """Sample members: how one training sample's tensors and metadata become tar members, and back.
 
-The contract (docs/FORMAT.md): keys are dot-free; every tensor is an `.npy` member, bf16 stored as its uint16 bits;
-a member whose zstd stream is smaller pays for it and is stored as `.npy.zst`; `meta.json` records every tensor's
-dtype and shape so a reader can restore and verify it. The trainer and the integrity check decode with this module.
+Every tensor is an `.npy` member, bf16 stored as its uint16 bits; a member whose zstd frame is at least 10 % smaller
+is stored as `.npy.zst` (frames carry a content checksum); `meta.json` records every tensor's dtype, shape and
+compression so a reader can restore and verify it. Each member's CRC-32 is recorded in the shard's JSON
+(shardformat.shard) and checked on every read.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import zlib
 from typing import Any
 
 import numpy as np
 import torch
 import zstandard
 
+from shardformat.keys import parse_key
+
 META = "meta.json"
 ZSTD_LEVEL = 3
 COMPRESS_MODES = ("auto", "none", "all")
 # zstd is kept only where it saves at least this fraction: bf16 latents are near-incompressible noise.
 MIN_SAVING = 0.10
+
+
+def checksum(data: bytes) -> int:
+    """The per-member checksum the shard JSON records (CRC-32)."""
+    return zlib.crc32(data)
 
 
 def to_numpy_bits(value: np.ndarray | torch.Tensor) -> tuple[np.ndarray, str]:
@@ -49,12 +58,11 @@ def npy_bytes(array: np.ndarray) -> bytes:
 
 def encode_sample(key: str, tensors: dict[str, Any], meta: dict, compress: str = "auto") -> list[tuple[str, bytes]]:
     """Tar members of one sample, in a fixed order: tensors sorted by name, then meta.json."""
-    if "." in key or "/" in key or not key:
-        raise ValueError(f"sample key {key!r} must be non-empty and contain no '.' or '/'")
+    parse_key(key)
     if compress not in COMPRESS_MODES:
         raise ValueError(f"compress must be one of {COMPRESS_MODES}")
     members, records = [], {}
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
     for name in sorted(tensors):
         if "." in name:
             raise ValueError(f"tensor name {name!r} must not contain '.'")
@@ -94,7 +102,10 @@ def decode_members(members: dict[str, bytes]) -> tuple[dict, dict[str, np.ndarra
         seen.add(suffix)
         data = members[suffix]
         if record["zstd"]:
-            data = decompressor.decompress(data)
+            try:
+                data = decompressor.decompress(data)
+            except zstandard.ZstdError as err:
+                raise ValueError(f"member {suffix}: {err}") from None
         array = np.load(io.BytesIO(data), allow_pickle=False)
         if list(array.shape) != record["shape"]:
             raise ValueError(f"member {suffix} has shape {list(array.shape)}, {META} says {record['shape']}")

@@ -1,0 +1,63 @@
+"""Where units run: in this process, in a local process pool, streamed through long-lived encoder processes
+(preprocess.stream), or as Ray tasks feeding Ray encoder actors (array jobs pick their units in the CLI and use one of
+these). Every executor
+encodes the same batches of the same (job, unit, episodes), so the choice never changes the output bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Iterator, Literal
+
+from preprocess.pipeline import Job, process_unit
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def run_units(job: Job, units: dict[int, list[int]], executor: Literal["stream", "local", "ray"], workers: int,
+              ray_address: str | None = None) -> Iterator[dict]:
+    """Process {unit: episodes}; yields each unit's record as it finishes. An error (e.g. a bad episode with
+    --fail-fast) cancels the units not yet started and propagates."""
+    if not units:
+        return
+    if executor == "stream":
+        from preprocess.stream import run_stream
+
+        yield from run_stream(job, units, workers)
+    elif executor == "ray":
+        from preprocess.stream import run_ray
+
+        yield from run_ray(job, units, ray_address)
+    elif workers <= 1:
+        for unit, episodes in units.items():
+            yield process_unit(job, unit, episodes)
+    else:
+        yield from _pool(job, units, workers)
+
+
+def _pool(job: Job, units: dict[int, list[int]], workers: int) -> Iterator[dict]:
+    # spawn: torch and the decoders are not fork-safe
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
+        futures = [pool.submit(process_unit, job, unit, episodes) for unit, episodes in units.items()]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+def die_with_parent(parent: int) -> None:
+    """Pool worker initializer: a worker must not outlive the run. A run killed with SIGKILL releases its lock on
+    OUT at once, so a worker still writing could mix into the next run's output. Linux kills the worker when its
+    parent dies; the pid check covers a parent that died before the request took effect."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)

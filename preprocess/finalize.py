@@ -1,0 +1,107 @@
+"""Finalize: mix the samples of every unit into shards, encode each unique prompt once, write the statistics and,
+last, the manifest (its presence means the directory is complete).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from preprocess import write
+from preprocess.embodiments import get_embodiment
+from preprocess.lerobot import LeRobotDataset
+from preprocess.outdir import STATISTICS
+from preprocess.pipeline import VAE_OF_MODEL, Job
+from shardformat.manifest import FORMAT_VERSION, Manifest
+
+
+def finalize(job: Job, units: list[list[int]]) -> dict:
+    """Shards, text table, statistics and manifest from the finished units; returns the manifest."""
+    out = Path(job.out)
+    missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
+    if missing:
+        raise SystemExit(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not done")
+    indexes = [json.loads(write.unit_paths(out, u)[1].read_text()) for u in range(len(units))]
+    shards = write_shards(out, indexes, job)
+    prompts = {pid: text for idx in indexes for pid, text in idx["prompts"].items()}
+    failures = [f for idx in indexes for f in idx["failures"]]
+    skipped = [s for idx in indexes for s in idx["skipped"]]
+    emb = get_embodiment(job.embodiment)
+    ds = LeRobotDataset(job.src)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "source": {"root": job.src, "fingerprint": job.inputs["src"], "codebase_version": ds.version,
+                   "episodes": sum(len(u) for u in units), "fps": ds.fps},
+        "dataset": job.dataset, "embodiment": job.embodiment, "model": job.model,
+        "modality_keys": {"state": list(emb.state_keys), "action": list(emb.action_keys)},
+        "transform": {"anchor_stride": job.anchor_stride, "augment_variants": job.augment_variants,
+                      "view_hw": list(emb.view_size(job.model)), "target_hw": list(emb.preset(job.model).target_hw),
+                      "vae_variant": VAE_OF_MODEL[job.model], "decode_backend": job.decode_backend,
+                      "threads_per_worker": job.threads},
+        "encoders": {**{name: {"path": getattr(job, name), "sha256": job.inputs[name]}
+                        for name in ("vae", "image_encoder", "text_encoder", "tokenizer")}, "dtype": job.dtype},
+        "samples_per_shard": job.samples_per_shard, "seed": job.seed, "compress": job.compress,
+        "shards": shards,
+        "text_table": encode_text_table(out, prompts, job),
+        "statistics": write_statistics(out, job, failures),
+        "member_bytes": member_bytes(indexes),
+        "failures": failures, "skipped": skipped,
+        "totals": {"samples": sum(r["count"] for r in shards), "bytes": sum(r["bytes"] for r in shards),
+                   "shards": len(shards), "episodes_encoded": sum(len(i["encoded"]) for i in indexes),
+                   "episodes_failed": len(failures), "episodes_skipped": len(skipped)},
+    }
+    Manifest.from_dict(manifest).write(out)
+    return manifest
+
+
+def write_shards(out: Path, indexes: list[dict], job: Job) -> list[dict]:
+    """All samples in one seeded permutation, cut into shards; a shard already written with its planned keys is
+    kept. Returns the manifest's shard entries."""
+    records = []
+    for shard, refs in enumerate(tqdm(write.plan_shards(indexes, job.samples_per_shard, job.seed), desc="shards",
+                                      unit="shard")):
+        done = write.shard_done(out, shard)
+        if done is None or done["keys"] != [r.key for r in refs]:
+            done = write.write_shard(out, shard, refs)
+        records.append({k: done[k] for k in ("shard", "count", "bytes", "sha256")})
+    return records
+
+
+def encode_text_table(out: Path, prompts: dict[str, str], job: Job) -> dict:
+    """umT5 output per unique prompt, trimmed to its token count, written as the shard directory's text table."""
+    from preprocess.text_encoder import load_text_encoder
+
+    ids = sorted(prompts)
+    encoder = load_text_encoder(job.text_encoder, job.tokenizer, device=job.device, dtype=getattr(torch, job.dtype))
+    with torch.inference_mode():
+        embeddings = encoder.encode([prompts[i] for i in ids])
+    return write.write_text_table(out, prompts, dict(zip(ids, embeddings)))
+
+
+def write_statistics(out: Path, job: Job, failures: list[dict]) -> dict:
+    """metadata.json: --metadata's copy, or computed without the episodes the units could not use (and any other
+    episode whose rows are unusable), each listed with its reason. Returns the manifest entry."""
+    from preprocess.stats import build_metadata, write_metadata
+
+    path, excluded = out / STATISTICS, []
+    if job.metadata is not None:
+        write.atomic_write_bytes(path, Path(job.metadata).read_bytes())
+    else:
+        write_metadata(path, build_metadata([Path(job.src)], get_embodiment(job.embodiment),
+                                            exclude={f["episode"]: f["reason"] for f in failures}, skipped=excluded))
+    return {"file": STATISTICS, "sha256": write.sha256_file(path), "excluded": excluded}
+
+
+def member_bytes(indexes: list[dict]) -> dict[str, dict]:
+    """Stored bytes and count per member type (latents.npy, clip.npy.zst, ...) over all samples."""
+    totals: dict[str, dict] = {}
+    for idx in indexes:
+        for members in idx["index"].values():
+            for name, _, size in members:
+                entry = totals.setdefault(name.split(".", 1)[1], {"count": 0, "bytes": 0})
+                entry["count"] += 1
+                entry["bytes"] += size
+    return totals

@@ -1,0 +1,166 @@
+"""The output directory: one run holds it at a time, and it only ever holds one build.
+
+A run holds an exclusive flock on OUT/.lock for its whole life (array jobs a shared one: together they build one
+output); the kernel releases it however the process ends. What the build is made from (the source's fingerprint,
+every argument that changes output bytes, the encoders' sha256) is recorded in OUT/inputs.json before any unit,
+and in every unit's JSON. A run whose inputs differ from those recorded refuses to start, naming each difference,
+instead of mixing two builds in one directory; `--overwrite` deletes the old build (its units only where they
+differ) first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from preprocess.write import SHARD_PATTERN, UNIT_PATTERN, WORK_DIR
+from shardformat.files import atomic_write_json, fsync_dir, sha256_file, temporary_path
+from shardformat.manifest import MANIFEST, WIDS_INDEX
+from shardformat.text import PROMPTS, TABLE
+
+LOCK = ".lock"
+INPUTS = "inputs.json"
+STATISTICS = "metadata.json"
+# Inputs that change only the finalize stage (shards, text table, statistics); the rest change the units too.
+FINALIZE_INPUTS = ("samples_per_shard", "text_encoder", "tokenizer", "metadata")
+
+
+# ---------------------------------------------------------------- one run per directory
+
+
+@contextmanager
+def hold(out: Path, shared: bool = False) -> Iterator[None]:
+    """Lock OUT for the block; exit with a clear message if another run holds it."""
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode().strip()
+            raise SystemExit(f"{out} is in use by another run (pid {holder}): wait for it to end, or use another "
+                             f"--out") from None
+        os.ftruncate(fd, 0)  # every holder names itself: the pid shown is a run that holds OUT now
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_temporaries(out: Path) -> None:
+    """Delete the hidden temporaries of writes a killed run left behind (only while holding OUT exclusively)."""
+    for folder in (out, out / WORK_DIR, out / Path(TABLE).parent):
+        for tmp in folder.glob(".*.tmp"):
+            tmp.unlink()
+
+
+# ---------------------------------------------------------------- what a build is made from
+
+
+def fingerprint(root: Path) -> str:
+    """Hash of the source's metadata files plus the names and sizes of all its data and video files."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        digest.update(f"{rel}\0{path.stat().st_size}\0".encode())
+        if rel.startswith("meta/"):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def weights_sha256(path: Path) -> str:
+    """sha256 of a weight file, or of a folder (a hash over its files' names and hashes)."""
+    if path.is_file():
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(f"{f.relative_to(path).as_posix()}\0{sha256_file(f)}\0".encode())
+    return digest.hexdigest()
+
+
+def unit_inputs(inputs: dict) -> dict:
+    """The inputs that change a unit's bytes: all but the finalize-only ones, and the seed only with augmentation
+    (without, it only permutes the shards)."""
+    drop = FINALIZE_INPUTS + (() if inputs["augment_variants"] else ("seed",))
+    return {k: v for k, v in inputs.items() if k not in drop}
+
+
+def differences(recorded: dict, inputs: dict) -> list[str]:
+    """`--flag: old -> new` for every input that differs."""
+    return [f"--{k.replace('_', '-')}: {_show(recorded.get(k))} -> {_show(inputs.get(k))}"
+            for k in sorted(recorded.keys() | inputs.keys()) if recorded.get(k) != inputs.get(k)]
+
+
+def _show(value) -> str:
+    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value):
+        return f"sha256 {value[:12]}"  # the source fingerprint and the encoders' hashes
+    return str(value)
+
+
+def conflicts(out: Path, inputs: dict) -> tuple[list[str], bool]:
+    """(how OUT's recorded inputs differ from `inputs`, whether its units differ too)."""
+    problems: list[str] = []
+    units_differ = False
+    recorded = out / INPUTS
+    if recorded.is_file():
+        old = json.loads(recorded.read_text())
+        problems += differences(old, inputs)
+        units_differ = unit_inputs(old) != unit_inputs(inputs)
+    elif (out / MANIFEST).is_file():
+        problems.append(f"{out / MANIFEST} has no {INPUTS} beside it (an older wampipe wrote it)")
+    expected = unit_inputs(inputs)
+    for index in sorted((out / WORK_DIR).glob("unit-*.json")):  # also catches units copied in from elsewhere
+        old = json.loads(index.read_text()).get("inputs")
+        if old is None:
+            problems.append(f"{index} records no inputs (an older wampipe wrote it)")
+        elif old != expected:
+            problems += differences(old, expected)
+        units_differ |= old != expected
+    return list(dict.fromkeys(problems)), units_differ
+
+
+def claim(out: Path, inputs: dict, overwrite: bool) -> None:
+    """Make OUT the place of the build of `inputs`: resume the build there if it has the same inputs, delete it
+    with `overwrite`, refuse otherwise. Then record `inputs` (if not yet)."""
+    problems, units_differ = conflicts(out, inputs)
+    if problems and overwrite:
+        delete_build(out, units=units_differ)
+        problems = []
+    if not problems and not (out / INPUTS).is_file():
+        _write_once(out / INPUTS, inputs)  # array jobs starting together race here: one file wins ...
+        problems, _ = conflicts(out, inputs)  # ... and the others compare against it
+    if problems:
+        raise SystemExit(f"{out} holds a build made from other inputs: {'; '.join(problems)}. Pass the old values to "
+                         f"resume it, or use another --out, or --overwrite to delete the old build")
+
+
+def _write_once(path: Path, obj: dict) -> None:
+    staged = temporary_path(path)
+    atomic_write_json(staged, obj)
+    try:
+        os.link(staged, path)  # atomic and never replaces an existing file
+    except FileExistsError:
+        pass
+    finally:
+        staged.unlink()
+    fsync_dir(path.parent)
+
+
+def delete_build(out: Path, units: bool) -> None:
+    """Delete what a build wrote to OUT: the finalize outputs (manifest first, so the directory stops claiming to be
+    complete), with `units` the unit spills too, then the recorded inputs."""
+    for name in (MANIFEST, WIDS_INDEX, STATISTICS, TABLE, PROMPTS):
+        (out / name).unlink(missing_ok=True)
+    for path in _tars_and_jsons(out, SHARD_PATTERN) + (_tars_and_jsons(out / WORK_DIR, UNIT_PATTERN) if units else []):
+        path.unlink()
+    (out / INPUTS).unlink(missing_ok=True)
+
+
+def _tars_and_jsons(folder: Path, pattern: str) -> list[Path]:
+    glob = pattern.replace("{:06d}", "[0-9]" * 6)
+    return [*folder.glob(glob), *folder.glob(glob.replace(".tar", ".json"))]

@@ -1,0 +1,199 @@
+"""One work unit: episodes -> windows -> views (CPU), then the frozen encoders over batches (GPU), then the spill.
+
+The two halves are separate callables so they can run on separate resources: `unit_samples` decodes each episode
+once and yields `WindowSample`s whose videos are already at model resolution; `encode_samples` batches them through
+`Encoders` (VAE latents, CLIP features, the 14B's y) into tar members. `process_unit` chains them for one unit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from preprocess import write
+from preprocess.embodiments import Embodiment, get_embodiment
+from preprocess.errors import DatasetError
+from preprocess.lerobot import LeRobotDataset
+from preprocess.outdir import unit_inputs
+from preprocess.prompts import prompt_id, window_prompts
+from preprocess.state_action import columns_for, slice_keys, window_state_action
+from preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
+from preprocess.windows import episode_windows
+from shardformat.keys import sample_key
+from shardformat.members import encode_sample
+
+# Which Wan VAE a model recipe uses; the 14B's (wan2.1) also needs the first-frame input y.
+VAE_OF_MODEL = {"5b": "wan2.2", "5b-wan22": "wan2.2", "14b": "wan2.1"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """Everything a build needs, picklable for worker processes and Ray."""
+
+    src: str
+    out: str
+    dataset: str
+    embodiment: str
+    model: str
+    vae: str
+    image_encoder: str
+    text_encoder: str
+    tokenizer: str
+    metadata: str | None  # a statistics file to copy instead of computing one
+    device: str
+    dtype: str
+    threads: int  # torch threads per unit: float reductions, and so the stored bits, depend on it
+    batch_size: int
+    anchor_stride: int
+    augment_variants: int
+    seed: int
+    compress: str
+    decode_backend: str
+    samples_per_shard: int
+    fail_fast: bool
+    inputs: dict  # what the build is made from (preprocess.outdir); units record their part in their JSON
+
+
+@dataclass
+class WindowSample:
+    """One window x augmentation variant of an episode, ready for the encoders."""
+
+    key: str
+    video: torch.Tensor  # [3, T, h, w] at model resolution, in [-1, 1]
+    tensors: dict[str, np.ndarray]  # raw state and action
+    meta: dict
+    prompts: dict[str, str]  # annotation column -> prompt text
+
+
+def _variant_seed(*parts: int) -> int:
+    """One augmentation draw per (seed, episode, window, variant), independent of unit cuts and workers."""
+    return int.from_bytes(hashlib.sha256("-".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+# ---------------------------------------------------------------- CPU: decode, windows, views
+
+
+def episode_samples(job: Job, ds: LeRobotDataset, emb: Embodiment, index: int) -> Iterator[WindowSample]:
+    """Every window x variant of one episode (none if it is shorter than a window); raises DatasetError."""
+    state_cols = columns_for(ds.modality.state, emb.state_keys)
+    action_cols = columns_for(ds.modality.action, emb.action_keys)
+    episode = ds.episode(index, columns=list(dict.fromkeys(state_cols + action_cols)))
+    windows = episode_windows(episode.length, emb.window, job.anchor_stride)
+    if not windows:
+        return
+    states = slice_keys(episode, ds.modality.state, emb.state_keys)
+    actions = slice_keys(episode, ds.modality.action, emb.action_keys)
+    needed = np.unique(np.concatenate([w.video_rows for w in windows]))
+    position = np.full(episode.length, -1, np.int64)
+    position[needed] = np.arange(len(needed))
+    frames = np.stack([episode.cameras[c].read(needed, backend=job.decode_backend) for c in emb.cameras])
+    height, width = frames.shape[2:4]
+    model_video = None
+    if not job.augment_variants:  # one deterministic, per-frame transform: apply it to each frame once per episode
+        params = eval_params(height, width)
+        model_video = episode_model_video(episode_canvas(frames, emb, job.model, params), emb.preset(job.model).target_hw)
+    for window in windows:
+        state, action = window_state_action(states, actions, window, emb)
+        prompts = window_prompts(episode, window.start, emb)
+        rows = position[window.video_rows]
+        for variant in range(max(1, job.augment_variants)):
+            if model_video is not None:
+                video = model_video[:, rows]
+            else:
+                generator = torch.Generator().manual_seed(_variant_seed(job.seed, index, window.start, variant))
+                video, _, params = sample_video(list(frames[:, rows]), emb, job.model, generator=generator)
+            meta = {
+                "dataset": job.dataset, "embodiment": emb.tag, "episode": index, "window_start": window.start,
+                "anchor_multiplicity": window.weight, "variant": variant, "augmentation": params,
+                "prompt_ids": {c: prompt_id(p) for c, p in prompts.items()}, "model": job.model,
+            }
+            yield WindowSample(sample_key(job.dataset, index, window.start, variant), video,
+                               {"state": state, "action": action}, meta, prompts)
+
+
+def unit_samples(job: Job, episodes: list[int], report: dict) -> Iterator[WindowSample]:
+    """The samples of a unit's episodes. A bad episode is left out (unless --fail-fast) and, like one shorter than
+    a window, recorded with its reason in `report`, which also collects the encoded episodes and their prompts."""
+    ds, emb = LeRobotDataset(job.src), get_embodiment(job.embodiment)
+    for index in episodes:
+        try:
+            produced = list(episode_samples(job, ds, emb, index))  # whole episodes only: a failure leaves no part
+        except DatasetError as err:
+            if job.fail_fast:
+                raise
+            report["failures"].append({"episode": index, "reason": str(err)})
+            continue
+        if not produced:
+            length = ds.episode_info(index).length
+            report["skipped"].append({"episode": index, "reason": f"shorter than one window ({length} rows, a full "
+                                                                  f"window needs {emb.window.extent + 1})"})
+            continue
+        report["encoded"].append(index)
+        for sample in produced:
+            report["prompts"].update({prompt_id(p): p for p in sample.prompts.values()})
+            yield sample
+
+
+# ---------------------------------------------------------------- GPU: frozen encoders
+
+
+class Encoders:
+    """The unit-side frozen encoders (VAE, CLIP) on the job's device."""
+
+    def __init__(self, job: Job):
+        from preprocess.image_encoder import load_image_encoder
+        from preprocess.vae import load_vae
+
+        dtype = getattr(torch, job.dtype)
+        self.vae = load_vae(job.vae, variant=VAE_OF_MODEL[job.model], device=job.device, dtype=dtype)
+        self.clip = load_image_encoder(job.image_encoder, device=job.device, dtype=dtype)
+        self.needs_y = VAE_OF_MODEL[job.model] == "wan2.1"
+
+    def __call__(self, videos_bcthw: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {"latents": self.vae.encode(videos_bcthw), "clip": self.clip.encode(videos_bcthw[:, :, 0])}
+        if self.needs_y:
+            out["y"] = self.vae.encode_first_frame(videos_bcthw[:, :, 0], videos_bcthw.shape[2])
+        return {k: v.to(torch.bfloat16).cpu() for k, v in out.items()}
+
+
+def encode_samples(encoders: Encoders, samples: Iterable[WindowSample], batch_size: int,
+                   compress: str) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+    """(key, tar members) per sample, encoded in batches of `batch_size` in arrival order."""
+    batch: list[WindowSample] = []
+    for sample in samples:
+        batch.append(sample)
+        if len(batch) == batch_size:
+            yield from _encode_batch(encoders, batch, compress)
+            batch = []
+    if batch:
+        yield from _encode_batch(encoders, batch, compress)
+
+
+def _encode_batch(encoders: Encoders, batch: list[WindowSample], compress: str):
+    with torch.inference_mode():
+        outputs = encoders(torch.stack([s.video for s in batch]))
+    for i, s in enumerate(batch):
+        yield s.key, encode_sample(s.key, {**s.tensors, **{k: v[i] for k, v in outputs.items()}}, s.meta, compress)
+
+
+# ---------------------------------------------------------------- one unit
+
+
+def unit_report(job: Job, episodes: list[int]) -> dict:
+    """A unit's JSON record before its samples: `unit_samples` fills in what became of each episode."""
+    return {"episodes": episodes, "failures": [], "skipped": [], "prompts": {}, "encoded": [],
+            "inputs": unit_inputs(job.inputs)}
+
+
+def process_unit(job: Job, unit: int, episodes: list[int]) -> dict:
+    """Decode, transform and encode the unit's episodes; spill its samples. Returns the unit's JSON record."""
+    torch.set_num_threads(job.threads)
+    report = unit_report(job, episodes)
+    samples = encode_samples(Encoders(job), unit_samples(job, episodes, report), job.batch_size, job.compress)
+    # write_unit stores `report` after draining `samples`, so it holds the outcome of every episode
+    return write.write_unit(Path(job.out), unit, samples, report)

@@ -1,0 +1,227 @@
+"""The streaming executor: CPU workers decode, window and transform; encoder processes hold the frozen encoders for
+the whole run and encode batch after batch; bounded queues in between.
+
+    units ──► CPU worker 0..W-1 ──(video batches, bounded queue)──► encoder process per device ──► back to the worker
+              (decode, windows, views;                              (VAE, CLIP, y: loaded once,
+               tar members, unit spill)                              busy as long as batches wait)
+
+A worker cuts its unit's samples into batches exactly as `pipeline.encode_samples` does (`batch_size` in arrival
+order, the last one short), so every batch an encoder sees is one the in-process path would have formed: the stored
+bits do not depend on the executor, the number of workers or which device of the same kind took a batch. A worker
+keeps a few batches in flight, so it decodes the next episode while its last batches are being encoded; the request
+queue holds at most two batches per encoder and worker, which bounds memory and makes decoders wait for a busy GPU
+(backpressure) instead of piling up videos. Every child dies with the run (PR_SET_PDEATHSIG): none writes after its
+parent was killed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import time
+import traceback
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from preprocess import write
+from preprocess.errors import DatasetError
+from preprocess.executors import die_with_parent
+from preprocess.pipeline import Encoders, Job, WindowSample, unit_report, unit_samples
+from preprocess.weights import WeightsError
+from shardformat.members import encode_sample
+
+IN_FLIGHT = 2  # batches a worker submits before it waits for the oldest one's codes
+POLL_S = 1.0
+
+
+def encoder_devices(device: str) -> list[str]:
+    """`cuda` = every local GPU, one encoder process each; `cuda:N` or `cpu` = that device alone."""
+    if device == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise SystemExit("--device cuda: no CUDA device is visible")
+        return [f"cuda:{i}" for i in range(count)]
+    return [device]
+
+
+def run_stream(job: Job, units: dict[int, list[int]], workers: int) -> Iterator[dict]:
+    """Process {unit: episodes} with `workers` CPU workers and one encoder process per device of `job.device`;
+    yields each unit's record as its spill is complete. A failure anywhere stops every process and is raised here."""
+    if not units:
+        return
+    ctx = torch.multiprocessing.get_context("spawn")  # torch and the decoders are not fork-safe
+    devices = encoder_devices(job.device)
+    workers = max(1, min(workers, len(units)))
+    todo, requests, results = ctx.Queue(), ctx.Queue(maxsize=IN_FLIGHT * max(workers, len(devices))), ctx.Queue()
+    replies = [ctx.Queue() for _ in range(workers)]
+    for item in units.items():
+        todo.put(item)
+    for _ in range(workers):
+        todo.put(None)
+    parent = os.getpid()
+    encoders = [ctx.Process(target=_encoder_main, args=(job, d, requests, replies, results, parent), daemon=True,
+                            name=f"encoder-{d}") for d in devices]
+    cpu = [ctx.Process(target=_worker_main, args=(job, w, todo, requests, replies[w], results, parent), daemon=True,
+                       name=f"cpu-worker-{w}") for w in range(workers)]
+    for p in encoders + cpu:
+        p.start()
+    try:
+        remaining = len(units)
+        while remaining:
+            try:
+                kind, payload = results.get(timeout=POLL_S)
+            except queue.Empty:
+                dead = [p for p in encoders + cpu if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{dead[0].name} died (exit code {dead[0].exitcode}): see its output above")
+                continue
+            if kind == "error":
+                raise payload
+            remaining -= 1
+            yield payload
+    finally:
+        for _ in encoders:
+            try:
+                requests.put(None, timeout=POLL_S)
+            except queue.Full:
+                pass
+        deadline = time.monotonic() + 30
+        for p in cpu + encoders:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _report_failure(results, where: str, err: BaseException) -> None:
+    """Bad input travels as itself (the CLI prints its one line); anything else as the child's traceback."""
+    if not isinstance(err, (DatasetError, WeightsError)):
+        err = RuntimeError(f"{where}: {''.join(traceback.format_exception(err))}")
+    results.put(("error", err))
+
+
+def _encoder_main(job: Job, device: str, requests, replies, results, parent: int) -> None:
+    """Load the encoders once; encode each request's batch and send the codes back to its worker."""
+    die_with_parent(parent)
+    torch.set_num_threads(job.threads)  # a CPU encoder's reductions (and so the stored bits) depend on it
+    try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        encoders = Encoders(replace(job, device=device))
+        while (request := requests.get()) is not None:
+            worker, seq, videos = request
+            with torch.inference_mode():
+                codes = encoders(videos)
+            replies[worker].put((seq, codes))
+    except BaseException as err:  # noqa: BLE001 — reported to the run, which stops every process
+        _report_failure(results, f"encoder on {device}", err)
+
+
+def _worker_main(job: Job, worker: int, todo, requests, replies, results, parent: int) -> None:
+    """Take units until the queue says stop; spill each one with codes from the encoder processes."""
+    die_with_parent(parent)
+    torch.set_num_threads(job.threads)  # the views' resize rounds differently with another thread count
+    try:
+        while (item := todo.get()) is not None:
+            unit, episodes = item
+            results.put(("unit", _stream_unit(job, unit, episodes, worker, requests, replies)))
+    except BaseException as err:  # noqa: BLE001
+        _report_failure(results, f"CPU worker {worker}", err)
+
+
+def _stream_unit(job: Job, unit: int, episodes: list[int], worker: int, requests, replies) -> dict:
+    counter = itertools.count()
+    arrived: dict[int, dict[str, torch.Tensor]] = {}
+
+    def submit(videos: torch.Tensor) -> int:
+        seq = next(counter)
+        requests.put((worker, seq, videos))
+        return seq
+
+    def collect(seq: int) -> dict[str, torch.Tensor]:
+        while seq not in arrived:  # codes come back in any order when several encoders serve this worker
+            got, codes = replies.get()
+            arrived[got] = codes
+        return arrived.pop(seq)
+
+    return spill_unit(job, unit, episodes, submit, collect)
+
+
+def spill_unit(job: Job, unit: int, episodes: list[int], submit: Callable[[torch.Tensor], Any],
+               collect: Callable[[Any], dict[str, torch.Tensor]]) -> dict:
+    """One unit's samples in batches of `batch_size` (as `pipeline.encode_samples` cuts them), each sent to an
+    encoder with `submit(videos) -> handle` and its codes taken back with `collect(handle)`, IN_FLIGHT batches
+    ahead; then the unit's spill. Returns the unit's JSON record."""
+    report = unit_report(job, episodes)
+    pending: deque[tuple[Any, list[WindowSample]]] = deque()
+
+    def finish_oldest() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+        handle, batch = pending.popleft()
+        codes = collect(handle)
+        for i, s in enumerate(batch):
+            yield s.key, encode_sample(s.key, {**s.tensors, **{k: v[i] for k, v in codes.items()}}, s.meta,
+                                       job.compress)
+
+    def members() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+        samples = unit_samples(job, episodes, report)
+        while batch := list(itertools.islice(samples, job.batch_size)):
+            pending.append((submit(torch.stack([s.video for s in batch])), batch))
+            if len(pending) >= IN_FLIGHT:
+                yield from finish_oldest()
+        while pending:
+            yield from finish_oldest()
+
+    return write.write_unit(Path(job.out), unit, members(), report)
+
+
+# ---------------------------------------------------------------- the same stages as Ray actors and tasks
+
+
+class EncoderActor:
+    """A Ray actor holding the encoders for the whole run (one per GPU of the cluster, or one on CPU)."""
+
+    def __init__(self, job: Job):
+        torch.set_num_threads(job.threads)
+        self.encoders = Encoders(job)
+
+    def encode(self, videos: torch.Tensor) -> dict[str, torch.Tensor]:
+        with torch.inference_mode():
+            return self.encoders(videos)
+
+
+def ray_unit(job: Job, unit: int, episodes: list[int], actor) -> dict:
+    """A Ray task: decode, window and transform one unit on CPU, encode its batches on `actor`, spill it."""
+    import ray
+
+    torch.set_num_threads(job.threads)
+    return spill_unit(job, unit, episodes, lambda videos: actor.encode.remote(videos), ray.get)
+
+
+def run_ray(job: Job, units: dict[int, list[int]], address: str | None) -> Iterator[dict]:
+    """Units as Ray tasks on the cluster's CPUs feeding one encoder actor per GPU (one CPU actor without GPUs)."""
+    import ray
+
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    gpu = job.device.startswith("cuda")
+    count = int(ray.cluster_resources().get("GPU", 0)) if gpu else 1
+    if count == 0:
+        raise SystemExit("--executor ray --device cuda: the Ray cluster has no GPU")
+    # a CPU actor asks for no CPU of its own: the unit tasks' CPU requests would otherwise starve it
+    actor_cls = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0)(EncoderActor)
+    actors = [actor_cls.remote(job) for _ in range(count)]
+    task = ray.remote(num_cpus=job.threads)(ray_unit)
+    refs = [task.remote(job, unit, episodes, actors[i % count]) for i, (unit, episodes) in enumerate(units.items())]
+    try:
+        while refs:
+            ready, refs = ray.wait(refs, num_returns=1)
+            yield ray.get(ready[0])
+    finally:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        for actor in actors:
+            ray.kill(actor)

@@ -1,0 +1,183 @@
+"""The farm stage end to end against its bound: the real `preprocess shards` unit stage with full-size encoders, and
+the same encoders alone on the same device, measured in one run. One JSON line per recipe.
+
+    python scripts/bench_farm.py --device cuda                          # 5B LIBERO, 5B DROID, 14B DROID
+    python scripts/bench_farm.py --device cuda --recipes libero-5b --episodes 48 --workers 14
+    python scripts/bench_farm.py --device cpu --size tiny --episodes 4 --recipes libero-5b   # smoke run
+
+1. A generated LeRobot dataset of the recipe's layout (scripts/make_sample_dataset.py) and random-init encoders at
+   their released widths in the official on-disk formats (scripts/make_tiny_checkpoints.py --size full).
+2. `preprocess shards --stage units` on them, in this process (the streaming executor: CPU workers decode, window
+   and transform; one encoder process per device). Samples/s over the whole call, encoder loading included.
+3. The bound: the same `Encoders` (VAE, CLIP, the 14B's y) on the same device, on random videos of the recipe's
+   shape, in batches of --batch-size, with nothing else running.
+
+Reported: samples/s per device over the whole call and in the steady state (first to last finished unit), each
+against the bound, device busy % (nvidia-smi's utilization, sampled every
+0.2 s over the run), CPU cores used per device (CPU time of this process and its children / wall time), bytes per
+sample in the unit spills (what the shards will hold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import resource
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# recipe -> (dataset preset, model recipe, sample layout)
+RECIPES = {"libero-5b": ("libero", "5b", "libero"), "droid-5b": ("droid", "5b", "droid"),
+           "droid-14b": ("droid", "14b", "droid")}
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BusySampler:
+    """Mean utilization.gpu of the visible GPUs while running (nvidia-smi every 0.2 s); None without nvidia-smi."""
+
+    def __init__(self, period_s: float = 0.2):
+        self.period_s, self.samples, self._stop = period_s, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=5).stdout.split()
+                self.samples.append([float(v) for v in out])
+            except (OSError, subprocess.SubprocessError, ValueError):
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def mean_pct(self, devices: int) -> float | None:
+        rows = [r[:devices] for r in self.samples if len(r) >= devices]
+        return sum(map(sum, rows)) / (len(rows) * devices) if rows else None
+
+
+def cpu_seconds() -> float:
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
+def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
+    """Samples/s of the run's encoders alone (its weights, device and dtype) on random videos of the recipe's shape,
+    in batches of the run's batch size."""
+    from preprocess.embodiments import get_embodiment
+    from preprocess.pipeline import Encoders
+    from preprocess.shards import DATASETS
+
+    device = "cuda:0" if cli.device == "cuda" else cli.device
+    encoders = Encoders(SimpleNamespace(vae=str(cli.vae), image_encoder=str(cli.image_encoder), model=cli.model,
+                                        device=device, dtype=cli.dtype))
+    emb = get_embodiment(DATASETS[cli.dataset].embodiment)
+    (h, w), t = emb.preset(cli.model).target_hw, emb.window.num_frames
+    videos = torch.rand(cli.batch_size, 3, t, h, w) * 2 - 1
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    with torch.inference_mode():
+        for _ in range(warmup):
+            encoders(videos)
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            encoders(videos)
+        sync()
+    return iters * cli.batch_size / (time.perf_counter() - start)
+
+
+def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
+    from preprocess import shards
+
+    dataset, model, layout = RECIPES[recipe]
+    src = work / f"data-{layout}"
+    if not (src / "meta" / "info.json").is_file():
+        _script("make_sample_dataset").main(["--layout", layout, "--out", str(src), "--episodes",
+                                             str(args.episodes), "--seed", "0"])
+    out = work / f"shards-{recipe}"
+    vae = "wan2.1" if model == "14b" else "wan2.2"
+    cli = shards.Args(dataset=dataset, src=src, out=out, model=model, device=args.device, batch_size=args.batch_size,
+                      workers=args.workers, stage="units", executor=args.executor,
+                      anchor_stride=args.anchor_stride, decode_backend=args.decode_backend,
+                      vae=weights / vae / "vae", image_encoder=weights / "clip" / "image_encoder",
+                      text_encoder=weights / "umt5" / "text_encoder", tokenizer=weights / "umt5" / "tokenizer")
+    devices = torch.cuda.device_count() if args.device == "cuda" else 1
+    cpu0, start = cpu_seconds(), time.perf_counter()
+    with BusySampler() as busy:
+        shards.run(cli)
+    wall = time.perf_counter() - start
+    cores = (cpu_seconds() - cpu0) / wall
+    units = sorted((out / "work").glob("unit-*.json"))
+    records = [json.loads(p.read_text()) for p in units]
+    samples = sum(r["count"] for r in records)
+    spill_bytes = sum((p.with_suffix(".tar")).stat().st_size for p in units)
+    # steady state: from the first finished unit to the last (start-up, hashing and encoder loading left out)
+    done = sorted((p.stat().st_mtime, r["count"]) for p, r in zip(units, records))
+    steady = sum(c for _, c in done[1:]) / (done[-1][0] - done[0][0]) / devices if len(done) > 2 else None
+    bound = encoder_bound(cli, args.bound_iters)
+    rate = samples / wall / devices
+    return {"bench": "farm", "recipe": recipe, "device": torch.cuda.get_device_name() if args.device == "cuda" else
+            args.device, "devices": devices, "workers": args.workers, "executor": args.executor,
+            "batch_size": args.batch_size, "episodes": args.episodes, "anchor_stride": args.anchor_stride,
+            "samples": samples, "wall_s": round(wall, 2),
+            "samples_per_s_per_device": round(rate, 3), "bound_samples_per_s": round(bound, 3),
+            "ratio_to_bound": round(rate / bound, 4), "busy_pct": busy.mean_pct(devices),
+            "steady_samples_per_s_per_device": steady and round(steady, 3),
+            "steady_ratio_to_bound": steady and round(steady / bound, 4),
+            "cpu_cores_per_device": round(cores / devices, 2), "bytes_per_sample": round(spill_bytes / max(1, samples)),
+            "torch": torch.__version__}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES), help="recipes to measure")
+    p.add_argument("--device", default="cuda", help="encoder device: cuda (every local GPU), cuda:N or cpu")
+    p.add_argument("--size", choices=["full", "tiny"], default="full", help="encoder widths (tiny: smoke runs)")
+    p.add_argument("--episodes", type=int, default=48, help="episodes of each generated dataset")
+    p.add_argument("--workers", type=int, default=max(1, (torch.multiprocessing.cpu_count() or 2) - 2),
+                   help="CPU workers (default: all cores but two)")
+    p.add_argument("--executor", choices=["stream", "local"], default="stream", help="preprocess shards --executor")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per encoder batch")
+    p.add_argument("--decode-backend", choices=["torchcodec", "pyav"], default="torchcodec",
+                   help="frame decoder (pyav where torchcodec's FFmpeg libraries are missing)")
+    p.add_argument("--anchor-stride", type=int, default=1, help="keep every n-th window (fewer samples per episode)")
+    p.add_argument("--bound-iters", type=int, default=10, help="timed encoder batches of the bound")
+    p.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one, removed)")
+    args = p.parse_args(argv)
+    tmp = None if args.work else tempfile.TemporaryDirectory(prefix="bench_farm-")
+    work = args.work or Path(tmp.name)
+    try:
+        weights = work / f"encoders-{args.size}"
+        if not (weights / "README.json").is_file():
+            _script("make_tiny_checkpoints").main(["--out", str(weights), "--size", args.size])
+        results = []
+        for recipe in args.recipes:
+            results.append(bench_recipe(recipe, work, weights, args))
+            print(json.dumps(results[-1]), flush=True)
+        return results
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

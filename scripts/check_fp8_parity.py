@@ -1,0 +1,149 @@
+"""Loss parity of float8 training with bf16: the same data, seeds and steps trained twice, the loss curves compared.
+
+    python scripts/check_fp8_parity.py --preset libero-5b --steps 100 -- --model.num-layers 4            # 1 GPU
+    python scripts/check_fp8_parity.py --preset libero-5b --float8 rowwise --nproc 4 -- --model.num-layers 4
+    python scripts/check_fp8_parity.py --preset tiny --float8 none --steps 4                            # CPU plumbing
+
+Both runs are the real trainer (`torchrun train/main.py`, as scripts/bench_train.py starts it) on the same synthetic
+shards of the preset's shapes with the same seeds, so they see the same batches, timesteps and noise; only
+`--parallel.float8` differs. The measure: the mean absolute difference of the two runs' per-step losses against the
+bf16 run's own step-to-step noise (mean |loss[t] - loss[t-1]|, which the timestep and noise draws dominate). A
+float8 run at parity differs from bf16 by a small fraction of that noise (`--max-ratio`). `--float8 none` trains
+bf16 twice: the run-to-run floor (0 where the kernels are deterministic). Everything after `--` goes to both runs.
+Prints both curves, then one JSON line; exits 1 when the ratio exceeds --max-ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from train.config import device_memory_gib, parse_args as parse_trainer_args, resolve_auto  # noqa: E402
+from train.parallel import check_float8  # noqa: E402
+
+
+def _load_bench():
+    if "bench_train" in sys.modules:
+        return sys.modules["bench_train"]
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench_train.py")
+    module = sys.modules.setdefault("bench_train", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="libero-5b", choices=sorted(bench.synthetic.SHAPES),
+                   help="trainer preset (train/config.py) and synthetic sample shapes")
+    p.add_argument("--float8", choices=["tensorwise", "rowwise", "none"], default="tensorwise",
+                   help="recipe of the second run (none: bf16 twice, the run-to-run floor)")
+    p.add_argument("--nproc", type=int, default=1, help="trainer processes (GPUs) on this host")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps of each run")
+    p.add_argument("--micro-batch", type=int, default=None, help="samples per rank per fwd/bwd (default: preset's)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per optimizer step over all ranks (default: preset's; 0 = micro-batch x nproc)")
+    p.add_argument("--max-ratio", type=float, default=0.2,
+                   help="parity: mean |fp8 - bf16| loss at most this fraction of the bf16 step-to-step noise")
+    p.add_argument("--max-windows", type=int, default=512,
+                   help="write at most this many windows (later steps revisit them, in the same order in both runs)")
+    p.add_argument("--shards", type=Path, default=None,
+                   help="shard directory to reuse if it holds a manifest (written there otherwise); "
+                        "default: <out>/shards")
+    p.add_argument("--out", type=Path, default=None,
+                   help="work directory (shards, run-bf16/, run-<float8>/, result.json); default: a temporary one, "
+                        "deleted")
+    p.set_defaults(warmup_steps=0, ac=None, compile=None)  # what bench_train.trainer_argv reads besides these
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (the noise is a step-to-step difference)")
+    return args, extra
+
+
+def losses(run_dir: Path) -> list[float]:
+    """Per-step losses of a run logged with --metrics.interval 1 (mean over ranks)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["loss"] for r in records]
+
+
+def throughput(run_dir: Path, skip: int) -> float | None:
+    """Mean samples/s/GPU after the first `skip` steps (compile, warm-up)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rates = [r["samples_per_s_per_gpu"] for r in records[skip:]]
+    return sum(rates) / len(rates) if rates else None
+
+
+def compare(reference: list[float], other: list[float]) -> dict:
+    """Mean |other - reference| per step against the reference's mean step-to-step change."""
+    if len(reference) != len(other):
+        raise SystemExit(f"the runs logged {len(reference)} and {len(other)} steps")
+    diff = sum(abs(a - b) for a, b in zip(reference, other)) / len(reference)
+    noise = sum(abs(b - a) for a, b in zip(reference, reference[1:])) / (len(reference) - 1)
+    return {"mean_abs_diff": diff, "bf16_step_noise": noise, "ratio": diff / noise if noise else None}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, extra = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="fp8_parity-")) if args.out is None else args.out
+    work.mkdir(parents=True, exist_ok=True)
+    shards = args.shards or work / "shards"
+    label = args.float8 if args.float8 != "none" else "bf16 again"
+    runs = {"bf16": ("none", work / "run-bf16"), label: (args.float8, work / f"run-{label.replace(' ', '-')}")}
+    argvs = {name: bench.trainer_argv(args, shards, run_dir, ["--metrics.interval", "1", *extra,
+                                                               "--parallel.float8", mode])
+             for name, (mode, run_dir) in runs.items()}
+    cfg = parse_trainer_args(argvs["bf16"])
+    device = bench.trainer_device(cfg)
+    check_float8(args.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    cfg, _ = resolve_auto(cfg, device_memory_gib(device), args.nproc)
+    micro, global_batch, _ = bench.batch_sizes(cfg, args.nproc)
+    try:
+        ahead = (cfg.data.num_workers * cfg.data.prefetch_factor + 2) * micro * args.nproc
+        windows = min(args.steps * global_batch + ahead, max(args.max_windows, micro * args.nproc))
+        bench.write_shards(cfg, args.preset, shards, windows)
+        curves, rates = {}, {}
+        for name, (_, run_dir) in runs.items():
+            if run_dir.exists():
+                shutil.rmtree(run_dir)
+            bench.run_trainer(args, argvs[name], run_dir)
+            curves[name], rates[name] = losses(run_dir), throughput(run_dir, skip=min(3, args.steps - 1))
+    finally:
+        if args.out is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"{'step':>5} {'bf16':>10} {label:>10} {'|diff|':>10}")
+    for step, (a, b) in enumerate(zip(curves["bf16"], curves[label]), 1):
+        print(f"{step:>5} {a:>10.5f} {b:>10.5f} {abs(a - b):>10.5f}")
+    stats = compare(curves["bf16"], curves[label])
+    parity = stats["ratio"] is not None and stats["ratio"] <= args.max_ratio
+    result = bench.emit({
+        "check": "fp8_parity", "preset": args.preset, "float8": args.float8, "world_size": args.nproc,
+        "steps": args.steps, "micro_batch": micro, "global_batch": global_batch, "trainer_extra": extra, **stats,
+        "max_ratio": args.max_ratio, "parity": parity, "samples_per_s_per_gpu_bf16": rates["bf16"],
+        "samples_per_s_per_gpu_other": rates[label], "loss_bf16": curves["bf16"], "loss_other": curves[label],
+        "gpu": bench.device_name(device), "torch": torch.__version__, **bench.provenance(argv)}, args.out)
+    if not parity:
+        ratio = "undefined" if stats["ratio"] is None else f"{stats['ratio']:.3g}"
+        raise SystemExit(f"no loss parity: mean |{label} - bf16| loss {stats['mean_abs_diff']:.4g} is {ratio} x the "
+                         f"bf16 step-to-step noise {stats['bf16_step_noise']:.4g} (--max-ratio {args.max_ratio})")
+    return result
+
+
+if __name__ == "__main__":
+    main()

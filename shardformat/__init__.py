@@ -1,0 +1,12 @@
+"""The shard format (docs/FORMAT.md): the one contract between the preprocessor and the trainer.
+
+files     durable writes and hashing          keys      sample keys and window names
+members   a sample's tar members              shard     a shard's JSON: offsets, CRC-32, verified reads
+manifest  version, sealed JSON, the manifest  text      the prompt embedding table
+stats     q99 normalization and padding       wds       `webdataset_decoder` for webdataset / wids
+"""
+
+from shardformat.manifest import FORMAT_VERSION, Manifest, ShardFormatError
+from shardformat.wds import webdataset_decoder
+
+__all__ = ["FORMAT_VERSION", "Manifest", "ShardFormatError", "webdataset_decoder"]

@@ -1,0 +1,99 @@
+"""A shard's JSON: where every member of every sample lies in the tar, its CRC-32, and the sample's weight.
+
+`shard-000000.json` is written after its tar and read instead of scanning tar headers: random access (pread, or an
+object-store ranged read) goes straight to a member's bytes, and every read is checked against the recorded CRC-32,
+so a flipped byte stops the reader with the shard, sample and member named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from shardformat.manifest import FORMAT_VERSION, ShardFormatError, read_sealed_json, write_sealed_json
+from shardformat.members import checksum
+
+
+@dataclass(frozen=True)
+class MemberRef:
+    name: str  # suffix after the key: latents.npy, meta.json, ...
+    offset: int  # of the data in the tar
+    size: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    key: str
+    anchor_multiplicity: int  # meta.json's, so sampling weights need no member decoded
+    members: tuple[MemberRef, ...]
+
+
+@dataclass
+class ShardRecord:
+    shard: str  # tar file name
+    bytes: int
+    sha256: str
+    samples: list[SampleRecord]  # in tar order
+
+    @property
+    def count(self) -> int:
+        return len(self.samples)
+
+    @property
+    def keys(self) -> list[str]:
+        return [s.key for s in self.samples]
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT_VERSION, "shard": self.shard, "count": self.count, "bytes": self.bytes,
+                "sha256": self.sha256, "keys": self.keys,
+                "samples": {s.key: {"anchor_multiplicity": s.anchor_multiplicity,
+                                    "members": [[m.name, m.offset, m.size, m.crc32] for m in s.members]}
+                            for s in self.samples}}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: Path | str) -> ShardRecord:
+        try:
+            samples = [SampleRecord(k, int(d["samples"][k]["anchor_multiplicity"]),
+                                    tuple(MemberRef(*m) for m in d["samples"][k]["members"])) for k in d["keys"]]
+            record = cls(d["shard"], d["bytes"], d["sha256"], samples)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ShardFormatError(f"{where}: malformed shard record ({type(err).__name__}: {err})") from None
+        if record.count != d["count"] or len(d["samples"]) != record.count:
+            raise ShardFormatError(f"{where}: count {d['count']}, {len(d['keys'])} keys, {len(d['samples'])} samples")
+        return record
+
+    @classmethod
+    def read(cls, path: Path | str) -> ShardRecord:
+        return cls.from_dict(read_sealed_json(Path(path)), path)
+
+    def write(self, path: Path | str) -> None:
+        write_sealed_json(Path(path), self.to_dict())
+
+
+def json_path(shard_tar: Path | str) -> Path:
+    """`shard-000000.tar` -> `shard-000000.json`."""
+    return Path(shard_tar).with_suffix(".json")
+
+
+def verify_members(shard: Path | str, sample: SampleRecord, members: dict[str, bytes]) -> None:
+    """Check a sample's member bytes ({suffix: bytes}) against its record; ShardFormatError names what differs."""
+    expected = {m.name: m for m in sample.members}
+    if members.keys() != expected.keys():
+        raise ShardFormatError(f"{shard}: sample {sample.key}: members {sorted(members)}, the shard JSON lists "
+                               f"{sorted(expected)}")
+    for name, data in members.items():
+        if len(data) != expected[name].size or checksum(data) != expected[name].crc32:
+            raise ShardFormatError(f"{shard}: sample {sample.key}: member {name} checksum mismatch (corrupt shard)")
+
+
+def read_members(read: Callable[[int, int], bytes], shard: Path | str, sample: SampleRecord) -> dict[str, bytes]:
+    """One sample's verified member bytes ({suffix: bytes}). `read(offset, size)` is called once, for the span from
+    the first member's data to the last one's end (the tar headers between are a few hundred bytes each): one pread,
+    or one ranged request to an object store."""
+    start = min(m.offset for m in sample.members)
+    span = read(start, max(m.offset + m.size for m in sample.members) - start)
+    members = {m.name: span[m.offset - start : m.offset - start + m.size] for m in sample.members}
+    verify_members(shard, sample, members)
+    return members

@@ -1,0 +1,80 @@
+"""The presets' auto settings: recompute mode, micro-batch and resharding resolved from the GPUs (train/config.py)."""
+
+import pytest
+
+from train.config import ParallelConfig, parse_args, resolve_auto
+from train.model import build_model
+from train.parallel import parallelize
+
+H100, H200 = 79.2, 139.8  # GiB that torch reports for the 80 GB and 141 GB cards
+
+
+def _cfg(tmp_path, *flags, preset="libero-5b"):
+    return parse_args(["--preset", preset, "--data.shards", str(tmp_path), *flags])
+
+
+def _parts(cfg):
+    return cfg.parallel.activation_checkpoint, cfg.data.micro_batch_size, cfg.parallel.reshard_after_forward
+
+
+@pytest.mark.parametrize("preset, gib, gpus, want, why", [
+    # the measured settings, fastest first; more or larger GPUs only free memory
+    ("libero-5b", H100, 4, ("selective", 8, False), "measured 14.07"),
+    ("libero-5b", H100, 8, ("selective", 8, False), "measured 14.07"),
+    ("libero-5b", H200, 1, ("selective", 8, False), "measured 14.6-15.0"),
+    ("libero-5b", H200, 2, ("selective", 8, False), "measured 14.6-15.0"),
+    ("libero-5b", H200, 4, ("selective", 8, False), "measured 14.07"),
+    ("droid-14b", H200, 4, ("full", 1, True), "measured 0.255"),
+    # nothing measured fits: the recipe with full recompute
+    ("libero-5b", H100, 1, ("full", 32, True), "nothing measured fits"),
+    ("libero-5b", H100, 2, ("full", 32, True), "nothing measured fits"),
+    ("droid-5b", H200, 4, ("full", 32, True), "nothing measured fits"),
+    ("droid-14b", H100, 4, ("full", 1, True), "nothing measured fits"),
+    ("droid-14b", H200, 2, ("full", 1, True), "nothing measured fits"),
+    # CPU: today's behaviour, the recipe
+    ("libero-5b", None, 1, ("full", 32, True), "on CPU"),
+    ("droid-14b", None, 2, ("full", 1, True), "on CPU"),
+])
+def test_the_table_picks_the_fastest_measured_setting_that_fits(tmp_path, preset, gib, gpus, want, why):
+    cfg = _cfg(tmp_path, preset=preset)
+    assert _parts(cfg) == ("auto", 0, None)  # the presets leave all three to the GPUs
+    resolved, line = resolve_auto(cfg, gib, gpus)
+    assert _parts(resolved) == want
+    assert why in line and line.startswith(f"auto settings for {preset} on ") and "\n" not in line
+    assert resolved.parallel.global_batch_size == cfg.parallel.global_batch_size  # the recipe's global batch
+    assert _parts(cfg) == ("auto", 0, None)  # a copy: the input is left as it was
+
+
+def test_given_flags_win_part_by_part(tmp_path):
+    cfg, line = resolve_auto(_cfg(tmp_path, "--data.micro-batch-size", "16"), H200, 1)
+    assert _parts(cfg) == ("selective", 16, False) and line.endswith("; given: micro-batch")
+    cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.reshard-after-forward"), H200, 1)
+    assert _parts(cfg) == ("selective", 8, True) and line.endswith("; given: resharding")
+    cfg, _ = resolve_auto(_cfg(tmp_path, "--parallel.no-reshard-after-forward", "--parallel.activation-checkpoint",
+                               "full"), H100, 1)
+    assert _parts(cfg) == ("full", 32, False)
+    every = _cfg(tmp_path, "--parallel.activation-checkpoint", "none", "--data.micro-batch-size", "4",
+                 "--parallel.reshard-after-forward")
+    assert resolve_auto(every, H200, 1) == (every, None)  # nothing auto: nothing to say
+    # tiny keeps its explicit recipe; asking it for auto gives that recipe
+    assert resolve_auto(_cfg(tmp_path, preset="tiny"), H200, 1)[1] is None
+    cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.activation-checkpoint", "auto", "--data.micro-batch-size", "0",
+                                  preset="tiny"), None, 2)
+    assert _parts(cfg) == ("none", 2, True) and "no recompute, micro-batch 2" in line
+
+
+def test_an_auto_micro_batch_keeps_the_global_batch(tmp_path):
+    # 8 x 4 GPUs does not divide 48: the largest micro-batch that does is 6 (accumulating 2)
+    cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.global-batch-size", "48"), H200, 4)
+    assert _parts(cfg) == ("selective", 6, False) and "global batch 48" in line
+    # a given micro-batch is kept as given (the trainer names the mismatch)
+    cfg, _ = resolve_auto(_cfg(tmp_path, "--parallel.global-batch-size", "48", "--data.micro-batch-size", "8"), H200, 4)
+    assert cfg.data.micro_batch_size == 8
+
+
+def test_unresolved_settings_are_refused_where_they_would_be_used(tmp_path):
+    with pytest.raises(SystemExit, match=r"--data.micro-batch-size -1 \(must be >= 1\)"):
+        _cfg(tmp_path, "--data.micro-batch-size", "-1")
+    for unresolved in (ParallelConfig(activation_checkpoint="auto"), ParallelConfig(reshard_after_forward=None)):
+        with pytest.raises(ValueError, match="resolve_auto"):
+            parallelize(build_model("tiny"), unresolved)

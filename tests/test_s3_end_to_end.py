@@ -1,0 +1,189 @@
+"""Shard directories on object storage end to end, against a real S3 server on localhost (moto's, in its own
+process): the integrity check and a 2-rank training run read s3:// URLs, and a build is published to one."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from preprocess import outdir
+from preprocess.__main__ import main as preprocess_main
+from preprocess.check import check
+from preprocess.remote import prefetch_remote_state, publish, published, staging_dir
+from shardformat.files import atomic_write_json
+from shardformat.shard import ShardRecord
+from shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
+from tests.test_train_data import TINY, synthetic
+from train.config import DataConfig
+from train.data import ShardLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """25 windows in 4 shards of 7 (the last one short), with the work/ spills of a finished build."""
+    out = tmp_path_factory.mktemp("shards") / "tiny"
+    synthetic.make_synthetic_shards(out, "tiny", episodes=5, windows_per_episode=5, samples_per_shard=7, seed=1)
+    return out
+
+
+def _flip_member_byte(tar: Path, member: str) -> str:
+    """Flip one byte inside `member` of the tar's first sample; returns the sample's key."""
+    sample = ShardRecord.read(tar.with_suffix(".json")).samples[0]
+    ref = next(m for m in sample.members if m.name == member)
+    data = bytearray(tar.read_bytes())
+    data[ref.offset + ref.size // 2] ^= 0x01
+    tar.write_bytes(bytes(data))
+    return sample.key
+
+
+def test_check_reads_a_remote_directory_and_names_a_flipped_byte(shards, s3_bucket, tmp_path, capsys):
+    url = f"{s3_bucket}/tiny"
+    sync_up(shards, url)
+    assert check(url) == []
+
+    corrupt = tmp_path / "shard-000002.tar"
+    shutil.copyfile(shards / corrupt.name, corrupt)
+    shutil.copyfile(shards / "shard-000002.json", tmp_path / "shard-000002.json")
+    key = _flip_member_byte(corrupt, "clip.npy")
+    ShardStore(url).upload(corrupt, corrupt.name)  # one flipped byte, uploaded over the good object
+    flipped = f"shard-000002.tar: sample {key}: member clip.npy checksum mismatch (corrupt shard)"
+    with pytest.raises(SystemExit) as done:
+        preprocess_main(["check", url])
+    assert done.value.code == 1
+    assert capsys.readouterr().out.splitlines() == [f"FAILED: 2 problem(s) in {url}", f"  {flipped}",
+                                                    "  shard-000002.tar: sha256 differs from the manifest"]
+    assert check(f"{s3_bucket}/nowhere") == [f"{s3_bucket}/nowhere/manifest.json: missing (an unfinished run, or "
+                                             f"not a shard directory)"]
+
+
+def _train(shards: str, run_dir: Path, *extra: str) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", shards,
+               "--checkpoint.dir", str(run_dir), "--steps", str(STEPS), "--checkpoint.interval", "2",
+               "--checkpoint.no-export", "--metrics.interval", "1", "--metrics.no-progress",
+               "--metrics.no-tensorboard", "--parallel.deterministic", "--data.num-workers", "1", *extra]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_loader_batches_from_s3_equal_local_ones_and_resume(shards, s3_bucket, s3_server):
+    """One rank of two, one loader worker (its own connections): the same batches, bit for bit, from either place,
+    and a loader resumed from the S3 loader's state continues them; every sample is one ranged GET of its tar."""
+    url = f"{s3_bucket}/tiny"
+    sync_up(shards, url)
+    requests = len(s3_server.requests())
+
+    def loader(root):
+        return ShardLoader(DataConfig(shards=root, micro_batch_size=2, num_workers=1), TINY, 0, 2, torch.device("cpu"))
+
+    local = loader(str(shards))
+    expected = [next(it) for it in [iter(local)] for _ in range(6)]
+    remote = loader(url)
+    got = [next(it) for it in [iter(remote)] for _ in range(3)]
+    resumed = loader(url)
+    resumed.load_state_dict(remote.state_dict())
+    got += [next(it) for it in [iter(resumed)] for _ in range(3)]
+    for a, b in zip(expected, got, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tar_gets = [status for method, path, status in s3_server.requests()[requests:] if path.endswith(".tar")]
+    assert len(tar_gets) >= 6 * 2 and set(tar_gets) == {"206"}
+
+
+@pytest.mark.slow
+def test_training_from_s3_continues_a_local_run_with_its_losses(shards, s3_bucket, s3_server, tmp_path):
+    """2 ranks (gloo) with a loader worker each: a run on the local directory, then the same run resumed from its
+    step-2 checkpoint on the S3 copy with a whole-shard cache logs the same losses for steps 3 and 4."""
+    url, bucket = f"{s3_bucket}/tiny", s3_bucket.removeprefix("s3://")
+    sync_up(shards, url)
+    _train(str(shards), tmp_path / "local")
+    shutil.copytree(tmp_path / "local", tmp_path / "s3")
+    shutil.rmtree(tmp_path / "s3" / f"step-{STEPS:06d}")  # as if stopped after the step-2 checkpoint
+    requests = len(s3_server.requests())
+    cache = tmp_path / "cache"
+    _train(url, tmp_path / "s3", "--data.cache-dir", str(cache))
+    assert _losses(tmp_path / "s3") == _losses(tmp_path / "local") and len(_losses(tmp_path / "local")) == STEPS
+    # the index and the text table, then whole shards into the cache: no ranged reads of the tars once cached
+    tar_gets = [path for method, path, status in s3_server.requests()[requests:] if path.endswith(".tar")]
+    cached = {p.name: p.read_bytes() for p in (cache / bucket / "tiny").glob("shard-*.tar")}
+    assert cached and all(data == (shards / name).read_bytes() for name, data in cached.items())
+    assert tar_gets and {Path(p).name for p in tar_gets} == set(cached)
+
+
+@pytest.mark.slow
+def test_publish_killed_midway_resumes_refuses_other_inputs_and_replaces_a_build(shards, s3_bucket, tmp_path):
+    url = f"{s3_bucket}/tiny"
+    inputs = {"src": "f" * 64, "augment_variants": 0, "seed": 1, "samples_per_shard": 7}
+    staging = staging_dir(url, tmp_path / "staging")  # a finished build as `preprocess shards` leaves it
+    shutil.copytree(shards, staging)  # with work/ spills
+    with outdir.hold(staging):  # and the lock file
+        atomic_write_json(staging / outdir.INPUTS, inputs)
+    order = upload_order(staging)
+    assert "inputs.json" in order and not [p for p in order if p.startswith("work/") or p.endswith(".lock")]
+
+    # The child reports each file and waits for a line before the next one; it is killed after the second.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from preprocess.remote import publish; "
+         "publish(Path(sys.argv[1]), sys.argv[2], lambda p, a: (print(a, p, flush=True), sys.stdin.readline()))",
+         str(staging), url], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    done = [child.stdout.readline().split()]
+    child.stdin.write("\n")
+    child.stdin.flush()
+    done.append(child.stdout.readline().split())
+    child.send_signal(signal.SIGKILL)
+    assert child.wait(timeout=30) == -signal.SIGKILL
+    assert done == [["uploaded", order[0]], ["uploaded", order[1]]]
+    store = ShardStore(url)
+    assert store.list() == order[:2] and not published(url, staging)
+    assert check(url) == [f"{url}/manifest.json: missing (an unfinished run, or not a shard directory)"]
+
+    report = publish(staging, url)
+    assert report.skipped == order[:2] and report.uploaded == order[2:]
+    assert check(url) == [] and store.list() == sorted(order) and published(url, staging)
+
+    # Another machine (a fresh staging directory) resuming this build gets its inputs: other inputs are refused.
+    fresh = staging_dir(url, tmp_path / "fresh")
+    prefetch_remote_state(url, fresh)
+    assert (fresh / "inputs.json").read_bytes() == (staging / "inputs.json").read_bytes()
+    with pytest.raises(SystemExit, match="--seed: 1 -> 2"):
+        outdir.claim(fresh, {**inputs, "seed": 2}, overwrite=False)
+    outdir.claim(fresh, inputs, overwrite=False)
+    assert published(url, fresh)
+
+    # A smaller build of other inputs replaces it (--overwrite): afterwards the remote holds exactly the new build.
+    small = tmp_path / "small"
+    synthetic.make_synthetic_shards(small, "tiny", episodes=2, windows_per_episode=3, samples_per_shard=4, seed=1)
+    atomic_write_json(small / outdir.INPUTS, {**inputs, "samples_per_shard": 4})
+    with pytest.raises(SystemExit, match="pass --overwrite to replace the remote build"):
+        prefetch_remote_state(url, small)
+    prefetch_remote_state(url, small, overwrite=True)
+    publish(small, url, lambda path, action: None)
+    assert check(url) == [] and store.list() == sorted(upload_order(small)) and len(upload_order(small)) < len(order)
+    assert json.loads(store.read_bytes(MANIFEST))["totals"]["samples"] == 6
+
+
+@pytest.mark.slow
+def test_loader_benchmark_reads_from_s3(s3_bucket, tmp_path):
+    url = f"{s3_bucket}/bench"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_loader.py"), "--preset", "tiny", "--shards",
+                           url, "--workers", "0", "1", "--batches", "2", "--micro-batch", "2", "--windows", "8",
+                           "--out", str(tmp_path / "bench")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (result["shards"], [(r["workers"], r["cache"]) for r in result["runs"]]) == ("s3", [(0, "remote"),
+                                                                                             (1, "remote")])
+    assert all(r["samples"] == 4 and r["samples_per_s_per_worker"] > 0 for r in result["runs"])
+    assert ShardStore(url).read_bytes(MANIFEST) == (tmp_path / "bench" / "shards" / MANIFEST).read_bytes()

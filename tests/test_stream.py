@@ -1,0 +1,63 @@
+"""The streaming executor: CPU workers feeding a long-lived encoder process give the local pool's bytes, stop with a
+worker's one-line error, and leave no process behind when the run is killed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from preprocess.check import check
+from tests.conftest import ROOT
+from tests.test_shards import build, droid_shards, manifest, shards_cmd, tiny_checkpoints  # noqa: F401 (fixtures)
+from tests.test_shards_safety import alive, children, wait_for
+
+def test_stream_gives_the_bytes_of_the_local_pool(droid_shards, droid_root, tiny_checkpoints, tmp_path):
+    # droid_shards was built by the default executor (stream); the local pool with the same torch threads (the
+    # encoders' and the resize's rounding depend on the count) must give the same shards
+    threads = json.loads((droid_shards / "inputs.json").read_text())["threads_per_worker"]
+    out = tmp_path / "local"
+    build(droid_root, out, "droid", tiny_checkpoints, "--executor", "local", "--workers", "1",
+          "--threads-per-worker", str(threads))
+    assert check(out) == []
+    assert manifest(out)["shards"] == manifest(droid_shards)["shards"]
+
+
+def test_a_bad_episode_with_fail_fast_stops_the_stream_with_its_line(droid_root, tiny_checkpoints, tmp_path):
+    src = tmp_path / "droid"
+    subprocess.run(["cp", "-r", str(droid_root), str(src)], check=True)
+    video = sorted(src.glob("videos/**/episode_000002.mp4"))[0]
+    video.write_bytes(video.read_bytes()[:2000])  # truncated: undecodable
+    done = subprocess.run(shards_cmd(src, tmp_path / "out", "droid", tiny_checkpoints, "--executor", "stream",
+                                     "--workers", "2", "--fail-fast"), cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert "episode 2" in last and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="children die with their parent through prctl")
+def test_killing_the_run_stops_every_worker_and_encoder(droid_root, tiny_checkpoints, tmp_path):
+    out = tmp_path / "killed"
+    cmd = shards_cmd(droid_root, out, "droid", tiny_checkpoints, "--executor", "stream", "--workers", "2",
+                     "--anchor-stride", "2", "--episodes-per-unit", "1")
+    owner = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(children(owner.pid)) >= 3 and list((out / "work").glob(".unit-*.tmp")),
+                 "two workers, an encoder and a unit being written")
+        procs = children(owner.pid)
+        owner.send_signal(signal.SIGKILL)
+    finally:
+        owner.kill()
+        owner.wait()
+    wait_for(lambda: not any(alive(p) for p in procs), "the stream's processes to die with the run", timeout=15)
+    files = sorted(p.name for p in (out / "work").iterdir())
+    time.sleep(1)
+    assert sorted(p.name for p in (out / "work").iterdir()) == files  # nothing writes on
+    build(droid_root, out, "droid", tiny_checkpoints, "--executor", "stream", "--workers", "2",
+          "--anchor-stride", "2", "--episodes-per-unit", "1")
+    assert check(out) == []

@@ -1,0 +1,315 @@
+"""Final weights out of a sharded model: an eval-ready DreamZero checkpoint folder, or the plain DiT.
+
+`export_official(model, out, base, shards)` writes a folder that DreamZero's inference server and RLinf load:
+
+    out/config.json                        the base's; DiT fields set to the trained model, full-weights flags
+    out/model-0000i-of-0000N.safetensors   the base's shard files and index (or its one model.safetensors): every
+    out/model.safetensors.index.json       `action_head.model.*` tensor is the trained one in the base's dtype,
+                                           every other tensor (frozen encoders) is byte-identical to the base
+    out/experiment_cfg/conf.yaml           the base's
+    out/experiment_cfg/metadata.json       the shards' statistics (the normalization the run trained with)
+
+`base` is the official checkpoint folder the run started from. For a run started from a Wan base it may hold only
+an official `config.json` and `experiment_cfg/conf.yaml`: the weights are then the DiT alone, and both loaders
+build the frozen encoders from the `*_pretrained_path` files the config names (which they read in any case).
+Both loaders call `load_state_dict(strict=False)`, so a wrong name would load silently and leave the base's DiT:
+`check_base` refuses unless the DiT keys and shapes equal the base's exactly (the trainer calls it at start-up).
+
+`export_weights(model, out)` writes the plain DiT keys (`model.safetensors`, or shards + index).
+
+Both are collective: parameters are all-gathered one at a time and rank 0 writes one file at a time, so no rank
+holds more than one output file. The folder is built under a hidden name and renamed when complete: `out` is
+always either the previous complete export or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from train.weights import (DREAMZERO_PREFIX, WeightsError, model_tensors, shard_file_names, shard_groups,
+                           write_index)
+
+log = logging.getLogger(__name__)
+
+# DiTConfig fields that are also constructor arguments of the official CausalWanModel (diffusion_model_cfg)
+DIT_FIELDS = ("model_type", "dim", "in_dim", "ffn_dim", "out_dim", "freq_dim", "eps", "num_heads", "num_layers",
+              "frame_seqlen", "max_chunk_size", "num_frame_per_block", "num_action_per_block", "num_state_per_block")
+# action-head config fields fixed by the DiT -> the DiTConfig field they equal
+HEAD_FIELDS = {"action_dim": "action_dim", "max_action_dim": "action_dim", "max_state_dim": "max_state_dim",
+               "num_frame_per_block": "num_frame_per_block"}
+# the DiT comes from the checkpoint, fully fine-tuned (no PEFT wrapping, no base Wan weights read first)
+FULL_WEIGHTS = {"skip_component_loading": True, "defer_lora_injection": False, "train_architecture": "full"}
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+
+@dataclass
+class Base:
+    """An official checkpoint folder, checked against the model being trained."""
+
+    root: Path
+    config: dict
+    files: list[tuple[str, list[str]]]
+    """Weight files (name, keys) in the base's order; empty for a folder with the configuration only."""
+    index: dict | None
+    """The base's model.safetensors.index.json, when its weights are sharded."""
+    dit_dtypes: dict[str, torch.dtype]
+    """Model key -> the base's dtype of that tensor."""
+
+
+def shard_statistics(shards: str | Path) -> tuple[Path, str]:
+    """(statistics file, embodiment tag) of a shard directory (a path or URL: the file is then a local copy)."""
+    from shardformat.storage import ShardStore
+
+    store = ShardStore(shards)
+    manifest = store.manifest()
+    name, tag = manifest.statistics["file"], manifest.embodiment
+    path = store.local_root(name) / name
+    if tag not in json.loads(path.read_text()):
+        raise WeightsError(f"{path}: no statistics for {tag!r}, the shards' embodiment")
+    return path, tag
+
+
+def _read_config(root: Path) -> dict:
+    """config.json of an official checkpoint folder, or an error naming what it lacks."""
+    path = root / "config.json"
+    if not path.is_file():
+        raise WeightsError(f"{root}: no config.json (not a DreamZero checkpoint folder)")
+    config = json.loads(path.read_text())
+    if not isinstance(((config.get("action_head_cfg") or {}).get("config") or {}).get("diffusion_model_cfg"), dict):
+        raise WeightsError(f"{path}: no action_head_cfg.config.diffusion_model_cfg (not a DreamZero config)")
+    return config
+
+
+def _check_conf(root: Path, tag: str) -> None:
+    import yaml
+
+    path = root / "experiment_cfg" / "conf.yaml"
+    if not path.is_file():
+        raise WeightsError(f"{root}: no experiment_cfg/conf.yaml (the official loader reads its transforms)")
+    conf = yaml.safe_load(path.read_text()) or {}
+    if conf.get("save_lora_only"):
+        raise WeightsError(f"{path}: save_lora_only is true (a LoRA checkpoint; the export writes full weights)")
+    for section in ("transforms", "modality_configs"):
+        if tag not in (conf.get(section) or {}):
+            raise WeightsError(f"{path}: no {section}.{tag} (the shards' embodiment); the official loader needs it")
+
+
+def _weight_files(root: Path) -> tuple[list[tuple[str, list[str]]], dict | None, dict[str, tuple], dict[str, str]]:
+    """(files, index, shapes, dtypes) of the base's safetensors weights, the index checked against the headers."""
+    from safetensors import safe_open
+
+    index_path, single = root / "model.safetensors.index.json", root / "model.safetensors"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else None
+    if index is not None:
+        names = sorted(set(index["weight_map"].values()))
+    elif single.is_file():
+        names = [single.name]
+    else:
+        stray = sorted(p.name for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+        if stray:
+            raise WeightsError(f"{root}: weights {stray[:5]} but neither model.safetensors nor its index "
+                               "(not the official layout)")
+        return [], None, {}, {}
+    files, shapes, dtypes = [], {}, {}
+    for name in names:
+        if not (root / name).is_file():
+            raise WeightsError(f"{index_path}: lists {name}, which is missing")
+        handle = safe_open(str(root / name), framework="pt")
+        keys = list(handle.keys())
+        if index is not None and sorted(keys) != sorted(k for k, f in index["weight_map"].items() if f == name):
+            raise WeightsError(f"{index_path}: weight_map disagrees with the keys stored in {name}")
+        for k in keys:
+            sl = handle.get_slice(k)
+            shapes[k], dtypes[k] = tuple(sl.get_shape()), sl.get_dtype()
+        files.append((name, keys))
+    return files, index, shapes, dtypes
+
+
+def check_base(base: str | Path, model: nn.Module, tag: str) -> Base:
+    """Check an official checkpoint folder against `model` and the shards' embodiment `tag`; header reads only."""
+    root = Path(base)
+    config = _read_config(root)
+    _check_conf(root, tag)
+    files, index, shapes, dtypes = _weight_files(root)
+    expected = {k: tuple(t.shape) for k, (t, _) in model_tensors(model).items()}
+    dit_dtypes = {}
+    if files:
+        peft = [k for k in shapes if "base_layer" in k or "lora_" in k or ".base_model." in k]
+        if peft:
+            raise WeightsError(f"{root}: {len(peft)} PEFT/LoRA keys, e.g. {peft[:3]}: merge the LoRA into the base "
+                               "first")
+        dit = {k[len(DREAMZERO_PREFIX):]: k for k in shapes if k.startswith(DREAMZERO_PREFIX)}
+        missing, unexpected = sorted(set(expected) - set(dit)), sorted(set(dit) - set(expected))
+        if missing or unexpected:
+            raise WeightsError(f"{root}: the base's {DREAMZERO_PREFIX}* keys differ from the model's: "
+                               f"{len(missing)} model keys absent from the base, e.g. {missing[:5]}; "
+                               f"{len(unexpected)} base keys the model does not have, e.g. {unexpected[:5]}")
+        for k, raw in dit.items():
+            if shapes[raw] != expected[k]:
+                raise WeightsError(f"{root}: {raw} has shape {shapes[raw]} in the base, the model's is {expected[k]}")
+            if dtypes[raw] not in _DTYPES:
+                raise WeightsError(f"{root}: {raw} has dtype {dtypes[raw]}, not a floating point type")
+            dit_dtypes[k] = _DTYPES[dtypes[raw]]
+    targets = _targets(config)
+    odd = [t for t in targets if not t.startswith("groot.")]
+    if odd:
+        log.warning("%s/config.json: _target_ %s outside groot.*: the official loader must be able to import it",
+                    root, odd[:3])
+    return Base(root, config, files, index, dit_dtypes)
+
+
+def _targets(obj) -> list[str]:
+    if isinstance(obj, dict):
+        own = [obj["_target_"]] if isinstance(obj.get("_target_"), str) else []
+        return own + [t for v in obj.values() for t in _targets(v)]
+    if isinstance(obj, list):
+        return [t for v in obj for t in _targets(v)]
+    return []
+
+
+def eval_config(config: dict, cfg) -> dict:
+    """`config` (a base's config.json) describing the trained DiT `cfg`, weights loaded in full from the folder."""
+    out = json.loads(json.dumps(config))
+    head = out["action_head_cfg"]["config"]
+    head["diffusion_model_cfg"].update({f: getattr(cfg, f) for f in DIT_FIELDS})
+    head.update({k: getattr(cfg, f) for k, f in HEAD_FIELDS.items() if k in head})
+    head.update(FULL_WEIGHTS)
+    return out
+
+
+def _gather(tensors: dict, keys: list[tuple[str, torch.dtype]], rank0: bool) -> dict[str, torch.Tensor]:
+    """Collective: full CPU copies of `keys` (cast to their dtype) on rank 0, {} elsewhere."""
+    out = {}
+    for key, dtype in keys:
+        t = tensors[key][0]
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if rank0:
+            out[key] = full.detach().to(device="cpu", dtype=dtype).contiguous()
+    return out
+
+
+def _nbytes(sd: dict[str, torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def _write_plain(tensors: dict, folder: Path | None, prefix: str, dtype: torch.dtype, metadata: dict,
+                 max_shard_bytes: int) -> None:
+    """Collective: every model tensor as `prefix + key`, cut into transformers-named shard files (rank 0 writes)."""
+    from safetensors.torch import save_file
+
+    groups = shard_groups({k: t.numel() * dtype.itemsize for k, (t, _) in tensors.items()}, max_shard_bytes)
+    names = shard_file_names(len(groups))
+    weight_map, total = {}, 0
+    for name, group in zip(names, groups):
+        got = _gather(tensors, [(k, dtype) for k in group], folder is not None)
+        if folder is not None:
+            save_file({prefix + k: v for k, v in got.items()}, str(folder / name), metadata=metadata)
+            weight_map.update({prefix + k: name for k in group})
+            total += _nbytes(got)
+    if folder is not None and len(groups) > 1:
+        write_index(folder, weight_map, total)
+
+
+def _write_from_base(tensors: dict, folder: Path | None, base: Base, metadata: dict) -> None:
+    """Collective: the base's files with the DiT tensors replaced (rank 0 writes)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    total = 0
+    for name, keys in base.files:
+        dit = [(k[len(DREAMZERO_PREFIX):], base.dit_dtypes[k[len(DREAMZERO_PREFIX):]]) for k in keys
+               if k.startswith(DREAMZERO_PREFIX)]
+        trained = _gather(tensors, dit, folder is not None)
+        if folder is None:
+            continue
+        handle = safe_open(str(base.root / name), framework="pt")
+        sd = {k: trained[k[len(DREAMZERO_PREFIX):]] if k.startswith(DREAMZERO_PREFIX) else handle.get_tensor(k)
+              for k in keys}
+        save_file(sd, str(folder / name), metadata={**(handle.metadata() or {}), **metadata, "format": "pt"})
+        total += _nbytes(sd)
+    if folder is not None and base.index is not None:
+        extra = {k: v for k, v in (base.index.get("metadata") or {}).items() if k != "total_size"}
+        write_index(folder, base.index["weight_map"], total, extra)
+
+
+def _staging(out: Path) -> Path:
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """fsync every file, then swap the finished folder in for the previous export."""
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            os.chmod(p, 0o644)  # safetensors creates its files 0600; an eval server may run as another user
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _done() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@torch.no_grad()
+def export_weights(model: nn.Module, out: str | Path, prefix: str = "", dtype: torch.dtype = torch.bfloat16,
+                   metadata: dict | None = None, max_shard_bytes: int = 5 << 30) -> Path:
+    """Collective: the plain DiT (keys `prefix + name`) as `out/model.safetensors`, or shards + index."""
+    out = Path(out)
+    tmp = _staging(out) if _is_rank0() else None
+    meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
+    _write_plain(model_tensors(model), tmp, prefix, dtype, meta, max_shard_bytes)
+    if tmp is not None:
+        _publish(tmp, out)
+    _done()
+    return out
+
+
+@torch.no_grad()
+def export_official(model: nn.Module, out: str | Path, base: str | Path, shards: str | Path,
+                    dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None,
+                    max_shard_bytes: int = 5 << 30) -> Path:
+    """Collective: the eval-ready folder (module docstring). `dtype` and `max_shard_bytes` apply only to a base
+    without weights; otherwise the base's dtypes and files are kept."""
+    out = Path(out)
+    statistics, tag = shard_statistics(shards)
+    layout = check_base(base, model, tag)  # on every rank: all ranks agree on the files, or all stop here
+    tmp = _staging(out) if _is_rank0() else None
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    tensors = model_tensors(model)
+    if layout.files:
+        _write_from_base(tensors, tmp, layout, meta)
+    else:
+        _write_plain(tensors, tmp, DREAMZERO_PREFIX, dtype, {"format": "pt", **meta}, max_shard_bytes)
+    if tmp is not None:
+        (tmp / "config.json").write_text(json.dumps(eval_config(layout.config, model.cfg), indent=2) + "\n")
+        (tmp / "experiment_cfg").mkdir()
+        shutil.copyfile(layout.root / "experiment_cfg" / "conf.yaml", tmp / "experiment_cfg" / "conf.yaml")
+        shutil.copyfile(statistics, tmp / "experiment_cfg" / "metadata.json")
+        _publish(tmp, out)
+        log.info("%s: eval-ready export (%s, base %s)", out, "DiT replaced in the base's weights" if layout.files
+                 else "DiT only; encoders from the config's *_pretrained_path files", layout.root)
+    _done()
+    return out
