@@ -105,11 +105,13 @@ class ImageEncoder:
     @torch.no_grad()
     def encode(self, frames_bchw: torch.Tensor, batch_size: int = 0) -> torch.Tensor:
         step = batch_size or frames_bchw.shape[0]
-        out = []
-        for i in range(0, frames_bchw.shape[0], step):
-            pixels = self.preprocess(frames_bchw[i:i + step]).to(device=self.device, dtype=self.dtype)
-            out.append(self.model(pixel_values=pixels).last_hidden_state)
-        return torch.cat(out)
+        return torch.cat([self.encode_pixels(self.preprocess(frames_bchw[i:i + step]))
+                          for i in range(0, frames_bchw.shape[0], step)])
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Features of already preprocessed pixels (`preprocess`), on any device."""
+        return self.model(pixel_values=pixels.to(device=self.device, dtype=self.dtype)).last_hidden_state
 
 
 def _config_from_wan_state(state: dict[str, torch.Tensor]):

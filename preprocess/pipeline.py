@@ -155,9 +155,25 @@ class Encoders:
         self.needs_y = VAE_OF_MODEL[job.model] == "wan2.1"
 
     def __call__(self, videos_bcthw: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {"latents": self.vae.encode(videos_bcthw), "clip": self.clip.encode(videos_bcthw[:, :, 0])}
+        return self.run(self.prepare(videos_bcthw))
+
+    def prepare(self, videos_bcthw: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The host half of a batch: CLIP's resize of frame 0 (on the host, as every executor does it), then the
+        videos and pixels on the device in the compute dtype, copied from pinned memory on the current stream (a
+        streaming encoder prepares the next batch on a side stream while the device runs this one)."""
+        pixels = self.clip.preprocess(videos_bcthw[:, :, 0])
+        device, dtype = self.clip.device, self.clip.dtype
+        if device.type == "cuda":
+            videos_bcthw, pixels = videos_bcthw.pin_memory(), pixels.pin_memory()
+        return {"videos": videos_bcthw.to(device=device, dtype=dtype, non_blocking=True),
+                "pixels": pixels.to(device=device, dtype=dtype, non_blocking=True)}
+
+    def run(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The device half: VAE latents, CLIP features (and the 14B's y), as bf16 on the host."""
+        videos = inputs["videos"]
+        out = {"latents": self.vae.encode(videos), "clip": self.clip.encode_pixels(inputs["pixels"])}
         if self.needs_y:
-            out["y"] = self.vae.encode_first_frame(videos_bcthw[:, :, 0], videos_bcthw.shape[2])
+            out["y"] = self.vae.encode_first_frame(videos[:, :, 0], videos.shape[2])
         return {k: v.to(torch.bfloat16).cpu() for k, v in out.items()}
 
 

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from preprocess import outdir, write
+from preprocess import outdir, remote, write
 from preprocess.embodiments import get_embodiment
 from preprocess.executors import run_units
 from preprocess.finalize import finalize
@@ -64,8 +64,12 @@ class Args:
     """Dataset preset: picks the embodiment (oxe_droid, libero_sim, franka_pnp) and the sample layout."""
     src: Path | None = None
     """LeRobot dataset root. Default: generate the sample dataset and tiny checkpoints under build/ and use them."""
-    out: Path | None = None
-    """Output shard directory (default shards/<dataset>)."""
+    out: str | None = None
+    """Output shard directory (default shards/<dataset>), or a URL (s3://bucket/prefix): built in --staging-dir, then
+    uploaded, manifest.json last (docs/FORMAT.md, Object storage)."""
+    staging_dir: Path | None = None
+    """With a URL --out: the local folder the build is made in and resumed from (default: one under the system
+    temporary directory, named after the URL)."""
     model: str | None = None
     """Model recipe: 5b (Wan2.2 VAE, 160/176x320), 5b-wan22 (DROID 160x320) or 14b (Wan2.1 VAE 352x640, adds y).
     Default: the dataset preset's."""
@@ -248,6 +252,8 @@ def build_units(job: Job, units: list[list[int]], args: Args) -> None:
 def run(args: Args) -> None:
     check_arguments(args)
     args = prepare_defaults(args)
+    url = remote.remote_url(str(args.out))
+    args.out = remote.staging_dir(url, args.staging_dir) if url else Path(args.out)
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     emb = get_embodiment(DATASETS[args.dataset].embodiment)
@@ -263,7 +269,12 @@ def run(args: Args) -> None:
         args.workers = args.workers or default_workers(args)
         threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
         inputs = build_inputs(args, threads)
+        if url:
+            remote.prefetch_remote_state(url, args.out, args.overwrite)
         outdir.claim(args.out, inputs, args.overwrite)
+        if url and remote.published(url, args.out):
+            print(f"{url} already holds this build")
+            return
         if not array_job:  # no other run writes here: what a killed run left half-written can go
             outdir.remove_temporaries(args.out)
         job = Job(src=str(args.src), out=str(args.out), dataset=args.dataset, embodiment=emb.tag, model=args.model,
@@ -280,6 +291,8 @@ def run(args: Args) -> None:
             print("units done; run again with --stage finalize once every unit is finished")
             return
         manifest = finalize(job, units)
+        if url:
+            remote.publish(args.out, url)
     t = manifest["totals"]
     print(f"done: {t['samples']} samples in {t['shards']} shards ({t['bytes'] / 2**20:.1f} MiB); episodes: "
           f"{t['episodes_encoded']} encoded, {t['episodes_skipped']} shorter than a window, {t['episodes_failed']} failed")

@@ -16,9 +16,11 @@ parent was killed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import queue
+import threading
 import time
 import traceback
 from collections import deque
@@ -106,20 +108,47 @@ def _report_failure(results, where: str, err: BaseException) -> None:
 
 
 def _encoder_main(job: Job, device: str, requests, replies, results, parent: int) -> None:
-    """Load the encoders once; encode each request's batch and send the codes back to its worker."""
+    """Load the encoders once; encode each request's batch and send the codes back to its worker. A thread takes
+    the next request and prepares it (CLIP's resize on the host, the copy to the device on a side stream) while the
+    device runs the current one, so the device does not wait on the host between batches."""
     die_with_parent(parent)
     torch.set_num_threads(job.threads)  # a CPU encoder's reductions (and so the stored bits) depend on it
     try:
-        if device.startswith("cuda"):
+        cuda = device.startswith("cuda")
+        if cuda:
             torch.cuda.set_device(device)
         encoders = Encoders(replace(job, device=device))
-        while (request := requests.get()) is not None:
-            worker, seq, videos = request
+        prepared: queue.Queue = queue.Queue(maxsize=1)
+        threading.Thread(target=_prepare_ahead, args=(encoders, requests, prepared, cuda), daemon=True).start()
+        while (item := prepared.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            worker, seq, inputs, ready = item
+            if ready is not None:
+                torch.cuda.current_stream().wait_event(ready)
+                for tensor in inputs.values():
+                    tensor.record_stream(torch.cuda.current_stream())  # made on the side stream, freed after use here
             with torch.inference_mode():
-                codes = encoders(videos)
+                codes = encoders.run(inputs)
             replies[worker].put((seq, codes))
     except BaseException as err:  # noqa: BLE001 — reported to the run, which stops every process
         _report_failure(results, f"encoder on {device}", err)
+
+
+def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bool) -> None:
+    side = torch.cuda.Stream() if cuda else None
+    try:
+        while (request := requests.get()) is not None:
+            worker, seq, videos = request
+            with torch.inference_mode(), (torch.cuda.stream(side) if cuda else contextlib.nullcontext()):
+                inputs = encoders.prepare(videos)
+                ready = torch.cuda.Event() if cuda else None
+                if ready is not None:
+                    ready.record(side)
+            prepared.put((worker, seq, inputs, ready))
+        prepared.put(None)
+    except BaseException as err:  # noqa: BLE001 — raised in the encoder's main thread
+        prepared.put(err)
 
 
 def _worker_main(job: Job, worker: int, todo, requests, replies, results, parent: int) -> None:

@@ -50,7 +50,7 @@ class BusySampler:
     """Mean utilization.gpu of the visible GPUs while running (nvidia-smi every 0.2 s); None without nvidia-smi."""
 
     def __init__(self, period_s: float = 0.2):
-        self.period_s, self.samples, self._stop = period_s, [], threading.Event()
+        self.period_s, self.samples, self.times, self._stop = period_s, [], [], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -59,6 +59,7 @@ class BusySampler:
                 out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
                                      capture_output=True, text=True, timeout=5).stdout.split()
                 self.samples.append([float(v) for v in out])
+                self.times.append(time.time())
             except (OSError, subprocess.SubprocessError, ValueError):
                 return
 
@@ -70,8 +71,9 @@ class BusySampler:
         self._stop.set()
         self._thread.join()
 
-    def mean_pct(self, devices: int) -> float | None:
-        rows = [r[:devices] for r in self.samples if len(r) >= devices]
+    def mean_pct(self, devices: int, start: float = 0.0, end: float = float("inf")) -> float | None:
+        """Mean busy % of the first `devices` GPUs over the samples taken between `start` and `end` (epoch s)."""
+        rows = [r[:devices] for r, t in zip(self.samples, self.times) if len(r) >= devices and start <= t <= end]
         return sum(map(sum, rows)) / (len(rows) * devices) if rows else None
 
 
@@ -118,6 +120,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     cli = shards.Args(dataset=dataset, src=src, out=out, model=model, device=args.device, batch_size=args.batch_size,
                       workers=args.workers, stage="units", executor=args.executor,
                       anchor_stride=args.anchor_stride, decode_backend=args.decode_backend,
+                      episodes_per_unit=args.episodes_per_unit,
                       vae=weights / vae / "vae", image_encoder=weights / "clip" / "image_encoder",
                       text_encoder=weights / "umt5" / "text_encoder", tokenizer=weights / "umt5" / "tokenizer")
     devices = torch.cuda.device_count() if args.device == "cuda" else 1
@@ -138,10 +141,12 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     return {"bench": "farm", "recipe": recipe, "device": torch.cuda.get_device_name() if args.device == "cuda" else
             args.device, "devices": devices, "workers": args.workers, "executor": args.executor,
             "batch_size": args.batch_size, "episodes": args.episodes, "anchor_stride": args.anchor_stride,
+            "episodes_per_unit": args.episodes_per_unit,
             "samples": samples, "wall_s": round(wall, 2),
             "samples_per_s_per_device": round(rate, 3), "bound_samples_per_s": round(bound, 3),
             "ratio_to_bound": round(rate / bound, 4), "busy_pct": busy.mean_pct(devices),
             "steady_samples_per_s_per_device": steady and round(steady, 3),
+            "steady_busy_pct": busy.mean_pct(devices, done[0][0], done[-1][0]) if len(done) > 2 else None,
             "steady_ratio_to_bound": steady and round(steady / bound, 4),
             "cpu_cores_per_device": round(cores / devices, 2), "bytes_per_sample": round(spill_bytes / max(1, samples)),
             "torch": torch.__version__}
@@ -159,6 +164,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--batch-size", type=int, default=16, help="windows per encoder batch")
     p.add_argument("--decode-backend", choices=["torchcodec", "pyav"], default="torchcodec",
                    help="frame decoder (pyav where torchcodec's FFmpeg libraries are missing)")
+    p.add_argument("--episodes-per-unit", type=int, default=2,
+                   help="episodes per work unit (small units: a fine-grained steady-state measurement)")
     p.add_argument("--anchor-stride", type=int, default=1, help="keep every n-th window (fewer samples per episode)")
     p.add_argument("--bound-iters", type=int, default=10, help="timed encoder batches of the bound")
     p.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one, removed)")

@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from shardformat.keys import parse_key, window_name
-from shardformat.manifest import Manifest, ShardFormatError
+from shardformat.manifest import ShardFormatError
 from shardformat.members import decode_members
 from shardformat.shard import json_path, read_members
 from shardformat.stats import normalize_q99, pad_with_mask, stat_vector
