@@ -242,11 +242,13 @@ def build_units(job: Job, units: list[list[int]], args: Args) -> None:
             and (args.num_units is None or u % args.num_units == args.unit_index)}
     bar = tqdm(total=len(todo), desc="units", unit="unit")
     start, samples = time.perf_counter(), 0
-    for record in run_units(job, todo, args.executor, args.workers, args.ray_address):
-        samples += record["count"]
-        bar.update(1)
-        bar.set_postfix(samples=samples, per_s=f"{samples / (time.perf_counter() - start):.2f}")
-    bar.close()
+    try:
+        for record in run_units(job, todo, args.executor, args.workers, args.ray_address):
+            samples += record["count"]
+            bar.update(1)
+            bar.set_postfix(samples=samples, per_s=f"{samples / (time.perf_counter() - start):.2f}")
+    finally:
+        bar.close()  # before an error's one line, so that line is the last one printed
 
 
 def run(args: Args) -> None:

@@ -168,7 +168,7 @@ def test_bad_arguments_and_weights_fail_at_start(droid_root, tiny_checkpoints, t
         ("--samples-per-shard", "0"): "--samples-per-shard must be at least 1, got 0",
         ("--max-episodes", "0"): "--max-episodes must be at least 1, got 0",
         ("--batch-size", "0"): "--batch-size must be at least 1, got 0",
-        ("--workers", "0"): "--workers must be at least 1, got 0",
+        ("--workers", "-1"): "--workers must be at least 0, got -1",
         ("--anchor-stride", "-2"): "--anchor-stride must be at least 1, got -2",
         ("--augment-variants", "-1"): "--augment-variants must be at least 0, got -1",
         ("--unit-index", "2", "--num-units", "2"): "--unit-index must be in [0, 2)",
