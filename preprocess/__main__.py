@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     from preprocess.weights import WeightsError
 
     module = importlib.import_module(available[argv[0]][0])
-    args = tyro.cli(module.Args, args=argv[1:], prog=f"python -m preprocess {argv[0]}", description=module.__doc__)
+    default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None  # e.g. shards' --config
+    args = tyro.cli(module.Args, default=default, args=argv[1:], prog=f"python -m preprocess {argv[0]}",
+                    description=module.__doc__)
     try:
         module.run(args)
     except (DatasetError, WeightsError) as err:  # bad input: its one-line message, no traceback

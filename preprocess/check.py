@@ -8,7 +8,8 @@ Checked: the manifest (readable, this format version, its seal over its own cont
 manifest <-> files (no shard missing, none extra), each shard's JSON (readable, sealed, agrees with the manifest,
 lists exactly the tar's members at their offsets), byte counts and sha256, sample counts, every member's CRC-32,
 every member decodes with its recorded shape and dtype and holds finite values, keys are unique and well formed,
-anchor multiplicities agree with meta.json, every prompt id resolves in the text table, the statistics file is
+anchor multiplicities agree with meta.json, every prompt id resolves in the text table, frame 0 is stored as the
+manifest's image_features says (CLIP features, or CLIP's input pixels in the encoders' dtype), the statistics file is
 present and matches its hash. Every problem names the file and the sample. Each tar is read once, front to back
 (its hash, headers and members in one pass), through shardformat.storage.
 """
@@ -29,7 +30,7 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from shardformat.keys import parse_key
+from shardformat.keys import IMAGE_MEMBER, parse_key
 from shardformat.manifest import MANIFEST, WIDS_INDEX, Manifest, ShardEntry, ShardFormatError
 from shardformat.members import decode_members, split_member_name
 from shardformat.shard import ShardRecord, json_path, verify_members
@@ -69,10 +70,10 @@ class HashingReader:
             pass
 
 
-def tar_samples(f: BinaryIO, headers: dict[str, list]) -> Iterator[tuple[str, dict[str, bytes]]]:
+def tar_samples(f: BinaryIO, headers: dict[str, list] | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
     """(key, {suffix: bytes}) per sample of a tar read front to back, members grouped by key in file order;
     `headers` collects key -> [[member name, data offset, size], ...] as read."""
-    key, group = None, {}
+    key, group, headers = None, {}, {} if headers is None else headers
     with tarfile.open(fileobj=f, mode="r|") as tar:
         for info in tar:
             k, suffix = split_member_name(info.name)
@@ -147,7 +148,7 @@ def check_shard_json(store: ShardStore, entry: ShardEntry, files: set[str], prob
 
 
 def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None, prompt_ids: set[str],
-                keys: dict[str, str], decode: bool) -> list[str]:
+                keys: dict[str, str], decode: bool, manifest: Manifest) -> list[str]:
     """One pass over the tar: every sample, its size and sha256, its headers against the shard JSON."""
     name, problems, count = entry.shard, [], 0
     samples = {s.key: s for s in record.samples} if record else {}
@@ -157,7 +158,7 @@ def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None
         try:
             for key, members in tar_samples(reader, headers):
                 count += 1
-                problems += check_sample(name, key, members, samples.get(key), prompt_ids, keys, decode)
+                problems += check_sample(name, key, members, samples.get(key), prompt_ids, keys, decode, manifest)
             complete = True
         except (tarfile.TarError, OSError, EOFError) as err:
             problems.append(f"{name}: truncated or unreadable tar after {count} samples: {err}")
@@ -205,12 +206,12 @@ def check(root: str | os.PathLike, decode: bool = True) -> list[str]:
             problems.append(f"{entry.shard}: missing")
             continue
         record = check_shard_json(store, entry, files, problems)
-        problems += check_shard(store, entry, record, prompt_ids, keys, decode)
+        problems += check_shard(store, entry, record, prompt_ids, keys, decode, manifest)
     return problems
 
 
 def check_sample(shard: str, key: str, members: dict[str, bytes], record, prompt_ids: set[str],
-                 keys: dict[str, str], decode: bool) -> list[str]:
+                 keys: dict[str, str], decode: bool, manifest: Manifest) -> list[str]:
     """Problems of one sample; `keys` (key -> shard seen in) is updated."""
     problems = []
     where = f"{shard}: sample {key}"
@@ -241,7 +242,22 @@ def check_sample(shard: str, key: str, members: dict[str, bytes], record, prompt
     for column, pid in meta.get("prompt_ids", {}).items():
         if pid not in prompt_ids:
             problems.append(f"{where}: prompt id {pid} ({column}) not in the text table")
-    return problems
+    return problems + check_image(where, meta, manifest)
+
+
+def check_image(where: str, meta: dict, manifest: Manifest) -> list[str]:
+    """Frame 0 is stored as the manifest's image_features says: CLIP features, or CLIP's input pixels [3, S, S] in
+    the encoders' dtype (what the trainer's CLIP consumes)."""
+    tensors, member = meta["tensors"], manifest.image_member
+    stored = sorted(m for m in IMAGE_MEMBER.values() if m in tensors)
+    if stored != [member]:
+        return [f"{where}: holds {stored} for frame 0, image_features {manifest.image_features!r} needs [{member!r}]"]
+    record = tensors[member]
+    shape, dtype = record["shape"], manifest.encoders.get("dtype")
+    if member == "clip_pixels" and (len(shape) != 3 or shape[0] != 3 or shape[1] != shape[2] or
+                                    record["dtype"] != dtype):
+        return [f"{where}: clip_pixels is {record['dtype']} {shape}, CLIP's input is {dtype} [3, S, S]"]
+    return []
 
 
 def run(args: Args) -> None:

@@ -15,7 +15,9 @@ from preprocess.embodiments import get_embodiment
 from preprocess.lerobot import LeRobotDataset
 from preprocess.outdir import STATISTICS
 from preprocess.pipeline import VAE_OF_MODEL, Job
+from shardformat.files import atomic_write_bytes, sha256_file
 from shardformat.manifest import FORMAT_VERSION, Manifest
+from shardformat.text import write_text_table
 
 
 def finalize(job: Job, units: list[list[int]]) -> dict:
@@ -43,6 +45,7 @@ def finalize(job: Job, units: list[list[int]]) -> dict:
                       "threads_per_worker": job.threads},
         "encoders": {**{name: {"path": getattr(job, name), "sha256": job.inputs[name]}
                         for name in ("vae", "image_encoder", "text_encoder", "tokenizer")}, "dtype": job.dtype},
+        "image_features": job.image_features,
         "samples_per_shard": job.samples_per_shard, "seed": job.seed, "compress": job.compress,
         "shards": shards,
         "text_table": encode_text_table(out, prompts, job),
@@ -78,7 +81,7 @@ def encode_text_table(out: Path, prompts: dict[str, str], job: Job) -> dict:
     encoder = load_text_encoder(job.text_encoder, job.tokenizer, device=job.device, dtype=getattr(torch, job.dtype))
     with torch.inference_mode():
         embeddings = encoder.encode([prompts[i] for i in ids])
-    return write.write_text_table(out, prompts, dict(zip(ids, embeddings)))
+    return write_text_table(out, prompts, dict(zip(ids, embeddings)))
 
 
 def write_statistics(out: Path, job: Job, failures: list[dict]) -> dict:
@@ -88,11 +91,11 @@ def write_statistics(out: Path, job: Job, failures: list[dict]) -> dict:
 
     path, excluded = out / STATISTICS, []
     if job.metadata is not None:
-        write.atomic_write_bytes(path, Path(job.metadata).read_bytes())
+        atomic_write_bytes(path, Path(job.metadata).read_bytes())
     else:
         write_metadata(path, build_metadata([Path(job.src)], get_embodiment(job.embodiment),
                                             exclude={f["episode"]: f["reason"] for f in failures}, skipped=excluded))
-    return {"file": STATISTICS, "sha256": write.sha256_file(path), "excluded": excluded}
+    return {"file": STATISTICS, "sha256": sha256_file(path), "excluded": excluded}
 
 
 def member_bytes(indexes: list[dict]) -> dict[str, dict]:

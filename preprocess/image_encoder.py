@@ -12,6 +12,8 @@ Loads a Diffusers `image_encoder/` folder (transformers CLIPVisionModel[WithProj
 from __future__ import annotations
 
 import re
+import warnings
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -94,6 +96,8 @@ class ImageEncoder:
         self.device = torch.device(device)
         self.dtype = dtype
         self.image_size = model.config.image_size
+        # [tokens, width] of the features: the class token and one per patch
+        self.feature_shape = ((self.image_size // model.config.patch_size) ** 2 + 1, model.config.hidden_size)
         self.mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
         self.std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
 
@@ -110,8 +114,23 @@ class ImageEncoder:
 
     @torch.no_grad()
     def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Features of already preprocessed pixels (`preprocess`), on any device."""
-        return self.model(pixel_values=pixels.to(device=self.device, dtype=self.dtype)).last_hidden_state
+        """Features of already preprocessed pixels (`preprocess`), on any device. The trainer reproduces the stored
+        features with it, so it always runs torch's default kernels: deterministic mode (--parallel.deterministic)
+        picks other CUDA kernels, whose features differ in the last bits."""
+        with default_algorithms():
+            return self.model(pixel_values=pixels.to(device=self.device, dtype=self.dtype)).last_hidden_state
+
+
+@contextmanager
+def default_algorithms():
+    """torch's deterministic mode off for the block (the default kernels are deterministic for this forward too)."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def _config_from_wan_state(state: dict[str, torch.Tensor]):
@@ -128,10 +147,19 @@ def _config_from_wan_state(state: dict[str, torch.Tensor]):
 
 def load_image_encoder(path: str | Path, device: str | torch.device = "cpu",
                        dtype: torch.dtype = torch.bfloat16) -> ImageEncoder:
-    """Load a Diffusers `image_encoder/` folder or Wan's open-clip `.pth`, strictly."""
+    """Load a Diffusers `image_encoder/` folder or Wan's open-clip `.pth`, strictly. On the meta device the file is
+    read and checked all the same but no weight is materialized: `preprocess` and `feature_shape` still work."""
+    meta = torch.device(device).type == "meta"
+    with torch.device("meta") if meta else nullcontext(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
+        model = _load_model(Path(path))
+    return ImageEncoder(model, device, dtype)
+
+
+def _load_model(path: Path):
+    """The transformers CLIP vision model of `path`, every key and shape checked."""
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
-    path = Path(path)
     if path.is_dir():
         config_dict = folder_config(path, "model_type", ("clip_vision_model", "clip"), "an image_encoder/ folder")
         config = CLIPVisionConfig.from_dict(config_dict.get("vision_config", config_dict))
@@ -154,4 +182,4 @@ def load_image_encoder(path: str | Path, device: str | torch.device = "cpu",
         check_keys(path, {**visual, **{k: state[k] for k in extra}}, expected_wan)
         state = wan_clip_to_hf(visual)
     model.load_state_dict(state, strict=False)  # completeness and shapes were checked above
-    return ImageEncoder(model, device, dtype)
+    return model

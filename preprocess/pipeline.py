@@ -2,7 +2,8 @@
 
 The two halves are separate callables so they can run on separate resources: `unit_samples` decodes each episode
 once and yields `WindowSample`s whose videos are already at model resolution; `encode_samples` batches them through
-`Encoders` (VAE latents, CLIP features, the 14B's y) into tar members. `process_unit` chains them for one unit.
+`Encoders` (VAE latents, CLIP features or CLIP's input pixels, the 14B's y) into tar members. `process_unit` chains
+them for one unit.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from preprocess.prompts import prompt_id, window_prompts
 from preprocess.state_action import columns_for, slice_keys, window_state_action
 from preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
 from preprocess.windows import episode_windows
-from shardformat.keys import sample_key
+from shardformat.keys import IMAGE_MEMBER, sample_key
 from shardformat.members import encode_sample
 
 # Which Wan VAE a model recipe uses; the 14B's (wan2.1) also needs the first-frame input y.
@@ -57,6 +58,8 @@ class Job:
     samples_per_shard: int
     fail_fast: bool
     inputs: dict  # what the build is made from (preprocess.outdir); units record their part in their JSON
+    image_features: str = "encoded"  # encoded: CLIP's features; pixels: the tower's input (the trainer runs CLIP)
+    vae_compile: bool = False  # torch.compile the VAE encoder (preprocess.vae.WanVAE.compile)
 
 
 @dataclass
@@ -143,15 +146,20 @@ def unit_samples(job: Job, episodes: list[int], report: dict) -> Iterator[Window
 
 
 class Encoders:
-    """The unit-side frozen encoders (VAE, CLIP) on the job's device."""
+    """The unit-side frozen encoders (VAE, CLIP) on the job's device. With `--image-features pixels` only CLIP's
+    preprocessing runs: its output, the exact tensor the tower consumes, is stored in the compute dtype."""
 
     def __init__(self, job: Job):
         from preprocess.image_encoder import load_image_encoder
         from preprocess.vae import load_vae
 
-        dtype = getattr(torch, job.dtype)
-        self.vae = load_vae(job.vae, variant=VAE_OF_MODEL[job.model], device=job.device, dtype=dtype)
-        self.clip = load_image_encoder(job.image_encoder, device=job.device, dtype=dtype)
+        self.device, self.dtype = torch.device(job.device), getattr(torch, job.dtype)
+        self.vae = load_vae(job.vae, variant=VAE_OF_MODEL[job.model], device=job.device, dtype=self.dtype)
+        if job.vae_compile:
+            self.vae.compile(job.batch_size)
+        self.image_member = IMAGE_MEMBER[job.image_features]
+        tower_device = job.device if self.image_member == "clip" else "meta"  # pixels: no CLIP weight is needed
+        self.clip = load_image_encoder(job.image_encoder, device=tower_device, dtype=self.dtype)
         self.needs_y = VAE_OF_MODEL[job.model] == "wan2.1"
 
     def __call__(self, videos_bcthw: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -162,19 +170,25 @@ class Encoders:
         videos and pixels on the device in the compute dtype, copied from pinned memory on the current stream (a
         streaming encoder prepares the next batch on a side stream while the device runs this one)."""
         pixels = self.clip.preprocess(videos_bcthw[:, :, 0])
-        device, dtype = self.clip.device, self.clip.dtype
+        device, dtype = self.device, self.dtype
         if device.type == "cuda":
             videos_bcthw, pixels = videos_bcthw.pin_memory(), pixels.pin_memory()
         return {"videos": videos_bcthw.to(device=device, dtype=dtype, non_blocking=True),
                 "pixels": pixels.to(device=device, dtype=dtype, non_blocking=True)}
 
     def run(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The device half: VAE latents, CLIP features (and the 14B's y), as bf16 on the host."""
+        """The device half: VAE latents, CLIP features (and the 14B's y) as bf16 on the host; or, in place of the
+        features, CLIP's input pixels on the host in the compute dtype."""
         videos = inputs["videos"]
-        out = {"latents": self.vae.encode(videos), "clip": self.clip.encode_pixels(inputs["pixels"])}
+        out = {"latents": self.vae.encode(videos)}
+        if self.image_member == "clip":
+            out["clip"] = self.clip.encode_pixels(inputs["pixels"])
         if self.needs_y:
             out["y"] = self.vae.encode_first_frame(videos[:, :, 0], videos.shape[2])
-        return {k: v.to(torch.bfloat16).cpu() for k, v in out.items()}
+        out = {k: v.to(torch.bfloat16).cpu() for k, v in out.items()}
+        if self.image_member == "clip_pixels":
+            out["clip_pixels"] = inputs["pixels"].cpu()
+        return out
 
 
 def encode_samples(encoders: Encoders, samples: Iterable[WindowSample], batch_size: int,

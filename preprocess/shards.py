@@ -1,7 +1,10 @@
 """Build WebDataset shards from a LeRobot dataset: windows, canvas, frozen-encoder outputs, raw state/action.
 
-    python -m preprocess shards --dataset droid --src /data/droid_lerobot --vae Wan2.2_VAE.pth \\
+    python -m preprocess shards --config droid-5b --src /data/droid_lerobot --vae Wan2.2_VAE.pth \\
         --text-encoder models_t5_umt5-xxl-enc-bf16.pth --tokenizer google/umt5-xxl --image-encoder clip.pth
+
+--config takes a recipe of configs/ (the trainer's --preset of the same name trains on the result) or a YAML file
+of that layout; its preprocess section overrides the dataset preset's defaults and flags override it in turn.
 
 With no --src it writes the sample dataset and tiny checkpoints first, so it runs on a fresh machine. Work is cut
 into units of whole episodes (each video decoded once, preprocess.pipeline); units run here, in a process pool or
@@ -17,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -28,12 +29,15 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
+import configs
 from preprocess import outdir, remote, write
 from preprocess.embodiments import get_embodiment
 from preprocess.executors import run_units
 from preprocess.finalize import finalize
 from preprocess.lerobot import LeRobotDataset
 from preprocess.pipeline import VAE_OF_MODEL, Job
+from preprocess.sample_data import write_sample_dataset
+from preprocess.tiny_checkpoints import tiny_checkpoint_paths, write_tiny_checkpoints
 from shardformat.files import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,16 +45,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class DatasetPreset:
-    embodiment: str
-    model: str  # model recipe of the embodiment (sizes, VAE variant)
+    embodiment: str  # tag of the embodiment schema (preprocess/embodiments)
+    model: str  # size preset of the embodiment (canvas, VAE variant) when neither --model nor --config gives one
     sample_layout: str  # scripts/make_sample_dataset.py --layout used when no --src is given
 
 
-DATASETS = {
-    "droid": DatasetPreset("oxe_droid", "5b", "droid"),
-    "libero": DatasetPreset("libero_sim", "5b", "libero"),
-    "franka_pnp": DatasetPreset("franka_pnp", "5b", "libero-v3"),
-}
+DATASETS = {name: configs.build(DatasetPreset, preset, f"configs/datasets.yaml: {name}")
+            for name, preset in configs.read(configs.DATASETS_FILE).items()}
+DatasetName = Literal[tuple(DATASETS)]  # type: ignore[valid-type]
 # Arguments with a lower bound (None, where allowed, means "not given").
 AT_LEAST = {"batch_size": 1, "workers": 0, "threads_per_worker": 1, "num_units": 1, "unit_index": 0,
             "episodes_per_unit": 1, "anchor_stride": 1, "augment_variants": 0, "samples_per_shard": 1, "seed": 0,
@@ -60,8 +62,12 @@ ENCODERS = ("vae", "image_encoder", "text_encoder", "tokenizer")
 
 @dataclass
 class Args:
-    dataset: Literal["droid", "libero", "franka_pnp"] = "droid"
-    """Dataset preset: picks the embodiment (oxe_droid, libero_sim, franka_pnp) and the sample layout."""
+    config: str | None = None
+    """Recipe name (configs/: tiny, libero-5b, droid-5b, droid-14b) or YAML file whose preprocess section sets the
+    defaults of the flags below; given flags override it."""
+    dataset: DatasetName = "droid"
+    """Dataset preset (configs/datasets.yaml): picks the embodiment (oxe_droid, libero_sim, franka_pnp), its default
+    --model and the sample layout."""
     src: Path | None = None
     """LeRobot dataset root. Default: generate the sample dataset and tiny checkpoints under build/ and use them."""
     out: str | None = None
@@ -71,8 +77,8 @@ class Args:
     """With a URL --out: the local folder the build is made in and resumed from (default: one under the system
     temporary directory, named after the URL)."""
     model: str | None = None
-    """Model recipe: 5b (Wan2.2 VAE, 160/176x320), 5b-wan22 (DROID 160x320) or 14b (Wan2.1 VAE 352x640, adds y).
-    Default: the dataset preset's."""
+    """Size preset of the embodiment: 5b (Wan2.2 VAE, 160/176x320), 5b-wan22 (DROID 160x320) or 14b (Wan2.1 VAE
+    352x640, adds y). Default: --config's, else the dataset preset's."""
     vae: Path | None = None
     """Wan VAE weights: Wan2.1_VAE.pth / Wan2.2_VAE.pth or a Diffusers vae/ folder (docs/WEIGHTS.md)."""
     text_encoder: Path | None = None
@@ -119,6 +125,15 @@ class Args:
     """Per-member zstd: auto keeps it where it saves >= 10 %."""
     seed: int = 0
     """Seed of the shard permutation and of the augmentation draws."""
+    image_features: Literal["encoded", "pixels"] = "encoded"
+    """Frame 0 for the DiT's image branch: encoded stores CLIP's features ([257, 1280] bf16, the `clip` member);
+    pixels stores the preprocessed 224x224 input of the CLIP tower instead ([3, 224, 224] in --dtype, the
+    `clip_pixels` member; CLIP does not run here) and the trainer runs CLIP (--model.image-encoder): fewer bytes per
+    sample, the same features (docs/FORMAT.md)."""
+    vae_compile: bool = False
+    """torch.compile the VAE encoder: +45 % VAE clips/s on an H100 (docs/PERFORMANCE.md), ~1 min of compiling per
+    encoder process and batch size; latents differ from the eager encoder's by about one bf16 step (still the same
+    bits on every rerun and executor)."""
     decode_backend: Literal["torchcodec", "pyav"] = "torchcodec"
     """Frame decoder."""
     max_episodes: int | None = None
@@ -132,6 +147,18 @@ class Args:
     refusing to start."""
 
 
+def defaults(argv: list[str]) -> Args:
+    """The defaults the flags of `argv` override: --config's preprocess section, if any."""
+    name_or_file = configs.flag_value(argv, "--config")
+    if name_or_file is None:
+        return Args()
+    path = configs.path_of(name_or_file)
+    values = configs.section(configs.read(path), "preprocess", path)
+    if not values:
+        raise SystemExit(f"{path}: no preprocess section")
+    return configs.apply(Args(config=name_or_file), values, f"{path}: preprocess")
+
+
 def prepare_defaults(args: Args) -> Args:
     """No --src: write the sample dataset and tiny checkpoints under build/ (once) and point the run at them."""
     preset = DATASETS[args.dataset]
@@ -143,12 +170,10 @@ def prepare_defaults(args: Args) -> Args:
         build = ROOT / "build"
         args.src = build / "sample" / preset.sample_layout
         if not (args.src / "meta" / "info.json").is_file():
-            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sample_dataset.py"), "--layout",
-                            preset.sample_layout, "--out", str(args.src), "--episodes", "6", "--seed", "0"], check=True)
+            write_sample_dataset(args.src, preset.sample_layout, episodes=6, seed=0)
         tiny = build / "tiny_checkpoints"
         if not (tiny / "DONE").is_file():
-            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_checkpoints.py"), "--out", str(tiny)],
-                           check=True)
+            write_tiny_checkpoints(tiny)
             (tiny / "DONE").write_text("")
         for name, default in tiny_checkpoint_paths(tiny, VAE_OF_MODEL[args.model]).items():
             if getattr(args, name) is None:
@@ -157,16 +182,6 @@ def prepare_defaults(args: Args) -> Args:
     if missing:
         raise SystemExit(f"with --src, also give the encoder weights: {' '.join(missing)} (see docs/WEIGHTS.md)")
     return args
-
-
-def tiny_checkpoint_paths(tiny: Path, vae_variant: str) -> dict[str, Path]:
-    """Where scripts/make_tiny_checkpoints.py puts each encoder (original-format files)."""
-    return {
-        "vae": tiny / vae_variant / ("Wan2.2_VAE.pth" if vae_variant == "wan2.2" else "Wan2.1_VAE.pth"),
-        "text_encoder": tiny / "umt5" / "models_t5_umt5-xxl-enc-bf16.pth",
-        "tokenizer": tiny / "umt5" / "tokenizer",
-        "image_encoder": tiny / "clip" / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth",
-    }
 
 
 def plan_units(ds: LeRobotDataset, episodes_per_unit: int, max_episodes: int | None) -> list[list[int]]:
@@ -218,7 +233,7 @@ def build_inputs(args: Args, threads: int) -> dict:
     """What the output is made from (preprocess.outdir): the source's fingerprint, every argument that changes output
     bytes, and the sha256 of each encoder and of --metadata. Keys are argument names."""
     same = ("dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend", "dtype",
-            "batch_size", "episodes_per_unit", "max_episodes", "samples_per_shard")
+            "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes", "samples_per_shard")
     return {"src": outdir.fingerprint(args.src), **{name: getattr(args, name) for name in same},
             "threads_per_worker": threads, "device": torch.device(args.device).type,
             **{name: outdir.weights_sha256(Path(getattr(args, name))) for name in ENCODERS},
@@ -285,7 +300,8 @@ def run(args: Args) -> None:
                   dtype=args.dtype, threads=threads, batch_size=args.batch_size, anchor_stride=args.anchor_stride,
                   augment_variants=args.augment_variants, seed=args.seed, compress=args.compress,
                   decode_backend=args.decode_backend, samples_per_shard=args.samples_per_shard,
-                  fail_fast=args.fail_fast, inputs=inputs)
+                  fail_fast=args.fail_fast, inputs=inputs, image_features=args.image_features,
+                  vae_compile=args.vae_compile)
         print(f"{args.src}: {len(ds)} episodes -> {len(units)} units -> {args.out}")
         if args.stage in ("all", "units"):
             build_units(job, units, args)

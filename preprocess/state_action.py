@@ -1,7 +1,7 @@
-"""State and action of one window (docs/REFERENCE.md#5-state-action-and-normalization): slicing, relative actions, and what the model sees of them.
+"""State and action of one window (docs/REFERENCE.md#5-state-action-and-normalization): slicing and relative actions.
 
 Pure functions: the preprocessor stores raw float32 windows after slicing and the relative conversion; the
-trainer normalizes them with metadata.json statistics and pads (shardformat.stats, shared with this module).
+trainer normalizes them with metadata.json statistics and pads them (shardformat.stats).
 """
 
 from __future__ import annotations
@@ -9,16 +9,11 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import numpy as np
-import torch
 
 from preprocess.embodiments import Embodiment
 from preprocess.errors import DatasetError
 from preprocess.lerobot import Episode, ModalityEntry
 from preprocess.windows import Window
-from shardformat.stats import normalize_q99, pad_with_mask, stat_vector
-
-MAX_STATE_DIM = 64  # max_state_dim of every shipped recipe
-MAX_ACTION_DIM = 32  # max_action_dim
 
 
 # ---------------------------------------------------------------- slicing
@@ -65,25 +60,3 @@ def window_state_action(
             part = relative_to_chunk_start(part, np.asarray(states[key], np.float64)[chunk_starts], horizon)
         parts.append(part)
     return state.astype(np.float32), np.concatenate(parts, 1).astype(np.float32)
-
-
-# ---------------------------------------------------------------- what the model sees
-
-
-def model_state_action(
-    state_kd: np.ndarray | torch.Tensor,
-    action_td: np.ndarray | torch.Tensor,
-    statistics: Mapping,
-    embodiment: Embodiment,
-) -> dict[str, torch.Tensor]:
-    """Raw window -> what the model sees: normalized, padded state [K, 64] / action [K*H, 32] with masks."""
-    keys = {"state": embodiment.state_keys, "action": embodiment.action_keys}
-    out = {}
-    for name, x, width in (("state", state_kd, MAX_STATE_DIM), ("action", action_td, MAX_ACTION_DIM)):
-        x = torch.as_tensor(x)
-        q01 = stat_vector(statistics, name, keys[name], "q01")
-        q99 = stat_vector(statistics, name, keys[name], "q99")
-        if q01.size != x.shape[-1]:
-            raise ValueError(f"{name} has {x.shape[-1]} dims, statistics have {q01.size}")
-        out[name], out[f"{name}_mask"] = pad_with_mask(normalize_q99(x, q01, q99), width)
-    return out

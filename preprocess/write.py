@@ -22,12 +22,10 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-# atomic_write_bytes and write_text_table are re-exported: preprocess.shards calls them as write.<name>
-from shardformat.files import atomic_write_bytes, atomic_write_json, atomic_writer, sha256_file  # noqa: F401
+from shardformat.files import atomic_write_json, atomic_writer, sha256_file
 from shardformat.manifest import ShardFormatError
 from shardformat.members import META, checksum, split_member_name
 from shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
-from shardformat.text import write_text_table  # noqa: F401
 
 SHARD_PATTERN = "shard-{:06d}.tar"
 UNIT_PATTERN = "unit-{:06d}.tar"
@@ -61,32 +59,6 @@ class _Reader:
         out = self.view[self.pos : end].tobytes()
         self.pos = end
         return out
-
-
-def iter_tar_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """(key, {suffix: bytes}) per sample, members grouped by key in file order."""
-    key, group = None, {}
-    with tarfile.open(path, mode="r:") as tar:
-        for info in tar:
-            if not info.isfile():
-                continue
-            k, suffix = split_member_name(info.name)
-            if k != key and group:
-                yield key, group
-                group = {}
-            key = k
-            group[suffix] = tar.extractfile(info).read()
-    if group:
-        yield key, group
-
-
-def member_index(path: Path) -> dict[str, list[list]]:
-    """key -> [[member name, data offset, size], ...] from the tar's headers."""
-    index: dict[str, list[list]] = {}
-    with tarfile.open(path, mode="r:") as tar:
-        for info in tar:
-            index.setdefault(split_member_name(info.name)[0], []).append([info.name, info.offset_data, info.size])
-    return index
 
 
 # ---------------------------------------------------------------- unit stage

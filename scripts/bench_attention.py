@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from train.attention import count_allowed_pairs, dense_mask, flex_block_mask  # noqa: E402
-from train.model import preset  # noqa: E402
+from train.attention import count_allowed_pairs, dense_mask, flex_block_mask
+from train.model import preset
 
 # (model preset, latent frames, tokens per frame, micro-batch): 5B LIBERO 9x10x20, 14B DROID 9x44x80
-LAYOUTS = {"5b": ("5b-libero", 9, 50, 8), "14b": ("14b", 9, 880, 1)}
+LAYOUTS = {"5b": ("libero-5b", 9, 50, 8), "14b": ("droid-14b", 9, 880, 1)}
 
 
 def timed(fn, iters: int, warmup: int) -> float:

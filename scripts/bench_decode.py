@@ -15,19 +15,14 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from make_sample_dataset import encode_mp4, render, simulate  # noqa: E402
-
-from preprocess.decode import BACKENDS, decode_video  # noqa: E402
+from preprocess.decode import BACKENDS, decode_video
+from preprocess.sample_data import encode_mp4, render, simulate
 
 
 def best_of(repeats: int, fn) -> float:

@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from preprocess.image_encoder import VIT_H_14, ImageEncoder  # noqa: E402
-from preprocess.text_encoder import UMT5_XXL, TextEncoder  # noqa: E402
-from preprocess.vae import VARIANTS, VaeInfo, WanVAE  # noqa: E402
+from preprocess.image_encoder import VIT_H_14, ImageEncoder
+from preprocess.text_encoder import UMT5_XXL, TextEncoder
+from preprocess.vae import VARIANTS, VaeInfo, WanVAE
 
 
 def timed(fn, device: str, warmup: int, iters: int) -> float:

@@ -21,7 +21,6 @@ sample in the unit spills (what the shards will hold).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import resource
 import subprocess
@@ -33,17 +32,12 @@ from types import SimpleNamespace
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from preprocess.sample_data import write_sample_dataset
+from preprocess.tiny_checkpoints import write_tiny_checkpoints
+
 # recipe -> (dataset preset, model recipe, sample layout)
 RECIPES = {"libero-5b": ("libero", "5b", "libero"), "droid-5b": ("droid", "5b", "droid"),
            "droid-14b": ("droid", "14b", "droid")}
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class BusySampler:
@@ -91,7 +85,8 @@ def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
 
     device = "cuda:0" if cli.device == "cuda" else cli.device
     encoders = Encoders(SimpleNamespace(vae=str(cli.vae), image_encoder=str(cli.image_encoder), model=cli.model,
-                                        device=device, dtype=cli.dtype))
+                                        device=device, dtype=cli.dtype, image_features=cli.image_features,
+                                        vae_compile=cli.vae_compile, batch_size=cli.batch_size))
     emb = get_embodiment(DATASETS[cli.dataset].embodiment)
     (h, w), t = emb.preset(cli.model).target_hw, emb.window.num_frames
     videos = torch.rand(cli.batch_size, 3, t, h, w) * 2 - 1
@@ -113,15 +108,14 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     dataset, model, layout = RECIPES[recipe]
     src = work / f"data-{layout}"
     if not (src / "meta" / "info.json").is_file():
-        _script("make_sample_dataset").main(["--layout", layout, "--out", str(src), "--episodes",
-                                             str(args.episodes), "--seed", "0"])
+        write_sample_dataset(src, layout, args.episodes, seed=0)
     out = work / f"shards-{recipe}"
     vae = "wan2.1" if model == "14b" else "wan2.2"
     cli = shards.Args(dataset=dataset, src=src, out=out, model=model, device=args.device, batch_size=args.batch_size,
                       workers=args.workers, stage="units", executor=args.executor,
                       anchor_stride=args.anchor_stride, decode_backend=args.decode_backend,
-                      episodes_per_unit=args.episodes_per_unit,
-                      vae=weights / vae / "vae", image_encoder=weights / "clip" / "image_encoder",
+                      episodes_per_unit=args.episodes_per_unit, image_features=args.image_features,
+                      vae_compile=args.vae_compile, vae=weights / vae / "vae", image_encoder=weights / "clip" / "image_encoder",
                       text_encoder=weights / "umt5" / "text_encoder", tokenizer=weights / "umt5" / "tokenizer")
     devices = torch.cuda.device_count() if args.device == "cuda" else 1
     cpu0, start = cpu_seconds(), time.perf_counter()
@@ -136,13 +130,13 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     # steady state: from the first finished unit to the last (start-up, hashing and encoder loading left out)
     done = sorted((p.stat().st_mtime, r["count"]) for p, r in zip(units, records))
     steady = sum(c for _, c in done[1:]) / (done[-1][0] - done[0][0]) / devices if len(done) > 2 else None
-    bound = encoder_bound(cli, args.bound_iters)
+    bound = encoder_bound(cli, args.bound_iters, warmup=4 if args.vae_compile else 2)  # compile: 3 graphs
     rate = samples / wall / devices
     return {"bench": "farm", "recipe": recipe, "device": torch.cuda.get_device_name() if args.device == "cuda" else
             args.device, "devices": devices, "workers": args.workers, "executor": args.executor,
             "batch_size": args.batch_size, "episodes": args.episodes, "anchor_stride": args.anchor_stride,
-            "episodes_per_unit": args.episodes_per_unit,
-            "samples": samples, "wall_s": round(wall, 2),
+            "episodes_per_unit": args.episodes_per_unit, "image_features": args.image_features,
+            "vae_compile": args.vae_compile, "samples": samples, "wall_s": round(wall, 2),
             "samples_per_s_per_device": round(rate, 3), "bound_samples_per_s": round(bound, 3),
             "ratio_to_bound": round(rate / bound, 4), "busy_pct": busy.mean_pct(devices),
             "steady_samples_per_s_per_device": steady and round(steady, 3),
@@ -166,6 +160,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="frame decoder (pyav where torchcodec's FFmpeg libraries are missing)")
     p.add_argument("--episodes-per-unit", type=int, default=2,
                    help="episodes per work unit (small units: a fine-grained steady-state measurement)")
+    p.add_argument("--image-features", choices=["encoded", "pixels"], default="encoded",
+                   help="preprocess shards --image-features (pixels: CLIP input pixels stored, CLIP not run)")
+    p.add_argument("--vae-compile", action="store_true", help="preprocess shards --vae-compile (and in the bound)")
     p.add_argument("--anchor-stride", type=int, default=1, help="keep every n-th window (fewer samples per episode)")
     p.add_argument("--bound-iters", type=int, default=10, help="timed encoder batches of the bound")
     p.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one, removed)")
@@ -175,7 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         weights = work / f"encoders-{args.size}"
         if not (weights / "README.json").is_file():
-            _script("make_tiny_checkpoints").main(["--out", str(weights), "--size", args.size])
+            write_tiny_checkpoints(weights, size=args.size)
         results = []
         for recipe in args.recipes:
             results.append(bench_recipe(recipe, work, weights, args))

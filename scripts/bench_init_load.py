@@ -1,10 +1,10 @@
 """Sharded `--model.init-from` at full size: load time and peak host memory of every rank.
 
-    python scripts/bench_init_load.py --preset 14b --nproc 4 --dir /scratch/bench-init   # 4 GPUs, NCCL
+    python scripts/bench_init_load.py --preset droid-14b --nproc 4 --dir /scratch/bench-init   # 4 GPUs, NCCL
     python scripts/bench_init_load.py --preset tiny --nproc 2 --dir /tmp/bench-init      # CPU smoke run, gloo
 
 1. Unless DIR/base-<preset>-<layers>L holds one already: random weights in the official layout, written by
-   scripts/make_tiny_base.py (the DiT in bf16 under `action_head.model.`, 5 GB files + index; 33 GB for the 14B).
+   train/tiny_base.py (the DiT in bf16 under `action_head.model.`, 5 GB files + index; 33 GB for the 14B).
 2. `torchrun --nproc-per-node N` of this script's worker: every rank builds the DiT as the trainer does
    (`train.main.sharded_model`: meta device, FSDP2, materialized on its device, then `load_weights` reads only the
    rows of its own shards from the memory-mapped files), while a thread samples its RSS every 10 ms.
@@ -29,15 +29,12 @@ from typing import Literal
 import torch
 import tyro
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 GIB = 1 << 30
 
 
 @dataclass
 class Args:
-    preset: Literal["tiny", "5b", "5b-libero", "14b"] = "14b"
+    preset: Literal["tiny", "libero-5b", "droid-5b", "droid-14b"] = "droid-14b"
     """DiT preset of train/model.py."""
     nproc: int = 1
     """Ranks (one per GPU with CUDA)."""
@@ -133,9 +130,10 @@ def main(args: Args) -> None:
     base = base_dir(args)
     write_s = None
     if not (base / "config.json").is_file():
+        from train import tiny_base  # here, not at the top: the ranks' measured RSS holds only what they import
+
         start = time.perf_counter()
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_base.py"), "--out", str(base),
-                        "--preset", args.preset, "--num-layers", str(args.num_layers)], check=True)
+        tiny_base.write_base(tiny_base.Args(out=base, preset=args.preset, num_layers=args.num_layers))
         write_s = round(time.perf_counter() - start, 1)
     (args.dir / "result.json").unlink(missing_ok=True)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",

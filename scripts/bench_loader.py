@@ -4,7 +4,7 @@
     python scripts/bench_loader.py --preset droid-14b --workers 0 1 2 4 --batches 16
     python scripts/bench_loader.py --preset libero-5b --shards s3://bucket/bench   # ranged reads from object storage
 
-1. Synthetic shards of the preset's exact sample shapes (scripts/make_synthetic_shards.py, the project's writer).
+1. Synthetic shards of the preset's exact sample shapes (preprocess/synthetic.py, the project's writer).
 2. `train.data.ShardLoader` on the CPU device, as a rank of `train/main.py` builds it (the preset's data settings,
    the shard index, pread at member offsets, zstd/npy decoding, q01/q99 normalisation, the text table, compact text,
    DataLoader worker processes and their shared-memory hand-off), consumed as fast as it delivers.
@@ -16,7 +16,7 @@
 
 Per-worker rate = samples/s / workers (0 workers = the rank's own process, which the trainer never uses, but which
 shows the cost of one sample without the hand-off). The ratio divides it by `--gpu-samples-per-s`, by default the
-preset's measured or target training rate per GPU (docs/PERFORMANCE.md); DESIGN.md asks >= 10 per worker.
+preset's measured or target training rate per GPU (configs/<preset>.yaml, throughput); DESIGN.md asks >= 10 per worker.
 Prints one JSON line per measurement, then one summary line.
 """
 
@@ -27,28 +27,22 @@ import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import configs
+from preprocess.remote import remote_url
+from shardformat.storage import ShardStore, sync_up
+from train.bench import emit, provenance, write_shards
+from train.config import parse_args as parse_trainer_args
+from train.data import ShardLoader
+from train.main import model_config
 
-from preprocess.remote import remote_url  # noqa: E402
-from shardformat.storage import ShardStore, sync_up  # noqa: E402
-from train.config import parse_args as parse_trainer_args  # noqa: E402
-from train.data import ShardLoader  # noqa: E402
-from train.main import model_config  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_train import emit, provenance, write_shards  # noqa: E402
-
-# samples/s per GPU the loader has to feed: 5B = the trainer's best on one H200 (PERFORMANCE.md, issue 8 row D);
-# 14B = the issue-8 target (not measured yet)
-GPU_RATE = {"tiny": 50.0, "libero-5b": 13.86, "droid-5b": 13.86, "droid-14b": 0.30}
+# samples/s per GPU the loader has to feed: each recipe's measured or target training rate
+GPU_RATE = {name: configs.recipe(name)["throughput"]["gpu_samples_per_s"] for name in configs.names()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

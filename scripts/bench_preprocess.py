@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,15 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from preprocess.embodiments import get_embodiment  # noqa: E402
-from preprocess.lerobot import LeRobotDataset  # noqa: E402
-from shardformat.members import encode_sample  # noqa: E402
-from preprocess.pipeline import Job, episode_samples  # noqa: E402
-from preprocess.shards import DATASETS  # noqa: E402
-from tests.conftest import make_sample  # noqa: E402
+from preprocess.embodiments import get_embodiment
+from preprocess.lerobot import LeRobotDataset
+from preprocess.pipeline import Job, episode_samples
+from preprocess.sample_data import write_sample_dataset
+from preprocess.shards import DATASETS
+from shardformat.members import encode_sample
 
 # (dataset preset, model recipe) -> encoder output shapes per sample (docs/REFERENCE.md#11-sizes-and-flops)
 ENCODED = {
@@ -84,8 +80,8 @@ def main() -> None:
     torch.set_num_threads(1)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        roots = {"droid": make_sample(Path(tmp) / "droid", "droid", args.episodes, args.seed),
-                 "libero": make_sample(Path(tmp) / "libero", "libero", args.episodes, args.seed)}
+        roots = {"droid": write_sample_dataset(Path(tmp) / "droid", "droid", args.episodes, args.seed),
+                 "libero": write_sample_dataset(Path(tmp) / "libero", "libero", args.episodes, args.seed)}
         for dataset, model in ENCODED:
             results.append(measure(roots[dataset], dataset, model))
     print(f"{'dataset':<8} {'model':<5} {'samples':>7} {'samples/s/core':>15} {'raw KiB/sample':>15}")

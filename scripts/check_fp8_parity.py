@@ -16,7 +16,6 @@ Prints both curves, then one JSON line; exits 1 when the ratio exceeds --max-rat
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
 import sys
@@ -25,33 +24,17 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from train.config import device_memory_gib, parse_args as parse_trainer_args, resolve_auto  # noqa: E402
-from train.parallel import check_float8  # noqa: E402
-
-
-def _load_bench():
-    if "bench_train" in sys.modules:
-        return sys.modules["bench_train"]
-    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench_train.py")
-    module = sys.modules.setdefault("bench_train", importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+from preprocess import synthetic
+from train import bench
+from train.config import device_memory_gib, resolve_auto
+from train.config import parse_args as parse_trainer_args
+from train.parallel import check_float8
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+    argv, extra = bench.split_passthrough(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="libero-5b", choices=sorted(bench.synthetic.SHAPES),
+    p.add_argument("--preset", default="libero-5b", choices=sorted(synthetic.SHAPES),
                    help="trainer preset (train/config.py) and synthetic sample shapes")
     p.add_argument("--float8", choices=["tensorwise", "rowwise", "none"], default="tensorwise",
                    help="recipe of the second run (none: bf16 twice, the run-to-run floor)")

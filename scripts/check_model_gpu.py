@@ -11,19 +11,15 @@ Prints a few human lines and, last, one JSON line with the timing (samples/s, TF
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from train.attention import dense_mask, flex_block_mask, masked_attention  # noqa: E402
-from train.flops import dit_flops  # noqa: E402
-from train.loss import FlowMatchScheduler, flow_matching_loss  # noqa: E402
-from train.model import build_model, compact_text, preset, random_batch  # noqa: E402
+from train.attention import dense_mask, flex_block_mask, masked_attention
+from train.flops import dit_flops
+from train.loss import FlowMatchScheduler, flow_matching_loss
+from train.model import build_model, compact_text, preset, random_batch
 
 
 @dataclass
@@ -41,7 +37,7 @@ class Args:
     """torch.compile each block."""
     layers: int = 30
     """Blocks of the 5B model to build (30 = full model)."""
-    preset: str = "5b-libero"
+    preset: str = "libero-5b"
     """Model preset for the timing (tiny: a CPU smoke run of this script)."""
     latent: tuple[int, int, int] = (9, 10, 20)
     """Latent (F, h, w) for the timing; 5B LIBERO = 9x10x20 → 968 tokens."""
@@ -60,7 +56,7 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_attention(dev) -> dict:
     """Flex vs dense on the raw attention op at the tiny and 5B layouts (bf16 and fp32)."""
     out = {}
-    for name, cfg_name, frame_seqlen, heads, hd in [("tiny", "tiny", 4, 2, 32), ("5b", "5b-libero", 50, 24, 128)]:
+    for name, cfg_name, frame_seqlen, heads, hd in [("tiny", "tiny", 4, 2, 32), ("5b", "libero-5b", 50, 24, 128)]:
         layout = preset(cfg_name).layout(9, frame_seqlen)
         bm, dm = flex_block_mask(layout, dev), dense_mask(layout, dev)
         for dtype in (torch.float32, torch.bfloat16):
@@ -79,7 +75,7 @@ def check_model(dev) -> dict:
     for name, kw, shape, dtype in [("tiny", {}, (9, 4, 4), torch.float32),
                                    ("5b", {"num_layers": 2}, (9, 10, 20), torch.bfloat16)]:
         torch.manual_seed(0)
-        cfg_name = "tiny" if name == "tiny" else "5b-libero"
+        cfg_name = "tiny" if name == "tiny" else "libero-5b"
         model = build_model(cfg_name, **kw).to(dev)
         with torch.no_grad():
             model.head.head.weight.normal_(0, 0.02)

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from preprocess import views  # noqa: E402
+from preprocess import views
 
 
 def main() -> None:

@@ -10,55 +10,9 @@ run that was then resumed from it), the later row wins, so the curves show what 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-PANELS = (  # (title, metrics.jsonl fields, y scale)
-    ("loss", ("loss", "loss_dynamics", "loss_action"), "log"),
-    ("learning rate", ("lr",), "linear"),
-    ("samples/s per GPU", ("samples_per_s_per_gpu",), "linear"),
-    ("data wait (% of time)", ("data_wait_pct",), "linear"),
-)
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """Rows of metrics.jsonl ordered by step, one per step (the last one logged)."""
-    by_step: dict[int, dict] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SystemExit(f"{path}:{n}: not a JSON row ({err.msg})") from None
-        by_step[int(row["step"])] = row
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def plot(rows: list[dict], out: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    for ax, (name, fields, scale) in zip(axes.flat, PANELS):
-        for field in fields:
-            points = [(r["step"], r[field]) for r in rows if field in r]
-            if points:
-                ax.plot(*zip(*points), label=field, marker="." if len(points) < 50 else None)
-        ax.set_title(name)
-        ax.set_yscale(scale if all(r.get(f, 1) > 0 for r in rows for f in fields) else "linear")
-        ax.grid(alpha=0.3)
-        if len(fields) > 1:
-            ax.legend()
-    for ax in axes[-1]:
-        ax.set_xlabel("step")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+from train.curves import plot_run
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -66,13 +20,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("run_dir", type=Path, help="training run directory (--checkpoint.dir) holding metrics.jsonl")
     p.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
     args = p.parse_args(argv)
-    path = args.run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise SystemExit(f"{path}: missing (is {args.run_dir} a training run directory?)")
-    rows = read_metrics(path)
-    if not rows:
-        raise SystemExit(f"{path}: no rows yet (the trainer logs every --metrics.interval steps)")
-    out = plot(rows, args.out or args.run_dir / "metrics.png", f"{args.run_dir} ({len(rows)} logged steps)")
+    out = plot_run(args.run_dir, args.out)
     print(f"wrote {out}")
     return out
 

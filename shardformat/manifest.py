@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from shardformat.files import atomic_write_json, canonical_json
+from shardformat.keys import IMAGE_MEMBER
 
 FORMAT_VERSION = "wampipe-shards/2"  # 2: per-member offsets and CRC-32 in shard JSONs, sealed JSON, wids.json
 MANIFEST = "manifest.json"
@@ -93,19 +94,23 @@ class Manifest:
     failures: list
     skipped: list
     totals: dict
+    image_features: str = "encoded"  # what a sample holds of frame 0: CLIP features, or CLIP's input pixels
     format: str = FORMAT_VERSION
 
     @classmethod
     def from_dict(cls, d: dict, where: Path | str = MANIFEST) -> Manifest:
         check_version(Path(where), d.get("format"))
         names = {f.name for f in fields(cls)}
-        missing, unknown = sorted(names - d.keys()), sorted(d.keys() - names)
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing, unknown = sorted(required - d.keys()), sorted(d.keys() - names)
         if missing or unknown:
             raise ShardFormatError(f"{where}: missing fields {missing}, unknown fields {unknown}")
         try:
             shards = [ShardEntry(**s) for s in d["shards"]]
         except TypeError as err:
             raise ShardFormatError(f"{where}: bad shard entry: {err}") from None
+        if d.get("image_features", "encoded") not in IMAGE_MEMBER:
+            raise ShardFormatError(f"{where}: image_features {d['image_features']!r} is none of {sorted(IMAGE_MEMBER)}")
         if set(d["modality_keys"]) != {"state", "action"}:
             raise ShardFormatError(f"{where}: modality_keys must name the state and action sub-keys")
         total = sum(s.count for s in shards)
@@ -115,6 +120,11 @@ class Manifest:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def image_member(self) -> str:
+        """The tensor every sample holds for frame 0: `clip` (features) or `clip_pixels` (the trainer runs CLIP)."""
+        return IMAGE_MEMBER[self.image_features]
 
     @classmethod
     def read(cls, root: Path | str) -> Manifest:

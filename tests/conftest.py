@@ -1,41 +1,138 @@
-"""Shared fixtures: sample LeRobot datasets written once per test session by the project's own script."""
+"""Shared fixtures, each built once per test session (a fixture imported into several test modules would be built
+once per module): sample LeRobot datasets, tiny encoder checkpoints, the DROID shards the CLI builds from them,
+synthetic shards, and a local S3 server. Tests only read them; a test that changes one works on a copy."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from train.model import CausalWanModel, DiTConfig, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
+# small, quick builds: few anchors, several units and shards
+# Builders import what they build with when called: spawned test workers import this module too.
+FAST = ["--anchor-stride", "16", "--samples-per-shard", "4", "--episodes-per-unit", "2", "--batch-size", "2"]
 
 
-def make_sample(out: Path, layout: str, episodes: int = 4, seed: int = 0, codec: str = "h264") -> Path:
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "make_sample_dataset.py"), "--layout", layout, "--out", str(out),
-         "--episodes", str(episodes), "--seed", str(seed), "--codec", codec],
-        check=True, capture_output=True,
-    )
-    return out
+def shards_cmd(src: Path, out: Path | str, dataset: str, tiny: Path, *extra: str, model: str = "5b") -> list[str]:
+    """`python -m preprocess shards` of `src` with the tiny checkpoints and FAST settings."""
+    from preprocess.pipeline import VAE_OF_MODEL
+    from preprocess.tiny_checkpoints import tiny_checkpoint_paths
+
+    paths = tiny_checkpoint_paths(tiny, VAE_OF_MODEL[model])
+    weights = [a for name, p in paths.items() for a in (f"--{name.replace('_', '-')}", str(p))]
+    return [sys.executable, "-m", "preprocess", "shards", "--dataset", dataset, "--src", str(src), "--out", str(out),
+            "--model", model, *weights, *FAST, *extra]
+
+
+def build(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(shards_cmd(*args, **kwargs), cwd=ROOT, capture_output=True, text=True, check=True)
+
+
+def manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def tiny_model(**overrides) -> CausalWanModel:
+    """The tiny DiT, seeded, with a random output head (the reference zero-inits it; gradients need a path)."""
+    torch.manual_seed(0)
+    model = build_model("tiny", **overrides)
+    with torch.no_grad():
+        model.head.head.weight.normal_(0, 0.02)
+    return model
+
+
+def shard_samples(tar: Path) -> list[tuple[str, dict[str, bytes]]]:
+    """(key, {suffix: bytes}) of every sample of a tar, as the integrity check reads them."""
+    from preprocess.check import tar_samples
+
+    with open(tar, "rb") as f:
+        return list(tar_samples(f))
 
 
 @pytest.fixture(scope="session")
 def droid_root(tmp_path_factory) -> Path:
     """DROID layout (LeRobot v2.1, 3 H.264 cameras 180x320, 15 fps), 4 episodes of lengths 192, 62, 97, 133."""
-    return make_sample(tmp_path_factory.mktemp("data") / "droid", "droid")
+    from preprocess.sample_data import write_sample_dataset
+
+    return write_sample_dataset(tmp_path_factory.mktemp("data") / "droid", "droid")
 
 
 @pytest.fixture(scope="session")
 def libero_root(tmp_path_factory) -> Path:
-    """LIBERO layout (LeRobot v2.0, 2 PNG cameras 256x256 in parquet, 10 fps), 4 episodes of lengths 168, 47, 73, 109."""
-    return make_sample(tmp_path_factory.mktemp("data") / "libero", "libero")
+    """LIBERO layout (LeRobot v2.0, 2 PNG cameras 256x256 in parquet, 10 fps), episodes of 168, 47, 73, 109 frames."""
+    from preprocess.sample_data import write_sample_dataset
+
+    return write_sample_dataset(tmp_path_factory.mktemp("data") / "libero", "libero")
 
 
 @pytest.fixture(scope="session")
 def libero_v3_root(tmp_path_factory) -> Path:
     """The LIBERO content in the LeRobot v3.0 layout (multi-episode parquet and mp4 files)."""
-    return make_sample(tmp_path_factory.mktemp("data") / "libero_v3", "libero-v3")
+    from preprocess.sample_data import write_sample_dataset
+
+    return write_sample_dataset(tmp_path_factory.mktemp("data") / "libero_v3", "libero-v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> Path:
+    """Every supported encoder format: Wan .pth files and Diffusers/transformers folders, a umT5-format tokenizer."""
+    from preprocess.tiny_checkpoints import write_tiny_checkpoints
+
+    return write_tiny_checkpoints(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def droid_shards(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
+    """The sample DROID dataset built by the CLI (default executor) with the tiny checkpoints."""
+    out = tmp_path_factory.mktemp("shards") / "droid"
+    build(droid_root, out, "droid", tiny_checkpoints)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory) -> Path:
+    """Synthetic shards of the tiny recipe: 5 episodes x 5 windows, 7 samples per shard (4 shards, the last short)."""
+    from preprocess.synthetic import make_synthetic_shards
+
+    out = tmp_path_factory.mktemp("tiny_shards") / "shards"
+    make_synthetic_shards(out, "tiny", episodes=5, windows_per_episode=5, samples_per_shard=7, seed=1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_shards(tmp_path_factory) -> Path:
+    """Synthetic shards of the tiny recipe: 3 episodes x 3 windows, 4 samples per shard."""
+    from preprocess.synthetic import make_synthetic_shards
+
+    out = tmp_path_factory.mktemp("small_shards") / "shards"
+    make_synthetic_shards(out, "tiny", episodes=3, windows_per_episode=3, samples_per_shard=4, seed=1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def official_base(tmp_path_factory, small_shards) -> Path:
+    """A random-weight checkpoint folder in the official DreamZero layout (several files + index) for the DiT the
+    trainer builds for `small_shards`."""
+    from train import tiny_base
+
+    return tiny_base.write_base(tiny_base.Args(out=tmp_path_factory.mktemp("base") / "base", shards=small_shards,
+                                               max_shard_mb=0.05, seed=5))
+
+
+@pytest.fixture(scope="session")
+def small_dit(small_shards) -> DiTConfig:
+    """The DiT the trainer builds for `small_shards` (the tiny preset takes its widths from them)."""
+    from train.config import Config, DataConfig
+    from train.main import model_config
+
+    return model_config(Config(data=DataConfig(shards=small_shards)))
 
 
 @pytest.fixture(scope="session")

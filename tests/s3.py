@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "eu-central-1"}
+
+
+def upload_then_sigkill(call: str, source: Path, url: str) -> list[list[str]]:
+    """Run `call` ("module:function", sync_up's signature) of `source` to `url` in a child process that reports each
+    file it uploaded and waits for a line before the next; SIGKILL it after the second. The two reports."""
+    module, function = call.split(":")
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; from pathlib import Path; from {module} import {function}; "
+         f"{function}(Path(sys.argv[1]), sys.argv[2], lambda p, a: (print(a, p, flush=True), sys.stdin.readline()))",
+         str(source), url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    done = [child.stdout.readline().split()]
+    child.stdin.write("\n")
+    child.stdin.flush()
+    done.append(child.stdout.readline().split())
+    child.send_signal(signal.SIGKILL)
+    assert child.wait(timeout=30) == -signal.SIGKILL
+    return done
 
 
 class S3Server:

@@ -1,19 +1,18 @@
 """scripts/bench_train.py on CPU with the tiny preset: shards -> torchrun trainer -> bound -> one JSON line."""
 
-import importlib.util
 import json
 import subprocess
 import sys
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
 
+from train import bench
+from train.config import parse_args
 from train.data import data_dims
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench_train.py")
-bench = sys.modules.setdefault("bench_train", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)
 
 SMALL_BOUND = ["--bound-warmup", "1", "--bound-steps", "2"]
 
@@ -82,10 +81,11 @@ def test_measured_window_excludes_warmup_and_weights_by_time(tmp_path):
 
 
 def test_trainer_flags_put_warmup_in_its_own_records_and_pass_extra_flags_last(tmp_path):
-    args, extra = bench.parse_args(["--preset", "libero-5b", "--warmup-steps", "6", "--steps", "20", "--ac",
-                                    "selective", "--micro-batch", "16", "--", "--parallel.no-compile",
-                                    "--data.num-workers", "8"])
-    cfg = bench.parse_trainer_args(bench.trainer_argv(args, tmp_path / "s", tmp_path / "r", extra))
+    argv, extra = bench.split_passthrough(["--steps", "20", "--", "--parallel.no-compile", "--data.num-workers", "8"])
+    assert (argv, extra) == (["--steps", "20"], ["--parallel.no-compile", "--data.num-workers", "8"])
+    args = Namespace(preset="libero-5b", warmup_steps=6, steps=20, ac="selective", micro_batch=16, global_batch=None,
+                     compile=None)
+    cfg = parse_args(bench.trainer_argv(args, tmp_path / "s", tmp_path / "r", extra))
     assert (cfg.steps, cfg.metrics.interval) == (26, 2)  # gcd(6, 20): records end exactly at the warm-up
     assert (cfg.data.micro_batch_size, cfg.parallel.global_batch_size) == (16, 256)  # global: the preset's
     assert (cfg.parallel.activation_checkpoint, cfg.parallel.compile, cfg.data.num_workers) == ("selective", False, 8)

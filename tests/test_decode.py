@@ -13,7 +13,7 @@ import pytest
 from preprocess.decode import BACKENDS, decode_video
 from preprocess.errors import DatasetError
 from preprocess.lerobot import LeRobotDataset
-from tests.conftest import make_sample
+from preprocess.sample_data import write_sample_dataset
 
 
 def window_rows(start: int) -> np.ndarray:
@@ -22,7 +22,7 @@ def window_rows(start: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def av1_root(tmp_path_factory):
-    return make_sample(tmp_path_factory.mktemp("data") / "droid_av1", "droid", episodes=2, seed=1, codec="av1")
+    return write_sample_dataset(tmp_path_factory.mktemp("data") / "droid_av1", "droid", episodes=2, seed=1, codec="av1")
 
 
 @pytest.mark.parametrize("layout", ["droid", "libero_v3", "droid_av1"])

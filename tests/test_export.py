@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 import yaml
 from safetensors import safe_open
 
-from tests.test_init_load import ROOT, _rewrite, base, dit, shards, tiny_base  # noqa: F401 (fixtures)
-from train import checkpoint
+from tests.test_init_load import ROOT, _rewrite
+from train import checkpoint, tiny_base
 from train.config import CheckpointConfig, Config, DataConfig, ModelConfig
 from train.export import check_base, export_weights
 from train.model import build_model
@@ -81,18 +81,19 @@ def _worker(rank: int, tmp: str, shards: Path, init_from: Path, cases: dict) -> 
         dist.destroy_process_group()
 
 
-def test_eval_ready_export_from_two_ranks(shards, base, dit, tmp_path):
-    single = tiny_base.write_base(tiny_base.Args(out=tmp_path / "single", shards=shards, seed=5))
-    config_only = _config_only(base, tmp_path / "config_only")
+def test_eval_ready_export_from_two_ranks(small_shards, official_base, small_dit, tmp_path):
+    single = tiny_base.write_base(tiny_base.Args(out=tmp_path / "single", shards=small_shards, seed=5))
+    config_only = _config_only(official_base, tmp_path / "config_only")
     stale = tmp_path / "single_run" / "export"
     stale.mkdir(parents=True)
     (stale / "model.safetensors.index.json").write_text("{}")  # a previous export's index must not survive
-    cases = {"sharded_run": base, "single_run": single, "config_only_run": config_only}
-    mp.start_processes(_worker, args=(str(tmp_path), shards, base, cases), nprocs=WORLD, start_method="spawn")
+    cases = {"sharded_run": official_base, "single_run": single, "config_only_run": config_only}
+    mp.start_processes(_worker, args=(str(tmp_path), small_shards, official_base, cases), nprocs=WORLD,
+                       start_method="spawn")
 
     trained = {k[len(DREAMZERO_PREFIX):]: (v.float() + SHIFT).to(torch.bfloat16)  # what the ranks held, cast back
-               for k, v in read_folder(base)[0].items() if k.startswith(DREAMZERO_PREFIX)}
-    model_keys = set(build_model(dit).state_dict())
+               for k, v in read_folder(official_base)[0].items() if k.startswith(DREAMZERO_PREFIX)}
+    model_keys = set(build_model(small_dit).state_dict())
     for name, src in cases.items():
         out = tmp_path / name / "export"
         assert sorted(p.name for p in out.parent.iterdir()) == ["export"]  # no staging folder left
@@ -112,7 +113,7 @@ def test_eval_ready_export_from_two_ranks(shards, base, dit, tmp_path):
             assert set(got) == {DREAMZERO_PREFIX + k for k in model_keys} and list(files) == ["model.safetensors"]
         conf = "experiment_cfg/conf.yaml"
         assert (out / conf).read_bytes() == (src / conf).read_bytes()
-        assert (out / "experiment_cfg" / "metadata.json").read_bytes() == (shards / "metadata.json").read_bytes()
+        assert (out / "experiment_cfg" / "metadata.json").read_bytes() == (small_shards / "metadata.json").read_bytes()
         head = json.loads((out / "config.json").read_text())["action_head_cfg"]["config"]
         dm = head["diffusion_model_cfg"]
         w = {k: got[DREAMZERO_PREFIX + k].shape for k in ("blocks.0.self_attn.q.weight", "blocks.0.ffn.0.weight",
@@ -123,7 +124,7 @@ def test_eval_ready_export_from_two_ranks(shards, base, dit, tmp_path):
         assert dm["num_layers"] == len({k.split(".")[1] for k in dit_keys if k.startswith("blocks.")})
         assert head["max_action_dim"] == w["action_decoder.layer2.W"][-1]
         assert head["max_state_dim"] == w["state_encoder.layer1.W"][1]
-        assert dm["num_action_per_block"] == dit.num_action_per_block and dm["model_type"] == dit.model_type
+        assert dm["num_action_per_block"] == small_dit.num_action_per_block and dm["model_type"] == small_dit.model_type
         assert (head["skip_component_loading"], head["defer_lora_injection"], head["train_architecture"]) == (
             True, False, "full")
         with safe_open(str(out / sorted(files)[0]), "pt") as h:
@@ -180,23 +181,24 @@ BAD_BASES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_BASES))
-def test_unusable_bases_are_refused_naming_the_reason(base, dit, tmp_path, case):
+def test_unusable_bases_are_refused_naming_the_reason(official_base, small_dit, tmp_path, case):
     make, message = BAD_BASES[case]
-    bad = make(base, tmp_path / "bad")
+    bad = make(official_base, tmp_path / "bad")
     with torch.device("meta"):
-        model = build_model(dit)
+        model = build_model(small_dit)
     with pytest.raises(WeightsError) as err:
         check_base(bad, model, "libero_sim")
     assert message in str(err.value) and str(bad) in str(err.value)
 
 
 @pytest.mark.slow
-def test_trainer_writes_an_eval_ready_export_and_refuses_a_bad_base_at_start(shards, base, dit, tmp_path):
-    common = [str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(shards), "--steps", "2",
+def test_trainer_writes_an_eval_ready_export_and_refuses_a_bad_base_at_start(small_shards, official_base, small_dit,
+                                                                             tmp_path):
+    common = [str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(small_shards), "--steps", "2",
               "--checkpoint.interval", "0", "--metrics.no-progress", "--metrics.no-tensorboard",
-              "--model.init-from", str(base), "--model.init-device", "meta", "--data.num-workers", "0"]
+              "--model.init-from", str(official_base), "--model.init-device", "meta", "--data.num-workers", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29633"}
-    bad = _copy(base, tmp_path / "bad")
+    bad = _copy(official_base, tmp_path / "bad")
     _edit_conf(bad, lambda c: c["modality_configs"].clear())
     done = subprocess.run([sys.executable, *common, "--checkpoint.dir", str(tmp_path / "refused"),
                            "--checkpoint.export-base", str(bad)], capture_output=True, text=True, env=env, timeout=300)
@@ -207,15 +209,15 @@ def test_trainer_writes_an_eval_ready_export_and_refuses_a_bad_base_at_start(sha
 
     run = tmp_path / "run"
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *common,
-                    "--checkpoint.dir", str(run), "--checkpoint.export-base", str(base)],
+                    "--checkpoint.dir", str(run), "--checkpoint.export-base", str(official_base)],
                    check=True, capture_output=True, env=env, cwd=ROOT, timeout=600)
     got, files = read_folder(run / "export")
-    want, want_files = read_folder(base)
+    want, want_files = read_folder(official_base)
     assert files == want_files
     changed = [k for k in want if k.startswith(P) and not torch.equal(got[k], want[k])]
     assert len(changed) > len(want) // 2  # two AdamW steps move (nearly) every DiT tensor
     assert all(torch.equal(got[k], want[k]) for k in want if not k.startswith(P))
-    model = build_model(dit)
+    model = build_model(small_dit)
     report = load_weights(model, run / "export")  # our loader reads the export back, strictly
     assert report.source == "dreamzero" and report.loaded == len(model.state_dict())
 

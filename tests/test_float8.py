@@ -5,7 +5,6 @@ torch's CPU build runs float8 matmuls (`aten._scaled_mm`), so everything but the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -23,8 +22,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torchao.float8.float8_linear import Float8Linear  # torchao: a dev dependency (pyproject.toml)
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-from tests.test_train_data import synthetic
-from train import checkpoint
+from preprocess import synthetic
+from tests.conftest import tiny_model
+from train import bench, checkpoint
 from train.config import CheckpointConfig, Config, OptimConfig, parse_args, resolve_auto
 from train.export import export_weights
 from train.loss import FlowMatchScheduler, flow_matching_loss
@@ -40,14 +40,6 @@ OFFICIAL = set(build_model("tiny").state_dict())
 PER_BLOCK = 12
 
 
-def _model(**overrides):
-    torch.manual_seed(0)
-    model = build_model("tiny", **overrides)
-    with torch.no_grad():
-        model.head.head.weight.normal_(0, 0.02)  # the reference zero-inits the head; give gradients a path
-    return model
-
-
 def _loss_and_grads(model):
     batch = random_batch(model.cfg, 2, (9, 4, 4), generator=torch.Generator().manual_seed(1))
     loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), generator=torch.Generator().manual_seed(2))
@@ -58,7 +50,7 @@ def _loss_and_grads(model):
 
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
 def test_only_the_blocks_linears_convert_and_the_names_stay(mode):
-    model = _model()
+    model = tiny_model()
     assert apply_float8(model, mode) == PER_BLOCK * model.cfg.num_layers
     converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert all(n.startswith("blocks.") for n in converted)
@@ -66,23 +58,23 @@ def test_only_the_blocks_linears_convert_and_the_names_stay(mode):
     assert plain and not any(n.startswith("blocks.") for n in plain)
     assert set(model.state_dict()) == OFFICIAL  # checkpoints and exports keep the official names
     # widths that are not multiples of 16 stay in bf16: an FFN of 72
-    odd = _model(ffn_dim=72)
+    odd = tiny_model(ffn_dim=72)
     assert apply_float8(odd, mode) == (PER_BLOCK - 2) * odd.cfg.num_layers
     assert not any(isinstance(m, Float8Linear) for m in odd.blocks[0].ffn)
-    assert apply_float8(_model(), "none") == 0
+    assert apply_float8(tiny_model(), "none") == 0
 
 
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
 def test_float8_trains_close_to_bf16_and_selective_recompute_keeps_its_gradients(mode):
-    ref_loss, ref_grads = _loss_and_grads(_model())
-    model = _model()
+    ref_loss, ref_grads = _loss_and_grads(tiny_model())
+    model = tiny_model()
     apply_float8(model, mode)
     loss, grads = _loss_and_grads(model)
     torch.testing.assert_close(loss, ref_loss, rtol=5e-3, atol=0)  # float8 rounding, not another computation
     flat, ref_flat = (torch.cat([g[k].flatten() for k in sorted(g)]) for g in (grads, ref_grads))
     assert torch.isfinite(flat).all() and torch.cosine_similarity(flat, ref_flat, dim=0) > 0.99
     # selective recompute saves the float8 matmul outputs and re-runs the rest: the same gradients, bit for bit
-    recomputed = _model()
+    recomputed = tiny_model()
     apply_float8(recomputed, mode)
     apply_ac(recomputed, "selective")
     loss_ac, grads_ac = _loss_and_grads(recomputed)
@@ -197,13 +189,6 @@ def test_fsdp2_gathers_float8_weights_and_checkpoints_exports_and_reloads_offici
         assert type(v) is torch.Tensor and torch.equal(v, out["trained"][k]), k
 
 
-def _load_parity_script():
-    spec = importlib.util.spec_from_file_location("check_fp8_parity", ROOT / "scripts" / "check_fp8_parity.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_parity_script_trains_twice_on_the_same_data_and_compares_the_curves(shards, tmp_path):
     out = tmp_path / "parity"
@@ -220,15 +205,16 @@ def test_parity_script_trains_twice_on_the_same_data_and_compares_the_curves(sha
     assert r["mean_abs_diff"] == 0 and r["bf16_step_noise"] > 0 and r["ratio"] == 0 and r["parity"]
     line = "auto settings for tiny on CPU: no recompute, micro-batch 2, reshard after forward (the preset's recipe)"
     assert done.stdout.count(line) == 2
-    # the bench's check that its bound uses what the trainer resolved, against a real trainer's config.json
-    bench = sys.modules["bench_train"] if "bench_train" in sys.modules else _load_parity_script().bench
+    # the bench's check that its bound uses what the trainer resolved, against a real trainer's config.yaml
     argv = ["--preset", "tiny", "--data.shards", str(shards), "--parallel.activation-checkpoint", "auto"]
     cfg, _ = resolve_auto(parse_args(argv), None, 1)
     bench.check_same_resolution(cfg, out / "run-bf16")
-    with pytest.raises(SystemExit, match=r"config.json: the trainer resolved other settings than the bound uses: "
+    with pytest.raises(SystemExit, match=r"config.yaml: the trainer resolved other settings than the bound uses: "
                                          r"data.micro_batch_size 2 \(here 4\)$"):
         bench.check_same_resolution(replace(cfg, data=replace(cfg.data, micro_batch_size=4)), out / "run-bf16")
     # a float8 comparison where float8 cannot run stops before writing anything
-    with pytest.raises(SystemExit, match="needs a CUDA GPU of compute capability >= 8.9"):
-        _load_parity_script().main(["--preset", "tiny", "--float8", "rowwise", "--out", str(tmp_path / "refused")])
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_fp8_parity.py"), "--preset", "tiny",
+                              "--float8", "rowwise", "--out", str(tmp_path / "refused")],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "needs a CUDA GPU of compute capability >= 8.9" in refused.stderr
     assert not (tmp_path / "refused" / "shards").exists()

@@ -13,9 +13,9 @@ T = 1e12
 
 
 @pytest.mark.parametrize("name,shape,fwd,fwd_bwd,recompute,attn", [
-    ("5b-libero", (9, 10, 20), 9.81, 29.4, 39.1, 0.100),
-    ("5b", (9, 11, 20), 10.11, 30.3, 40.3, 0.106),  # DROID 176x320: 11 latent rows, floored to 5 token rows
-    ("14b", (9, 44, 80), 463.1, 1389, 1846, 62.73),
+    ("libero-5b", (9, 10, 20), 9.81, 29.4, 39.1, 0.100),
+    ("droid-5b", (9, 11, 20), 10.11, 30.3, 40.3, 0.106),  # DROID 176x320: 11 latent rows, floored to 5 token rows
+    ("droid-14b", (9, 44, 80), 463.1, 1389, 1846, 62.73),
 ])
 def test_spec_table(name, shape, fwd, fwd_bwd, recompute, attn):
     f = dit_flops(preset(name), shape)
@@ -27,7 +27,7 @@ def test_spec_table(name, shape, fwd, fwd_bwd, recompute, attn):
 
 
 def test_5b_libero_breakdown():
-    f = dit_flops(preset("5b-libero"), (9, 10, 20))
+    f = dit_flops(preset("libero-5b"), (9, 10, 20))
     assert f.token_linears / T == pytest.approx(8.404, abs=1e-3)
     assert f.context_kv / T == pytest.approx(0.871, abs=1e-3)
     assert f.cross_attention / T == pytest.approx(0.274, abs=1e-3)

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.conftest import tiny_model
 from train.config import ParallelConfig
 from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.model import DiTBatch, build_model, compact_text, random_batch
+from train.model import DiTBatch, compact_text, random_batch
 from train.parallel import parallelize
 
 WORLD = 2
@@ -43,10 +44,7 @@ def _worker(rank: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
     try:
-        torch.manual_seed(0)
-        model = build_model("tiny")
-        with torch.no_grad():
-            model.head.head.weight.normal_(0, 0.02)  # the reference zero-inits the head; give gradients a path
+        model = tiny_model()
         reference = copy.deepcopy(model).to(torch.bfloat16)  # unsharded, same semantics: bf16 params, own casts
         parallelize(model, ParallelConfig(param_dtype="bfloat16", reduce_dtype="float32"))
 

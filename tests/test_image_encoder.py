@@ -4,7 +4,6 @@ import torch.nn.functional as F
 
 from preprocess.image_encoder import CLIP_MEAN, CLIP_STD, load_image_encoder
 from preprocess.weights import WeightsError, read_state_dict
-from tests._tiny import tiny_dir  # noqa: F401
 
 WAN_FILE = "clip/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
 
@@ -13,9 +12,9 @@ def frames(b=3, seed=0):
     return torch.rand(b, 3, 160, 320, generator=torch.Generator().manual_seed(seed)) * 2 - 1
 
 
-def test_formats_shapes_batch_invariance(tiny_dir):
-    wan = load_image_encoder(tiny_dir / WAN_FILE)
-    folder = load_image_encoder(tiny_dir / "clip" / "image_encoder")
+def test_formats_shapes_batch_invariance(tiny_checkpoints):
+    wan = load_image_encoder(tiny_checkpoints / WAN_FILE)
+    folder = load_image_encoder(tiny_checkpoints / "clip" / "image_encoder")
     assert len(wan.model.encoder.layers) == 2  # 3 blocks in the file, the last one dropped (penultimate output)
     x = frames()
     out = wan.encode(x)
@@ -25,22 +24,22 @@ def test_formats_shapes_batch_invariance(tiny_dir):
     assert torch.equal(out, wan.encode(x))
 
 
-def test_preprocessing_and_penultimate_block(tiny_dir):
+def test_preprocessing_and_penultimate_block(tiny_checkpoints):
     from transformers import CLIPVisionModelWithProjection
 
-    enc = load_image_encoder(tiny_dir / "clip" / "image_encoder", dtype=torch.float32)
+    enc = load_image_encoder(tiny_checkpoints / "clip" / "image_encoder", dtype=torch.float32)
     x = frames(b=1)
     pixels = F.interpolate(x, size=(224, 224), mode="bicubic", align_corners=False) * 0.5 + 0.5
     pixels = (pixels - torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)) / torch.tensor(CLIP_STD).view(1, 3, 1, 1)
     torch.testing.assert_close(enc.preprocess(x), pixels)
-    full = CLIPVisionModelWithProjection.from_pretrained(str(tiny_dir / "clip" / "image_encoder")).eval()
+    full = CLIPVisionModelWithProjection.from_pretrained(str(tiny_checkpoints / "clip" / "image_encoder")).eval()
     with torch.no_grad():
         hidden = full(pixel_values=pixels, output_hidden_states=True).hidden_states
     torch.testing.assert_close(enc.encode(x), hidden[-2], atol=1e-5, rtol=1e-5)  # after block 2 of 3, no final LN
 
 
-def test_strict_errors(tiny_dir, tmp_path):
-    state = read_state_dict(tiny_dir / WAN_FILE)
+def test_strict_errors(tiny_checkpoints, tmp_path):
+    state = read_state_dict(tiny_checkpoints / WAN_FILE)
     state["visual.transformer.0.attn.to_qkv.bias"] = torch.zeros(7)
     del state["visual.post_norm.bias"]
     state["visual.extra"] = torch.zeros(1)
@@ -50,4 +49,4 @@ def test_strict_errors(tiny_dir, tmp_path):
     assert str(err.value) == (f"{tmp_path / 'clip.pth'}: missing keys: visual.post_norm.bias; unexpected keys: "
                               "visual.extra; wrong shapes: visual.transformer.0.attn.to_qkv.bias (7,) != (480,)")
     with pytest.raises(WeightsError, match="this file is a Wan2.2 VAE38 .* but the image encoder needs"):
-        load_image_encoder(tiny_dir / "wan2.2" / "Wan2.2_VAE.pth")
+        load_image_encoder(tiny_checkpoints / "wan2.2" / "Wan2.2_VAE.pth")

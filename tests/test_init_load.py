@@ -5,7 +5,6 @@ with the names; the trainer exits with that one line; the load benchmark runs en
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,39 +18,14 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.test_train_data import synthetic
-from train.config import Config, DataConfig, ParallelConfig
-from train.main import model_config
+from train.config import ParallelConfig
 from train.model import DiTConfig, build_model
 from train.parallel import parallelize
 from train.weights import DREAMZERO_PREFIX, WeightsError, _allowed_absent, load_weights, save_weights
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("make_tiny_base", ROOT / "scripts" / "make_tiny_base.py")
-tiny_base = sys.modules.setdefault("make_tiny_base", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(tiny_base)
 WORLD = 2
 SEED = 3
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("init_shards") / "tiny"
-    synthetic.make_synthetic_shards(out, "tiny", episodes=3, windows_per_episode=2, samples_per_shard=4, seed=1)
-    return out
-
-
-@pytest.fixture(scope="module")
-def base(shards, tmp_path_factory) -> Path:
-    """The official layout, several files + index, written by the project's script for the trainer's tiny DiT."""
-    out = tmp_path_factory.mktemp("init_base") / "base"
-    return tiny_base.write_base(tiny_base.Args(out=out, shards=shards, max_shard_mb=0.05, seed=5))
-
-
-@pytest.fixture(scope="module")
-def dit(shards) -> DiTConfig:
-    """The DiT the trainer builds for the shards (the tiny preset takes its widths from them)."""
-    return model_config(Config(data=DataConfig(shards=shards)))
 
 
 def _rewrite(base: Path, out: Path, edit) -> Path:
@@ -90,23 +64,23 @@ def _worker(rank: int, tmp: str, cases: dict, dit: DiTConfig) -> None:
         dist.destroy_process_group()
 
 
-def test_sharded_load_equals_unsharded_and_refuses_bad_keys(base, dit, tmp_path):
-    plain = build_model(dit)
+def test_sharded_load_equals_unsharded_and_refuses_bad_keys(official_base, small_dit, tmp_path):
+    plain = build_model(small_dit)
     wan = {k: v.to(torch.bfloat16) for k, v in plain.state_dict().items() if not _allowed_absent(plain, k)}
     torch.save(wan, tmp_path / "wan.pth")  # a Wan base: the DreamZero additions absent
-    save_weights(build_model(dit), tmp_path / "export", max_shard_bytes=100_000)
-    missing = _rewrite(base, tmp_path / "missing", lambda sd: {k: v for k, v in sd.items()
+    save_weights(build_model(small_dit), tmp_path / "export", max_shard_bytes=100_000)
+    missing = _rewrite(official_base, tmp_path / "missing", lambda sd: {k: v for k, v in sd.items()
                                                                if k != DREAMZERO_PREFIX + "blocks.1.ffn.2.weight"})
-    extra = _rewrite(base, tmp_path / "extra",
+    extra = _rewrite(official_base, tmp_path / "extra",
                      lambda sd: {**sd, DREAMZERO_PREFIX + "blocks.9.ffn.0.weight": torch.zeros(2, 2)})
-    cases = {"official": (base, "auto"), "wan": (tmp_path / "wan.pth", "wan"), "export": (tmp_path / "export", "auto"),
-             "missing": (missing, "auto"), "extra": (extra, "auto")}
-    mp.start_processes(_worker, args=(str(tmp_path), cases, dit), nprocs=WORLD, start_method="spawn")
+    cases = {"official": (official_base, "auto"), "wan": (tmp_path / "wan.pth", "wan"),
+             "export": (tmp_path / "export", "auto"), "missing": (missing, "auto"), "extra": (extra, "auto")}
+    mp.start_processes(_worker, args=(str(tmp_path), cases, small_dit), nprocs=WORLD, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
     for name, source in [("official", "dreamzero"), ("wan", "wan"), ("export", "export")]:
         path, _ = cases[name]
-        reference = build_model(dit)
+        reference = build_model(small_dit)
         report = load_weights(reference, path, source, seed=SEED)
         status, got_source, initialised, local, sd = ranks[0][name]
         assert (status, got_source, initialised) == ("loaded", source, report.initialised), name
@@ -129,11 +103,11 @@ def test_sharded_load_equals_unsharded_and_refuses_bad_keys(base, dit, tmp_path)
 
 
 @pytest.mark.slow
-def test_trainer_refuses_a_checkpoint_with_a_missing_key_in_one_line(shards, base, tmp_path):
-    broken = _rewrite(base, tmp_path / "broken", lambda sd: {k: v for k, v in sd.items()
+def test_trainer_refuses_a_checkpoint_with_a_missing_key_in_one_line(small_shards, official_base, tmp_path):
+    broken = _rewrite(official_base, tmp_path / "broken", lambda sd: {k: v for k, v in sd.items()
                                                              if k != DREAMZERO_PREFIX + "head.head.bias"})
     done = subprocess.run(
-        [sys.executable, str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(shards),
+        [sys.executable, str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(small_shards),
          "--checkpoint.dir", str(tmp_path / "run"), "--model.init-from", str(broken), "--model.init-device", "meta",
          "--steps", "1"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,

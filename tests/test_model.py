@@ -95,7 +95,7 @@ def test_block_causality():
 
 
 def test_rope_clean_and_noisy_share_positions():
-    cfg = preset("5b-libero")
+    cfg = preset("libero-5b")
     lay = cfg.layout(9)
     cos, sin = rope_tables(lay, (5, 10), cfg.head_dim, "cpu")
     assert cos.shape == (968, 64)

@@ -26,8 +26,8 @@ def read_keys(name: str) -> dict[str, tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("preset,keys_file,n_params,n_new", [
-    ("5b", "dreamzero_5b_keys.txt", 5_606_692_832, 606_905_120),
-    ("14b", "dreamzero_14b_keys.txt", 16_484_292_448, 89_413_664),
+    ("droid-5b", "dreamzero_5b_keys.txt", 5_606_692_832, 606_905_120),
+    ("droid-14b", "dreamzero_14b_keys.txt", 16_484_292_448, 89_413_664),
 ])
 def test_official_names_and_shapes_load_strictly(preset, keys_file, n_params, n_new):
     keys = read_keys(keys_file)

@@ -4,7 +4,6 @@ process): the integrity check and a 2-rank training run read s3:// URLs, and a b
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,27 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from preprocess import outdir
+from preprocess import outdir, synthetic
 from preprocess.__main__ import main as preprocess_main
 from preprocess.check import check
 from preprocess.remote import prefetch_remote_state, publish, published, staging_dir
 from shardformat.files import atomic_write_json
 from shardformat.shard import ShardRecord
 from shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
-from tests.test_train_data import TINY, synthetic
+from tests.s3 import upload_then_sigkill
+from tests.test_train_data import TINY
 from train.config import DataConfig
 from train.data import ShardLoader
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    """25 windows in 4 shards of 7 (the last one short), with the work/ spills of a finished build."""
-    out = tmp_path_factory.mktemp("shards") / "tiny"
-    synthetic.make_synthetic_shards(out, "tiny", episodes=5, windows_per_episode=5, samples_per_shard=7, seed=1)
-    return out
 
 
 def _flip_member_byte(tar: Path, member: str) -> str:
@@ -45,14 +37,14 @@ def _flip_member_byte(tar: Path, member: str) -> str:
     return sample.key
 
 
-def test_check_reads_a_remote_directory_and_names_a_flipped_byte(shards, s3_bucket, tmp_path, capsys):
+def test_check_reads_a_remote_directory_and_names_a_flipped_byte(tiny_shards, s3_bucket, tmp_path, capsys):
     url = f"{s3_bucket}/tiny"
-    sync_up(shards, url)
+    sync_up(tiny_shards, url)
     assert check(url) == []
 
     corrupt = tmp_path / "shard-000002.tar"
-    shutil.copyfile(shards / corrupt.name, corrupt)
-    shutil.copyfile(shards / "shard-000002.json", tmp_path / "shard-000002.json")
+    shutil.copyfile(tiny_shards / corrupt.name, corrupt)
+    shutil.copyfile(tiny_shards / "shard-000002.json", tmp_path / "shard-000002.json")
     key = _flip_member_byte(corrupt, "clip.npy")
     ShardStore(url).upload(corrupt, corrupt.name)  # one flipped byte, uploaded over the good object
     flipped = f"shard-000002.tar: sample {key}: member clip.npy checksum mismatch (corrupt shard)"
@@ -71,7 +63,7 @@ def _train(shards: str, run_dir: Path, *extra: str) -> None:
                "--checkpoint.dir", str(run_dir), "--steps", str(STEPS), "--checkpoint.interval", "2",
                "--checkpoint.no-export", "--metrics.interval", "1", "--metrics.no-progress",
                "--metrics.no-tensorboard", "--parallel.deterministic", "--data.num-workers", "1", *extra]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -80,17 +72,17 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
-def test_loader_batches_from_s3_equal_local_ones_and_resume(shards, s3_bucket, s3_server):
+def test_loader_batches_from_s3_equal_local_ones_and_resume(tiny_shards, s3_bucket, s3_server):
     """One rank of two, one loader worker (its own connections): the same batches, bit for bit, from either place,
     and a loader resumed from the S3 loader's state continues them; every sample is one ranged GET of its tar."""
     url = f"{s3_bucket}/tiny"
-    sync_up(shards, url)
+    sync_up(tiny_shards, url)
     requests = len(s3_server.requests())
 
     def loader(root):
         return ShardLoader(DataConfig(shards=root, micro_batch_size=2, num_workers=1), TINY, 0, 2, torch.device("cpu"))
 
-    local = loader(str(shards))
+    local = loader(str(tiny_shards))
     expected = [next(it) for it in [iter(local)] for _ in range(6)]
     remote = loader(url)
     got = [next(it) for it in [iter(remote)] for _ in range(3)]
@@ -104,12 +96,12 @@ def test_loader_batches_from_s3_equal_local_ones_and_resume(shards, s3_bucket, s
 
 
 @pytest.mark.slow
-def test_training_from_s3_continues_a_local_run_with_its_losses(shards, s3_bucket, s3_server, tmp_path):
+def test_training_from_s3_continues_a_local_run_with_its_losses(tiny_shards, s3_bucket, s3_server, tmp_path):
     """2 ranks (gloo) with a loader worker each: a run on the local directory, then the same run resumed from its
     step-2 checkpoint on the S3 copy with a whole-shard cache logs the same losses for steps 3 and 4."""
     url, bucket = f"{s3_bucket}/tiny", s3_bucket.removeprefix("s3://")
-    sync_up(shards, url)
-    _train(str(shards), tmp_path / "local")
+    sync_up(tiny_shards, url)
+    _train(str(tiny_shards), tmp_path / "local")
     shutil.copytree(tmp_path / "local", tmp_path / "s3")
     shutil.rmtree(tmp_path / "s3" / f"step-{STEPS:06d}")  # as if stopped after the step-2 checkpoint
     requests = len(s3_server.requests())
@@ -119,33 +111,24 @@ def test_training_from_s3_continues_a_local_run_with_its_losses(shards, s3_bucke
     # the index and the text table, then whole shards into the cache: no ranged reads of the tars once cached
     tar_gets = [path for method, path, status in s3_server.requests()[requests:] if path.endswith(".tar")]
     cached = {p.name: p.read_bytes() for p in (cache / bucket / "tiny").glob("shard-*.tar")}
-    assert cached and all(data == (shards / name).read_bytes() for name, data in cached.items())
+    assert cached and all(data == (tiny_shards / name).read_bytes() for name, data in cached.items())
     assert tar_gets and {Path(p).name for p in tar_gets} == set(cached)
 
 
 @pytest.mark.slow
-def test_publish_killed_midway_resumes_refuses_other_inputs_and_replaces_a_build(shards, s3_bucket, tmp_path):
+def test_publish_killed_midway_resumes_refuses_other_inputs_and_replaces_a_build(tiny_shards, s3_bucket, tmp_path):
     url = f"{s3_bucket}/tiny"
-    inputs = {"src": "f" * 64, "augment_variants": 0, "seed": 1, "samples_per_shard": 7}
+    inputs = {"src": "f" * 64, "augment_variants": 0, "image_features": "encoded", "seed": 1, "samples_per_shard": 7}
     staging = staging_dir(url, tmp_path / "staging")  # a finished build as `preprocess shards` leaves it
-    shutil.copytree(shards, staging)  # with work/ spills
+    shutil.copytree(tiny_shards, staging)  # with work/ spills
     with outdir.hold(staging):  # and the lock file
         atomic_write_json(staging / outdir.INPUTS, inputs)
     order = upload_order(staging)
     assert "inputs.json" in order and not [p for p in order if p.startswith("work/") or p.endswith(".lock")]
 
-    # The child reports each file and waits for a line before the next one; it is killed after the second.
-    child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from preprocess.remote import publish; "
-         "publish(Path(sys.argv[1]), sys.argv[2], lambda p, a: (print(a, p, flush=True), sys.stdin.readline()))",
-         str(staging), url], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    done = [child.stdout.readline().split()]
-    child.stdin.write("\n")
-    child.stdin.flush()
-    done.append(child.stdout.readline().split())
-    child.send_signal(signal.SIGKILL)
-    assert child.wait(timeout=30) == -signal.SIGKILL
-    assert done == [["uploaded", order[0]], ["uploaded", order[1]]]
+    # killed by SIGKILL after the second file
+    assert upload_then_sigkill("preprocess.remote:publish", staging, url) == [["uploaded", order[0]],
+                                                                              ["uploaded", order[1]]]
     store = ShardStore(url)
     assert store.list() == order[:2] and not published(url, staging)
     assert check(url) == [f"{url}/manifest.json: missing (an unfinished run, or not a shard directory)"]

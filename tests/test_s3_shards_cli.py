@@ -7,8 +7,7 @@ import subprocess
 
 from preprocess.check import check
 from shardformat.storage import MANIFEST, ShardStore
-from tests.conftest import ROOT
-from tests.test_shards import droid_shards, manifest, shards_cmd, tiny_checkpoints  # noqa: F401 (fixtures)
+from tests.conftest import ROOT, manifest, shards_cmd
 
 
 def test_shards_to_s3_equal_the_local_build_and_a_rerun_uploads_nothing(droid_shards, droid_root, tiny_checkpoints,

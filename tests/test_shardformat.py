@@ -1,38 +1,30 @@
 """The shard contract (shardformat): keys, durable writes under real process kills and races, sealed and versioned
 JSON, member offsets and checksums, and `preprocess check` on every way a directory can be damaged."""
 
-import importlib.util
 import json
 import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import zstandard
 
-from preprocess.check import Args, check, run
-from preprocess.write import member_index, shard_done
+from preprocess.check import Args, check, run, tar_samples
+from preprocess.write import shard_done
 from shardformat.files import atomic_write_bytes, atomic_writer
 from shardformat.keys import parse_key, sample_key, window_name
 from shardformat.manifest import FORMAT_VERSION, Manifest, ShardFormatError, write_sealed_json
 from shardformat.members import encode_sample
 from shardformat.shard import ShardRecord, json_path
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("make_synthetic_shards", ROOT / "scripts" / "make_synthetic_shards.py")
-synthetic = sys.modules.setdefault("make_synthetic_shards", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(synthetic)
 
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("contract") / "tiny"
-    synthetic.make_synthetic_shards(out, "tiny", episodes=3, windows_per_episode=3, samples_per_shard=4, seed=2)
-    return out
+@pytest.fixture
+def shards(small_shards) -> Path:
+    """The session's small synthetic shards, read only: tests damage a copy."""
+    return small_shards
 
 
 def damaged(shards: Path, tmp_path: Path) -> Path:
@@ -119,8 +111,11 @@ def test_shard_json_locates_every_member_and_zstd_frames_carry_checksums(shards)
     for entry in Manifest.read(shards).shards:
         path = shards / entry.shard
         record = ShardRecord.read(json_path(path))
-        assert {s.key: [[f"{s.key}.{m.name}", m.offset, m.size] for m in s.members] for s in record.samples} == \
-            member_index(path)
+        headers = {}
+        with open(path, "rb") as f:
+            for _ in tar_samples(f, headers):
+                pass
+        assert {s.key: [[f"{s.key}.{m.name}", m.offset, m.size] for m in s.members] for s in record.samples} == headers
         assert {s.anchor_multiplicity for s in record.samples} <= {1, 2, 3}
     members = encode_sample("droid-e000000-s00000-v0", {"z": __import__("numpy").zeros((64, 64), "float32")}, {},
                             compress="all")

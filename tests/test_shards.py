@@ -14,45 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from preprocess.__main__ import main as preprocess_main
 from preprocess.check import check
-from preprocess.write import iter_tar_samples
 from shardformat.files import sha256_file
 from shardformat.members import decode_members
-from tests.conftest import ROOT
-
-FAST = ["--anchor-stride", "16", "--samples-per-shard", "4", "--episodes-per-unit", "2", "--batch-size", "2"]
-
-
-@pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "ckpt"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_checkpoints.py"), "--out", str(out)],
-                   check=True, capture_output=True)
-    return out
-
-
-def shards_cmd(src: Path, out: Path, dataset: str, tiny: Path, *extra: str, model: str = "5b") -> list[str]:
-    from preprocess.shards import VAE_OF_MODEL, tiny_checkpoint_paths
-
-    paths = tiny_checkpoint_paths(tiny, VAE_OF_MODEL[model])
-    weights = [a for name, p in paths.items() for a in (f"--{name.replace('_', '-')}", str(p))]
-    return [sys.executable, "-m", "preprocess", "shards", "--dataset", dataset, "--src", str(src), "--out", str(out),
-            "--model", model, *weights, *FAST, *extra]
-
-
-def build(*args, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(shards_cmd(*args, **kwargs), cwd=ROOT, capture_output=True, text=True, check=True)
-
-
-def manifest(out: Path) -> dict:
-    return json.loads((out / "manifest.json").read_text())
-
-
-@pytest.fixture(scope="session")
-def droid_shards(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
-    out = tmp_path_factory.mktemp("shards") / "droid"
-    build(droid_root, out, "droid", tiny_checkpoints)
-    return out
+from tests.conftest import ROOT, build, manifest, shard_samples, shards_cmd
 
 
 def test_droid_shards_pass_check_and_hold_the_reference_shapes(droid_shards, droid_root):
@@ -63,7 +29,7 @@ def test_droid_shards_pass_check_and_hold_the_reference_shapes(droid_shards, dro
     assert m["totals"]["samples"] == 6 + 0 + 1 + 3
     assert [s["count"] for s in m["shards"]] == [4, 4, 2]
     assert m["skipped"] == [{"episode": 1, "reason": "shorter than one window (62 rows, a full window needs 97)"}]
-    samples = [s for shard in m["shards"] for s in iter_tar_samples(droid_shards / shard["shard"])]
+    samples = [s for shard in m["shards"] for s in shard_samples(droid_shards / shard["shard"])]
     episodes_in_first_shard = {decode_members(s[1])[0]["episode"] for s in samples[:4]}
     assert len(episodes_in_first_shard) > 1  # mixed across episodes at write time
     meta, tensors = decode_members(samples[0][1])
@@ -85,7 +51,7 @@ def test_libero_layouts_pass_check(layout, dataset, request, tmp_path, tiny_chec
     m = manifest(out)
     # LIBERO lengths 168, 47, 73, 109 -> 96, 0, 1, 37 windows of extent 72; every 16th kept.
     assert m["totals"]["samples"] == 6 + 0 + 1 + 3
-    sample = next(iter_tar_samples(out / m["shards"][0]["shard"]))[1]
+    sample = shard_samples(out / m["shards"][0]["shard"])[0][1]
     _, tensors = decode_members(sample)
     assert tensors["action"].shape == (64, 7) and tensors["state"].shape == (4, 8)
 
@@ -186,15 +152,15 @@ def test_check_finds_corruption(droid_shards, tmp_path):
     assert check(tmp_path / "nowhere") == [f"{tmp_path / 'nowhere' / 'manifest.json'}: missing (an unfinished run, or not a shard directory)"]
 
 
-def test_check_cli_exit_codes(droid_shards, tmp_path):
+def test_check_cli_exit_codes(droid_shards, tmp_path, capsys):
     ok = subprocess.run([sys.executable, "-m", "preprocess", "check", str(droid_shards)], cwd=ROOT,
                         capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.startswith("OK:")
     bad = corrupt_copy(droid_shards, tmp_path / "bad")
     os.remove(bad / manifest(bad)["shards"][1]["shard"])
-    failed = subprocess.run([sys.executable, "-m", "preprocess", "check", str(bad)], cwd=ROOT,
-                            capture_output=True, text=True)
-    assert failed.returncode == 1 and "shard-000001.tar: missing" in failed.stdout
+    with pytest.raises(SystemExit) as failed:  # the CLI's entry point, in this process
+        preprocess_main(["check", str(bad)])
+    assert failed.value.code == 1 and "shard-000001.tar: missing" in capsys.readouterr().out
 
 
 def test_tiny_trainer_runs_on_pipeline_shards(droid_shards, tmp_path):
@@ -210,5 +176,5 @@ def test_tiny_trainer_runs_on_pipeline_shards(droid_shards, tmp_path):
     refused = subprocess.run(run + ["--preset", "droid-5b", "--checkpoint.dir", str(tmp_path / "5b")], cwd=ROOT,
                              capture_output=True, text=True)
     assert refused.returncode != 0
-    assert "does not fit --model.name 5b: text_dim: model 4096, shards 32, image_dim: model 1280, shards 160" in (
+    assert "does not fit --model.name droid-5b: text_dim: model 4096, shards 32, image_dim: model 1280, shards 160" in (
         refused.stdout + refused.stderr)

@@ -17,8 +17,7 @@ from preprocess.__main__ import main
 from preprocess.check import check
 from preprocess.errors import DatasetError
 from preprocess.outdir import INPUTS, LOCK
-from tests.conftest import ROOT
-from tests.test_shards import build, manifest, shards_cmd, tiny_checkpoints  # noqa: F401 (a fixture)
+from tests.conftest import ROOT, build, manifest, shards_cmd
 from tests.test_stats import assert_good_episode_statistics, corrupt_droid
 
 # (extra arguments, the difference the refusal must name); seed: no augmentation, so only the shards differ
@@ -27,6 +26,7 @@ OTHER_INPUTS = {
     "model": (["--model", "5b-wan22"], "--model: 5b -> 5b-wan22"),
     "episodes_per_unit": (["--episodes-per-unit", "3"], "--episodes-per-unit: 2 -> 3"),
     "seed": (["--seed", "1"], "--seed: 0 -> 1"),
+    "vae_compile": (["--vae-compile"], "--vae-compile: False -> True"),  # other latents (compiled kernels round apart)
 }
 
 

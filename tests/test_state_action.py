@@ -7,12 +7,13 @@ import torch
 from preprocess.embodiments import get_embodiment
 from preprocess.errors import DatasetError
 from preprocess.lerobot import LeRobotDataset
-from preprocess.state_action import (
-    MAX_ACTION_DIM, MAX_STATE_DIM, columns_for, model_state_action, slice_keys, window_state_action,
-)
+from preprocess.state_action import columns_for, slice_keys, window_state_action
 from preprocess.stats import build_metadata
 from preprocess.windows import episode_windows
-from shardformat.stats import normalize_q99, pad_with_mask, unnormalize_q99
+from shardformat.stats import normalize_q99, pad_with_mask, stat_vector, unnormalize_q99
+from train.model import DiTConfig
+
+MAX_STATE_DIM, MAX_ACTION_DIM = DiTConfig.max_state_dim, DiTConfig.action_dim
 
 
 def test_normalize_q99_values():
@@ -76,7 +77,13 @@ def test_missing_sub_key_is_a_dataset_error(libero_root):
         slice_keys(episode, ds.modality.state, ("joint_position",))
 
 
-def test_model_state_action_with_dataset_statistics(droid_root):
+def model_view(x: np.ndarray, statistics, modality: str, keys, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the trainer's loader makes of a stored window (train/data.py): q99-normalized and padded, with a mask."""
+    q01, q99 = (stat_vector(statistics, modality, keys, q) for q in ("q01", "q99"))
+    return pad_with_mask(normalize_q99(torch.from_numpy(x), q01, q99), width)
+
+
+def test_model_view_with_dataset_statistics(droid_root):
     emb = get_embodiment("oxe_droid")
     ds = LeRobotDataset(droid_root)
     statistics = build_metadata([droid_root], emb)["oxe_droid"]["statistics"]
@@ -84,7 +91,9 @@ def test_model_state_action_with_dataset_statistics(droid_root):
     window = episode_windows(episode.length, emb.window)[0]
     state, action = window_state_action(slice_keys(episode, ds.modality.state, emb.state_keys),
                                         slice_keys(episode, ds.modality.action, emb.action_keys), window, emb)
-    out = model_state_action(state, action, statistics, emb)
+    out = dict(zip(("state", "state_mask"), model_view(state, statistics, "state", emb.state_keys, MAX_STATE_DIM)))
+    out |= dict(zip(("action", "action_mask"),
+                    model_view(action, statistics, "action", emb.action_keys, MAX_ACTION_DIM)))
     assert out["state"].shape == (4, MAX_STATE_DIM) and out["action"].shape == (96, MAX_ACTION_DIM)
     assert out["state_mask"][:, :8].all() and not out["state_mask"][:, 8:].any()
     assert out["action_mask"].sum() == 96 * 8

@@ -2,9 +2,7 @@
 
 import multiprocessing
 import os
-import signal
-import subprocess
-import sys
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -13,17 +11,14 @@ import pytest
 from preprocess.check import check
 from shardformat.files import sha256_file
 from shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.s3 import upload_then_sigkill
 
 
 @pytest.fixture(scope="module")
-def shard_dir(tmp_path_factory) -> Path:
+def shard_dir(tmp_path_factory, tiny_shards) -> Path:
     """A finished synthetic shard directory (4 shards, text table, statistics, manifest, work/ spills), plus the
     leftovers an interrupted writer may leave: a hidden temporary file and a lock file."""
-    out = tmp_path_factory.mktemp("shards") / "tiny"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_shards.py"), "--out", str(out)],
-                   check=True, capture_output=True)
+    out = Path(shutil.copytree(tiny_shards, tmp_path_factory.mktemp("shards") / "tiny"))
     (out / ".shard-000009.tar.123.0a1b2c3d.tmp").write_bytes(b"partial")
     (out / "finalize.lock").write_text("123")
     return out
@@ -108,18 +103,9 @@ def test_sync_up_killed_midway_leaves_no_manifest_and_resumes(shard_dir, s3_buck
     store.upload(stale, MANIFEST)  # an earlier, different run: its manifest must not outlive the new upload's start
     order = upload_order(shard_dir)
 
-    # The child reports each file and waits for a line before the next one; it is killed after the second tar.
-    child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from shardformat.storage import sync_up; "
-         "sync_up(sys.argv[1], sys.argv[2], lambda p, a: (print(a, p, flush=True), sys.stdin.readline()))",
-         str(shard_dir), url], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    done = [child.stdout.readline().split()]
-    child.stdin.write("\n")
-    child.stdin.flush()
-    done.append(child.stdout.readline().split())
-    child.send_signal(signal.SIGKILL)
-    assert child.wait(timeout=30) == -signal.SIGKILL
-    assert done == [["uploaded", order[0]], ["uploaded", order[1]]]
+    # killed by SIGKILL after the second tar
+    assert upload_then_sigkill("shardformat.storage:sync_up", shard_dir, url) == [["uploaded", order[0]],
+                                                                                  ["uploaded", order[1]]]
     assert store.list() == order[:2] and not store.exists(MANIFEST)
 
     # Objects written by another tool carry no recorded hash: one identical (read back and skipped), one of the

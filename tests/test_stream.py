@@ -12,9 +12,9 @@ import time
 import pytest
 
 from preprocess.check import check
-from tests.conftest import ROOT
-from tests.test_shards import build, droid_shards, manifest, shards_cmd, tiny_checkpoints  # noqa: F401 (fixtures)
+from tests.conftest import ROOT, build, manifest, shards_cmd
 from tests.test_shards_safety import alive, children, wait_for
+
 
 def test_stream_gives_the_bytes_of_the_local_pool(droid_shards, droid_root, tiny_checkpoints, tmp_path):
     # droid_shards was built by the default executor (stream); the local pool with the same torch threads (the

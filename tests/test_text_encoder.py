@@ -4,16 +4,15 @@ import torch
 from preprocess.prompts import clean_text as clean_prompt
 from preprocess.text_encoder import MAX_LENGTH, load_text_encoder
 from preprocess.weights import WeightsError, read_state_dict
-from tests._tiny import tiny_dir  # noqa: F401
 
 PROMPTS = ["Pick up the red cup and put it in the sink.", "put the bowl on the stove",
            "A multi-view video shows that a robot open the drawer The robot open the drawer", "put the bowl on the stove"]
 
 
-def encoders(tiny_dir):
-    tok = tiny_dir / "umt5" / "tokenizer"
-    return (load_text_encoder(tiny_dir / "umt5" / "models_t5_umt5-xxl-enc-bf16.pth", tok),
-            load_text_encoder(tiny_dir / "umt5" / "text_encoder", tok))
+def encoders(tiny_checkpoints):
+    tok = tiny_checkpoints / "umt5" / "tokenizer"
+    return (load_text_encoder(tiny_checkpoints / "umt5" / "models_t5_umt5-xxl-enc-bf16.pth", tok),
+            load_text_encoder(tiny_checkpoints / "umt5" / "text_encoder", tok))
 
 
 def test_clean_prompt():
@@ -21,8 +20,8 @@ def test_clean_prompt():
     assert clean_prompt("caf\u00c3\u00a9 table") == "café table"  # ftfy repairs mojibake
 
 
-def test_tokenize_like_reference(tiny_dir):
-    enc, _ = encoders(tiny_dir)
+def test_tokenize_like_reference(tiny_checkpoints):
+    enc, _ = encoders(tiny_checkpoints)
     ids, mask = enc.tokenize(PROMPTS[:2])
     assert ids.shape == mask.shape == (2, MAX_LENGTH)
     for row, m in zip(ids, mask):
@@ -32,8 +31,8 @@ def test_tokenize_like_reference(tiny_dir):
     assert long_mask.sum() == MAX_LENGTH and long_ids[0, -1] == 1  # truncated, EOS kept
 
 
-def test_formats_shapes_and_batch_invariance(tiny_dir):
-    wan, folder = encoders(tiny_dir)
+def test_formats_shapes_and_batch_invariance(tiny_checkpoints):
+    wan, folder = encoders(tiny_checkpoints)
     out = wan.encode(PROMPTS, batch_size=4)
     _, mask = wan.tokenize(PROMPTS)
     for emb, m in zip(out, mask):
@@ -47,21 +46,21 @@ def test_formats_shapes_and_batch_invariance(tiny_dir):
     assert all(torch.equal(a, b) for a, b in zip(out, wan.encode(PROMPTS, batch_size=4)))  # deterministic
 
 
-def test_encode_unique(tiny_dir):
-    wan, _ = encoders(tiny_dir)
+def test_encode_unique(tiny_checkpoints):
+    wan, _ = encoders(tiny_checkpoints)
     unique, embs, index = wan.encode_unique(PROMPTS)
     assert unique == PROMPTS[:3] and index == [0, 1, 2, 1] and len(embs) == 3
 
 
-def test_strict_errors(tiny_dir, tmp_path):
-    tok = tiny_dir / "umt5" / "tokenizer"
-    state = read_state_dict(tiny_dir / "umt5" / "models_t5_umt5-xxl-enc-bf16.pth")
+def test_strict_errors(tiny_checkpoints, tmp_path):
+    tok = tiny_checkpoints / "umt5" / "tokenizer"
+    state = read_state_dict(tiny_checkpoints / "umt5" / "models_t5_umt5-xxl-enc-bf16.pth")
     del state["blocks.1.ffn.fc2.weight"]
     torch.save(state, tmp_path / "t5.pth")
     with pytest.raises(WeightsError) as err:
         load_text_encoder(tmp_path / "t5.pth", tok)
     assert str(err.value) == f"{tmp_path / 't5.pth'}: missing keys: blocks.1.ffn.fc2.weight"
     with pytest.raises(WeightsError, match="this file is a open-clip xlm-roberta ViT-H/14, Wan layout, but the text encoder"):
-        load_text_encoder(tiny_dir / "clip" / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth", tok)
+        load_text_encoder(tiny_checkpoints / "clip" / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth", tok)
     with pytest.raises(WeightsError, match="not a tokenizer folder"):
-        load_text_encoder(tiny_dir / "umt5" / "text_encoder", tmp_path)
+        load_text_encoder(tiny_checkpoints / "umt5" / "text_encoder", tmp_path)

@@ -1,7 +1,6 @@
 """Trainer data path on synthetic shards written by the project's writer: order, weights, equal shares, resume,
 verified reads, decoding."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,20 +11,17 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from preprocess import synthetic
 from preprocess.check import check
-from shardformat.stats import normalize_q99, pad_with_mask
-from train.config import DataConfig
 from shardformat.keys import parse_key
 from shardformat.manifest import ShardFormatError
 from shardformat.shard import ShardRecord, json_path
-from train.data import (ShardIndex, ShardLoader, SampleReader, batch_positions, batches_per_epoch, collate,
-                        epoch_order)
+from shardformat.stats import normalize_q99, pad_with_mask
+from train.config import DataConfig
+from train.data import SampleReader, ShardIndex, ShardLoader, batch_positions, batches_per_epoch, collate, epoch_order
 from train.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("make_synthetic_shards", ROOT / "scripts" / "make_synthetic_shards.py")
-synthetic = sys.modules.setdefault("make_synthetic_shards", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(synthetic)
 
 TINY = preset("tiny")
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train_data import synthetic
 from train.checkpoint import complete_checkpoints
 from train.config import OptimConfig
 from train.model import build_model
@@ -30,13 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("train_shards") / "tiny"
-    synthetic.make_synthetic_shards(out, "tiny", episodes=5, windows_per_episode=5, samples_per_shard=7, seed=1)
-    return out
-
-
 def _command(shards: Path | None, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             str(ROOT / "train" / "main.py"), "--preset", "tiny", *(["--data.shards", str(shards)] if shards else []),
@@ -46,7 +38,7 @@ def _command(shards: Path | None, run_dir: Path) -> list[str]:
 
 
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -63,9 +55,9 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def full_run(shards, tmp_path_factory) -> Path:
+def full_run(tiny_shards, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("run_full")
-    subprocess.run(_command(shards, run_dir), check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=600)
+    subprocess.run(_command(tiny_shards, run_dir), check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=600)
     return run_dir
 
 
@@ -136,10 +128,10 @@ def _alive(pids: set[int]) -> set[int]:
     return alive
 
 
-def test_sigterm_sigkill_and_resume_reproduce_the_losses(shards, full_run, tmp_path):
+def test_sigterm_sigkill_and_resume_reproduce_the_losses(tiny_shards, full_run, tmp_path):
     run_dir = tmp_path / "run"
     # SIGTERM to torchrun (as a scheduler sends before preemption): both ranks save the step they are at, exit cleanly
-    proc = _start(shards, run_dir)
+    proc = _start(tiny_shards, run_dir)
     _wait_for_step(proc, run_dir, 10)
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=120)
@@ -149,7 +141,7 @@ def test_sigterm_sigkill_and_resume_reproduce_the_losses(shards, full_run, tmp_p
     assert [(s["preempted"], s["last_step"]) for s in summaries] == [(True, preempted_at)] * 2
 
     # SIGKILL to torchrun only: its ranks (own sessions) must die with it, loader workers after them
-    proc = _start(shards, run_dir)
+    proc = _start(tiny_shards, run_dir)
     _wait_for_step(proc, run_dir, 18)
     workers = _descendants(proc.pid)
     assert len(workers) >= 2
@@ -161,13 +153,13 @@ def test_sigterm_sigkill_and_resume_reproduce_the_losses(shards, full_run, tmp_p
     assert not _alive(workers), "processes of the killed run still running"
     assert complete_checkpoints(run_dir)[-1][0] == 16 and max(_losses(run_dir)) > 16
 
-    subprocess.run(_command(shards, run_dir), check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=600)
+    subprocess.run(_command(tiny_shards, run_dir), check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=600)
     assert [(r["step"], r["loss"]) for r in _rows(run_dir)] == [(r["step"], r["loss"]) for r in _rows(full_run)]
 
 
-def test_resume_with_more_steps_continues_the_cosine_without_warmup(shards, full_run, tmp_path):
+def test_resume_with_more_steps_continues_the_cosine_without_warmup(tiny_shards, full_run, tmp_path):
     """Also without --data.shards: the trainer reads `make shards`' output, shards/droid of the working directory."""
-    shutil.copytree(shards, tmp_path / "shards" / "droid")
+    shutil.copytree(tiny_shards, tmp_path / "shards" / "droid")
     run_dir = tmp_path / "run"
     shutil.copytree(full_run, run_dir)
     cmd = _command(None, run_dir) + ["--steps", "40", "--stop-after", "2"]

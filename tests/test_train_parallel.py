@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from tests.conftest import tiny_model
 from train import checkpoint
 from train.config import CheckpointConfig, OptimConfig, ParallelConfig
 from train.loss import FlowMatchScheduler, flow_matching_loss
@@ -25,14 +26,6 @@ def process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _model():
-    torch.manual_seed(0)
-    model = build_model("tiny")
-    with torch.no_grad():
-        model.head.head.weight.normal_(0, 0.02)  # the reference zero-inits the head; give gradients a path
-    return model
-
-
 def _loss_and_grads(model):
     batch = random_batch(model.cfg, 2, (9, 4, 4), generator=torch.Generator().manual_seed(1))
     loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), generator=torch.Generator().manual_seed(2))
@@ -42,8 +35,8 @@ def _loss_and_grads(model):
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_names_loss_and_grads(mode):
-    ref_loss, ref_grads = _loss_and_grads(_model())
-    model = _model()
+    ref_loss, ref_grads = _loss_and_grads(tiny_model())
+    model = tiny_model()
     apply_ac(model, mode)
     assert set(model.state_dict()) == set(build_model("tiny").state_dict())  # official names survive the wrapper
     loss, grads = _loss_and_grads(model)
@@ -60,8 +53,8 @@ def test_partial_recompute_wraps_evenly_spread_blocks_and_keeps_grads():
     assert ac_block_indices(30, 0) == [] and ac_block_indices(4, 9) == [0, 1, 2, 3]
     assert recomputed_blocks("full", 25, 40) == 25
     assert recomputed_blocks("selective", -1, 40) == 0
-    ref_loss, ref_grads = _loss_and_grads(_model())
-    model = _model()
+    ref_loss, ref_grads = _loss_and_grads(tiny_model())
+    model = tiny_model()
     apply_ac(model, "full", ac_blocks=1)
     wrapped = [type(b).__name__ for b in model.blocks]
     assert wrapped.count("CheckpointWrapper") == 1 and wrapped[0] == "CheckpointWrapper"
@@ -72,8 +65,8 @@ def test_partial_recompute_wraps_evenly_spread_blocks_and_keeps_grads():
 
 
 def test_full_recompute_on_some_blocks_and_selective_on_the_others_keeps_grads():
-    ref_loss, ref_grads = _loss_and_grads(_model())
-    model = _model()
+    ref_loss, ref_grads = _loss_and_grads(tiny_model())
+    model = tiny_model()
     apply_ac(model, "full", ac_blocks=1, others="selective")
     # every block wrapped; only block 0 without the selective policy (full recompute)
     assert all(type(b).__name__ == "CheckpointWrapper" for b in model.blocks)
@@ -84,11 +77,11 @@ def test_full_recompute_on_some_blocks_and_selective_on_the_others_keeps_grads()
     for k, g in grads.items():
         torch.testing.assert_close(g, ref_grads[k.replace("._checkpoint_wrapped_module", "")], msg=k)
     with pytest.raises(ValueError, match="none or selective"):
-        apply_ac(_model(), "full", ac_blocks=1, others="full")
+        apply_ac(tiny_model(), "full", ac_blocks=1, others="full")
 
 
 def test_fsdp_mixed_precision_trains_with_fp32_masters_and_official_names(tmp_path):
-    model = _model()
+    model = tiny_model()
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     parallelize(model, ParallelConfig(param_dtype="bfloat16", activation_checkpoint="full"))
     assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -18,16 +18,18 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from preprocess import synthetic
 from shardformat.members import checksum, npy_bytes
 from shardformat.shard import ShardRecord, json_path
-from tests.test_train_main import ROOT, _command, _env, _rows, synthetic
+from tests.conftest import tiny_model
+from tests.test_train_main import ROOT, _command, _env, _rows
 from train import checkpoint
 from train.config import CheckpointConfig, OptimConfig, ParallelConfig, parse_args
 from train.data import ShardLoader
 from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.main import model_config
 from train.metrics import MetricsLogger
-from train.model import build_model, random_batch
+from train.model import random_batch
 from train.optim import build_optimizer
 from train.parallel import parallelize
 
@@ -106,10 +108,7 @@ def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
 
 
 def _trained_model(**overrides):
-    torch.manual_seed(0)
-    model = build_model("tiny", **overrides)
-    with torch.no_grad():
-        model.head.head.weight.normal_(0, 0.02)  # the reference zero-inits the head; give gradients a path
+    model = tiny_model(**overrides)
     parallelize(model, ParallelConfig(param_dtype="float32"))
     optimizer = build_optimizer(model, OptimConfig(lr=1e-3), torch.device("cpu"))
     batch = random_batch(model.cfg, 2, (9, 4, 4), generator=torch.Generator().manual_seed(1))

@@ -3,7 +3,6 @@ import torch
 
 from preprocess.vae import VARIANTS, load_vae
 from preprocess.weights import WeightsError, read_state_dict
-from tests._tiny import tiny_dir  # noqa: F401
 
 FILES = {"wan2.1": "wan2.1/Wan2.1_VAE.pth", "wan2.2": "wan2.2/Wan2.2_VAE.pth"}
 
@@ -13,9 +12,9 @@ def clip(b=2, t=9, h=16, w=32, seed=0):
 
 
 @pytest.mark.parametrize("variant,channels,factor", [("wan2.1", 16, 8), ("wan2.2", 48, 16)])
-def test_both_formats_same_latents(tiny_dir, variant, channels, factor):
-    pth = load_vae(tiny_dir / FILES[variant], variant)
-    folder = load_vae(tiny_dir / variant / "vae", variant)
+def test_both_formats_same_latents(tiny_checkpoints, variant, channels, factor):
+    pth = load_vae(tiny_checkpoints / FILES[variant], variant)
+    folder = load_vae(tiny_checkpoints / variant / "vae", variant)
     assert pth.info.variant == folder.info.variant == variant and pth.info.spatial == factor
     x = clip(b=1, t=33)  # DreamZero's clip length: 33 frames -> 9 latent frames
     z = pth.encode(x)
@@ -26,8 +25,8 @@ def test_both_formats_same_latents(tiny_dir, variant, channels, factor):
 
 
 @pytest.mark.parametrize("variant", ["wan2.1", "wan2.2"])
-def test_normalization_and_batch_invariance(tiny_dir, variant):
-    vae = load_vae(tiny_dir / FILES[variant], variant)
+def test_normalization_and_batch_invariance(tiny_checkpoints, variant):
+    vae = load_vae(tiny_checkpoints / FILES[variant], variant)
     x = clip(b=3)
     z = vae.encode(x)
     one = torch.cat([vae.encode(x[i:i + 1]) for i in range(3)])
@@ -40,8 +39,8 @@ def test_normalization_and_batch_invariance(tiny_dir, variant):
 
 
 @pytest.mark.parametrize("variant,channels", [("wan2.1", 16), ("wan2.2", 48)])
-def test_first_frame_y(tiny_dir, variant, channels):
-    vae = load_vae(tiny_dir / FILES[variant], variant)
+def test_first_frame_y(tiny_checkpoints, variant, channels):
+    vae = load_vae(tiny_checkpoints / FILES[variant], variant)
     x = clip(b=2)
     y = vae.encode_first_frame(x[:, :, 0], num_frames=9)
     s = vae.info.spatial
@@ -53,19 +52,19 @@ def test_first_frame_y(tiny_dir, variant, channels):
     torch.testing.assert_close(y[:, 4:, 0].float(), vae.encode(x)[:, :, 0].float(), atol=0.05, rtol=0.02)
 
 
-def test_wrong_variant_is_recognized(tiny_dir):
+def test_wrong_variant_is_recognized(tiny_checkpoints):
     with pytest.raises(WeightsError) as err:
-        load_vae(tiny_dir / FILES["wan2.1"], "wan2.2")
-    assert str(err.value) == (f"{tiny_dir / FILES['wan2.1']}: this is a Wan2.1 VAE (16 latent channels, 8x), "
+        load_vae(tiny_checkpoints / FILES["wan2.1"], "wan2.2")
+    assert str(err.value) == (f"{tiny_checkpoints / FILES['wan2.1']}: this is a Wan2.1 VAE (16 latent channels, 8x), "
                               "but a Wan2.2 VAE38 (48 latent channels, 16x) was asked for")
     with pytest.raises(WeightsError, match="this is a Wan2.2 VAE38 .* but a Wan2.1 VAE"):
-        load_vae(tiny_dir / "wan2.2" / "vae", "wan2.1")
+        load_vae(tiny_checkpoints / "wan2.2" / "vae", "wan2.1")
     with pytest.raises(WeightsError, match="this file is a umT5 encoder, Wan layout .* but the VAE needs"):
-        load_vae(tiny_dir / "umt5" / "models_t5_umt5-xxl-enc-bf16.pth")
+        load_vae(tiny_checkpoints / "umt5" / "models_t5_umt5-xxl-enc-bf16.pth")
 
 
-def test_missing_unexpected_and_misshaped_keys(tiny_dir, tmp_path):
-    state = read_state_dict(tiny_dir / FILES["wan2.1"])
+def test_missing_unexpected_and_misshaped_keys(tiny_checkpoints, tmp_path):
+    state = read_state_dict(tiny_checkpoints / FILES["wan2.1"])
     bad = dict(state)
     del bad["encoder.middle.1.proj.bias"]
     bad["encoder.extra.weight"] = torch.zeros(1)

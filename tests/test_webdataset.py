@@ -1,10 +1,8 @@
 """The shards read with the real `webdataset` and `wids` packages through `shardformat.webdataset_decoder` give
 exactly the tensors and text embeddings the trainer's SampleReader gives for the same keys."""
 
-import importlib.util
 import pickle
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +11,7 @@ import torch
 import webdataset as wds
 import wids
 
+from preprocess import synthetic
 from shardformat import ShardFormatError, webdataset_decoder
 from shardformat.manifest import Manifest
 from shardformat.shard import ShardRecord, json_path
@@ -20,9 +19,6 @@ from train.data import SampleReader, ShardIndex
 from train.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("make_synthetic_shards", ROOT / "scripts" / "make_synthetic_shards.py")
-synthetic = sys.modules.setdefault("make_synthetic_shards", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(synthetic)
 
 
 @pytest.fixture(scope="module")

@@ -5,21 +5,20 @@ import torch
 from safetensors.torch import save_file
 
 from preprocess.weights import WeightsError, check_keys, expect_kind, read_state_dict, recognize
-from tests._tiny import tiny_dir  # noqa: F401
 
 
-def test_read_formats(tmp_path, tiny_dir):
+def test_read_formats(tmp_path, tiny_checkpoints):
     state = {"a.weight": torch.ones(2, 3), "b": torch.zeros(4)}
     torch.save({"state_dict": state}, tmp_path / "x.pth")
     save_file(state, str(tmp_path / "x.safetensors"))
     for f in ("x.pth", "x.safetensors"):
         got = read_state_dict(tmp_path / f)
         assert set(got) == set(state) and torch.equal(got["a.weight"], state["a.weight"])
-    sharded = read_state_dict(tiny_dir / "umt5" / "text_encoder")  # via model.safetensors.index.json
+    sharded = read_state_dict(tiny_checkpoints / "umt5" / "text_encoder")  # via model.safetensors.index.json
     assert "encoder.final_layer_norm.weight" in sharded and "shared.weight" in sharded
 
 
-def test_recognize_every_tiny_file(tiny_dir):
+def test_recognize_every_tiny_file(tiny_checkpoints):
     kinds = {
         "wan2.1/Wan2.1_VAE.pth": "wan2.1-vae", "wan2.2/Wan2.2_VAE.pth": "wan2.2-vae",
         "wan2.1/vae": "diffusers-vae", "wan2.2/vae": "diffusers-vae",
@@ -27,7 +26,7 @@ def test_recognize_every_tiny_file(tiny_dir):
         "clip/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth": "wan-clip", "clip/image_encoder": "hf-clip-vision",
     }
     for rel, kind in kinds.items():
-        assert recognize(read_state_dict(tiny_dir / rel)) == kind, rel
+        assert recognize(read_state_dict(tiny_checkpoints / rel)) == kind, rel
 
 
 def test_check_keys_message():
@@ -39,8 +38,8 @@ def test_check_keys_message():
     check_keys("/w/model.pth", {"a": torch.zeros(2)}, {"a": torch.Size([2]), "t": torch.Size([1])}, {"t"})
 
 
-def test_wrong_kind_and_bad_files(tmp_path, tiny_dir):
-    state = read_state_dict(tiny_dir / "wan2.1" / "Wan2.1_VAE.pth")
+def test_wrong_kind_and_bad_files(tmp_path, tiny_checkpoints):
+    state = read_state_dict(tiny_checkpoints / "wan2.1" / "Wan2.1_VAE.pth")
     with pytest.raises(WeightsError, match="this file is a Wan2.1 VAE .* but the text encoder needs a umT5"):
         expect_kind("f.pth", state, ("wan-umt5",), "text encoder")
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")

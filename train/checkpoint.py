@@ -1,6 +1,7 @@
 """Distributed checkpoints (torch.distributed.checkpoint) and the consolidated weight export.
 
-    <dir>/step-000120/   .metadata (written last by DCP: present = complete), *.distcp (model + optimizer shards),
+    <dir>/step-000120/   .metadata (written last by DCP: present = complete), *.distcp (trainable parameters +
+                         optimizer shards; a LoRA run's frozen base is rebuilt from --model.init-from),
                          rank-00000.json + .safetensors ... (per rank: step, model config, data position, RNG
                          state; written first)
     <dir>/export/        model.safetensors (+ index when sharded), official key names; with --checkpoint.export-base
@@ -32,12 +33,16 @@ from safetensors.torch import load_file, save as safetensors_bytes
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from train.config import CheckpointConfig
+from train.lora import lora_fields
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+# Frozen parameters (a LoRA run's base DiT) are not saved: the run rebuilds them from its seed or --model.init-from.
+# Loading is then not strict about them; dcp.load itself still requires every saved (trainable) key.
+TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 class RunError(SystemExit):
@@ -82,8 +87,8 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def model_fields(model: nn.Module) -> dict:
-    """The model config as JSON data (what a checkpoint records and a resume must match)."""
-    return json.loads(json.dumps(asdict(model.cfg), default=str))
+    """The model config and its LoRA settings as JSON data (what a checkpoint records and a resume must match)."""
+    return json.loads(json.dumps(asdict(model.cfg) | lora_fields(model), default=str))
 
 
 def save(cfg: CheckpointConfig, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
@@ -100,7 +105,7 @@ def save(cfg: CheckpointConfig, step: int, model: nn.Module, optimizer: torch.op
     data = {k: v for k, v in extra.items() if k not in tensors} | {"model": model_fields(model)}
     _atomic_write(path / f"rank-{rank:05d}.safetensors", safetensors_bytes(tensors))
     _atomic_write(path / f"rank-{rank:05d}.json", (json.dumps(data, indent=1) + "\n").encode())
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))  # .metadata last, after a gather
     if rank == 0:
         for _, old in complete_checkpoints(cfg.dir)[: -cfg.keep_last]:
@@ -124,18 +129,19 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     state = json.loads(source.read_text()) | load_file(source.with_suffix(".safetensors"))
     current = model_fields(model)
     if state["model"] != current:
-        diff = ", ".join(f"{k}: checkpoint {state['model'].get(k)}, this run {v}" for k, v in current.items()
-                         if state["model"].get(k) != v)
-        raise RunError(f"{path}: a checkpoint of another model ({diff}); resume with the model flags it was "
-                       f"trained with, or start a new --checkpoint.dir")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+        diff = ", ".join(f"{k}: checkpoint {state['model'].get(k)}, this run {current.get(k)}"
+                         for k in {**state["model"], **current} if state["model"].get(k) != current.get(k))
+        raise RunError(f"{path}: a checkpoint of another model ({diff}); resume with the model and --lora flags "
+                       f"it was trained with, or start a new --checkpoint.dir")
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
     sd = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(sd, storage_reader=_DataOnlyReader(path), planner=_DataOnlyPlanner())
     except CheckpointException as e:  # a rank's failure, e.g. a non-data pickle refused by _DataOnlyPlanner
         cause = next(iter(e.failures.values()), (e,))[0]
         raise RunError(f"{path}: refusing to load: {_first_line(cause)}") from None
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                   options=TRAINABLE_ONLY)
     state["same_rank"] = source == own
     return state
 
@@ -192,11 +198,14 @@ class _DataOnlyPlanner(DefaultLoadPlanner):
 def export(cfg: CheckpointConfig, model: nn.Module, out: Path | None = None, metadata: dict | None = None,
            shards: Path | None = None) -> Path:
     """Collective: the final weights in `out` (default <dir>/export): with `cfg.export_base`, an eval-ready DreamZero
-    checkpoint folder carrying the statistics of `shards`; else plain safetensors, official key names."""
-    from train.export import export_official, export_weights
+    checkpoint folder carrying the statistics of `shards`; else plain safetensors, official key names. A LoRA model
+    exports merged weights, or with `cfg.export_lora` lora-only its trained tensors under PEFT names."""
+    from train.export import export_lora_only, export_official, export_weights
 
     out = Path(out or Path(cfg.dir) / "export")
     dtype = getattr(torch, cfg.export_dtype)
+    if cfg.export_lora == "lora-only":
+        return export_lora_only(model, out, cfg.export_base, shards, dtype=dtype, metadata=metadata)
     if cfg.export_base is not None:
         return export_official(model, out, cfg.export_base, shards, dtype=dtype, metadata=metadata)
     return export_weights(model, out, prefix=cfg.export_prefix, dtype=dtype, metadata=metadata)

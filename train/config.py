@@ -1,8 +1,11 @@
-"""Trainer configuration: nested tyro dataclasses and the named presets.
+"""Trainer configuration: nested tyro dataclasses and the named presets (the recipes in configs/).
 
     torchrun --nproc-per-node=8 train/main.py --preset libero-5b --data.shards shards/libero --optim.lr 2e-5
+    torchrun --nproc-per-node=8 train/main.py --config checkpoints/libero-5b/config.yaml --checkpoint.dir again
 
-`--preset` picks the defaults (the `PRESETS` table); every other flag overrides one field. `--help` lists them all.
+`--preset` picks the defaults (configs/<preset>.yaml, section train); `--config FILE` overrides them with a file's
+train section (a run directory's config.yaml reproduces that run); every other flag overrides one field on top.
+`--help` lists them all.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ from typing import Literal
 import torch
 import tyro
 
+import configs
+from train.lora import LoRAConfig
 from train.loss import LossConfig
+from train.model import RENAMED
+
+RecipeName = Literal[tuple(configs.names())]  # type: ignore[valid-type]
 
 
 @dataclass
@@ -59,8 +67,8 @@ class DataConfig:
 class ModelConfig:
     """The DiT (train/model.py)."""
 
-    name: Literal["tiny", "5b", "5b-libero", "14b"] = "tiny"
-    """DiT preset of train/model.py."""
+    name: RecipeName = "tiny"
+    """DiT shape: the recipe's of this name (configs/<name>.yaml, section dit; train/model.py PRESETS)."""
     num_layers: int = 0
     """Override the preset's block count (0 = the preset's): a shallower real-width model for debugging and
     benchmarks on fewer GPUs. Weights from --model.init-from must match."""
@@ -68,6 +76,10 @@ class ModelConfig:
     """Weights to start from (DreamZero checkpoint folder, Wan base or our export; train/weights.py); each rank
     reads only its own shard's rows. None = random init (the references start from a Wan base or a DreamZero
     checkpoint: docs/DIFFERENCES.md)."""
+    image_encoder: Path | None = None
+    """The CLIP ViT-H/14 weights the shards were built with (the same file: Wan's open-clip .pth or a Diffusers
+    image_encoder/ folder), needed when they hold CLIP's input pixels (preprocess --image-features pixels): each rank
+    then runs the frozen CLIP on its micro-batches, in the shards' encoder dtype."""
     init_device: Literal["cpu", "meta"] = "cpu"
     """cpu: build and init the full model on every rank (identical init from the seed), then shard;
     meta: build on the meta device, shard, then init (or load --model.init-from) on the GPU shards (large models)."""
@@ -172,6 +184,10 @@ class CheckpointConfig:
     """Official DreamZero checkpoint folder the run started from (config.json, experiment_cfg/conf.yaml, weights;
     for a Wan-base start the first two alone): the export becomes an eval-ready folder in its layout with the
     shards' statistics (train/export.py, docs/EVALUATION.md); checked at start-up. None = plain weights."""
+    export_lora: Literal["merged", "lora-only"] = "merged"
+    """A LoRA run's export: merged = plain weights with W + (alpha/rank) B@A folded in (eval-ready as a full
+    fine-tune); lora-only = the adapters and the trained encoder/decoder under PEFT names, for the official
+    load_lora on the Wan base the run started from (docs/EVALUATION.md)."""
 
 
 @dataclass
@@ -194,8 +210,12 @@ class MetricsConfig:
 class Config:
     """Lean FSDP2 trainer for DreamZero-style DiTs on precomputed shards."""
 
-    preset: Literal["tiny", "libero-5b", "droid-5b", "droid-14b"] = "tiny"
-    """Named defaults for everything below (given flags override them)."""
+    preset: RecipeName = "tiny"
+    """Recipe whose defaults everything below starts from (configs/<preset>.yaml, section train); default: the
+    --config file's preset, else tiny."""
+    config: str | None = None
+    """Recipe name or YAML file whose train section overrides the preset (a run directory's config.yaml
+    reproduces that run); flags override it in turn."""
     steps: int = 1000
     """Optimizer steps to train for."""
     seed: int = 0
@@ -209,35 +229,17 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 AUTO_MICRO = 0  # --data.micro-batch-size 0: resolved with the recompute mode (resolve_auto)
 
 
-def _preset(name: str, model: str, micro: int, global_batch: int, steps: int, lr: float, warmup_ratio: float,
-            ac: str, compile: bool, init_device: str, interval: int, workers: int, **top) -> Config:
-    return Config(
-        preset=name, steps=steps, **top,
-        data=DataConfig(micro_batch_size=micro, num_workers=workers),
-        model=ModelConfig(name=model, init_device=init_device),
-        optim=OptimConfig(lr=lr, warmup_ratio=warmup_ratio),
-        # an auto preset leaves resharding to resolve_auto too
-        parallel=ParallelConfig(global_batch_size=global_batch, activation_checkpoint=ac, compile=compile,
-                                reshard_after_forward=None if ac == "auto" else True),
-        checkpoint=CheckpointConfig(dir=Path(f"checkpoints/{name}"), interval=interval),
-    )
-
-
-PRESETS: dict[str, Config] = {
-    # CPU demo / tests: tiny DiT, high lr so the loss visibly falls within a few dozen steps
-    "tiny": _preset("tiny", "tiny", 2, 0, 40, 1e-2, 0.05, "none", False, "cpu", 20, 1),
-    # RLinf's 5B LIBERO recipe: global 256, 50k steps, warmup 5 % (32/GPU with full recompute: RECIPES)
-    "libero-5b": _preset("libero-5b", "5b-libero", AUTO_MICRO, 256, 50_000, 1e-5, 0.05, "auto", True, "meta", 500, 4),
-    # 5B DROID (RLinf target 176x320): global 256, warmup 5 % as both references' 5B recipes
-    "droid-5b": _preset("droid-5b", "5b", AUTO_MICRO, 256, 50_000, 1e-5, 0.05, "auto", True, "meta", 500, 4),
-    # 14B DROID: 1/GPU, global 8, 2000 steps, warmup 1 %
-    "droid-14b": _preset("droid-14b", "14b", AUTO_MICRO, 8, 2_000, 1e-5, 0.01, "auto", True, "meta", 200, 4),
-}
+def recipe_config(name: str) -> Config:
+    """The preset `name`: the defaults above with its recipe's train section (configs/<name>.yaml)."""
+    base = Config(preset=name, model=ModelConfig(name=name),
+                  checkpoint=CheckpointConfig(dir=Path("checkpoints") / name))
+    return configs.apply(base, configs.section(configs.recipe(name), "train", name), f"configs/{name}.yaml: train")
 
 
 @dataclass(frozen=True)
@@ -265,23 +267,40 @@ class Measured:
     evidence: str
 
 
-# Fastest first. H100 80 GB cards report ~79 GiB, H200s ~140 GiB.
-MEASURED = [
-    Measured("libero-5b", 4, 75, Throughput("selective", 8, False),
-             "14.07 samples/s/GPU at 71 GiB on 4 H100, against 13.00 with the recipe's full recompute"),
-    Measured("libero-5b", 1, 135, Throughput("selective", 8, False), "14.6-15.0 samples/s at 117.5 GiB on 1 H200"),
-    Measured("droid-14b", 4, 135, Throughput("full", 1, True),
-             "0.255 samples/s/GPU at 126 GiB on 4 H200; selective recompute runs out of memory"),
-]
-# Where nothing was measured, and on CPU: the preset's batch recipe with full recompute, the safest (tiny: none).
-RECIPES = {"tiny": Throughput("none", 2, True), "libero-5b": Throughput("full", 32, True),
-           "droid-5b": Throughput("full", 32, True), "droid-14b": Throughput("full", 1, True)}
+def _measured(name: str, entry: dict) -> Measured:
+    return Measured(name, entry["min_gpus"], entry["min_gib"],
+                    Throughput(entry["ac"], entry["micro"], entry["reshard"]), entry["evidence"])
+
+
+# Per recipe (configs/<name>.yaml, section throughput): the measured settings, fastest first, and the fallback
+# where nothing measured fits, and on CPU: the preset's batch recipe with full recompute, the safest (tiny: none).
+_THROUGHPUT = {name: configs.section(configs.recipe(name), "throughput", name) for name in configs.names()}
+MEASURED = [_measured(name, entry) for name, table in _THROUGHPUT.items() for entry in table.get("measured", [])]
+RECIPES = {name: Throughput(**table["recipe"]) for name, table in _THROUGHPUT.items()}
+PRESETS = {name: recipe_config(name) for name in configs.names()}
 
 
 def preset_config(name: str) -> Config:
     if name not in PRESETS:
         raise SystemExit(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return copy.deepcopy(PRESETS[name])
+
+
+def file_config(name_or_file: str, preset: str | None = None) -> Config:
+    """The train section of a recipe or config file over the defaults of `preset`, else of the file's own preset
+    (a recipe file: its name; else tiny). A run's older flat config.json is its train section as a whole."""
+    path = configs.path_of(name_or_file)
+    data = configs.read(path)
+    if "train" not in data and "preset" not in data:
+        raise SystemExit(f"{path}: no train section")
+    train = configs.section(data, "train", path) if "train" in data else data
+    own = path.stem if path.parent.resolve() == configs.DIR else "tiny"
+    return configs.apply(preset_config(preset or train.get("preset") or own), train, f"{path}: train")
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write `cfg` as a config file that --config reads back into the same Config."""
+    configs.write(path, {"train": configs.plain(cfg)}, f"torchrun train/main.py --config {path}: this run's settings")
 
 
 def _fitting_micro(micro: int, global_batch: int, world_size: int) -> int:
@@ -372,6 +391,13 @@ def validate(cfg: Config) -> None:
         ("--metrics.interval", m.interval, m.interval >= 1, ">= 1"),
         ("--metrics.profile-start", m.profile_start, m.profile_start >= 0, ">= 0"),
         ("--metrics.profile-steps", m.profile_steps, m.profile_steps >= 0, ">= 0"),
+        ("--lora.rank", cfg.lora.rank, cfg.lora.rank >= 0, ">= 0"),
+        ("--lora.alpha", cfg.lora.alpha, cfg.lora.alpha > 0, "> 0"),
+        ("--lora.targets", cfg.lora.targets, bool(cfg.lora.suffixes()), "at least one module-name suffix"),
+        ("--parallel.float8", p.float8, p.float8 == "none" or not cfg.lora.rank,
+         "none with --lora.rank > 0: float8 swaps out the adapted linears"),
+        ("--checkpoint.export-lora", c.export_lora, c.export_lora == "merged" or cfg.lora.rank > 0,
+         "merged without --lora.rank"),
     ]
     bad = [f"{flag} {value} (must be {need})" for flag, value, ok, need in rules if not ok]
     if bad:
@@ -379,16 +405,15 @@ def validate(cfg: Config) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    """`--preset NAME` selects the defaults, then tyro parses every flag on top of them; without --data.shards the
-    trainer reads `make shards`' output, shards/droid. Invalid settings exit with one line."""
+    """The preset's defaults, then --config's train section, then every flag on top (tyro); without --data.shards
+    the trainer reads `make shards`' output, shards/droid. Invalid settings exit with one line."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    name = "tiny"
-    for i, arg in enumerate(argv):
-        if arg == "--preset" and i + 1 < len(argv):
-            name = argv[i + 1]
-        elif arg.startswith("--preset="):
-            name = arg.split("=", 1)[1]
-    cfg = tyro.cli(Config, default=preset_config(name), args=argv, description=__doc__)
+    old = configs.flag_value(argv, "--model.name")
+    if old in RENAMED:
+        raise SystemExit(f"--model.name {old} is now called {RENAMED[old]} (the recipe of that DiT)")
+    preset, file = configs.flag_value(argv, "--preset"), configs.flag_value(argv, "--config")
+    default = file_config(file, preset) if file else preset_config(preset or "tiny")
+    cfg = tyro.cli(Config, default=default, args=argv, description=__doc__)
     if cfg.data.shards is None:
         cfg.data.shards = default_shards()
     validate(cfg)

@@ -43,7 +43,8 @@ from shardformat.text import TextTable
 from train.config import DataConfig
 from train.model import DiTConfig, compact_text, compact_text_rows, pad_text
 
-BATCH_KEYS = ("latents", "clip", "text", "state", "actions", "action_mask", "has_real_action")  # + text_lengths
+# + text_lengths; clip_pixels in place of clip when the shards hold CLIP's input (the trainer runs CLIP on it)
+BATCH_KEYS = ("latents", "clip", "text", "state", "actions", "action_mask", "has_real_action")
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,8 @@ def batch_positions(epoch_length: int, g: int, rank: int, world_size: int, micro
 
 def data_dims(root: str | os.PathLike) -> dict:
     """The DiTConfig fields a shard directory fixes: latent channels (+ y), tokens per latent frame, actions per block,
-    text and CLIP widths, longest prompt. The tiny preset takes them from the data; real presets are checked."""
+    text and CLIP widths, longest prompt. The tiny preset takes them from the data; real presets are checked. Shards
+    of CLIP's input pixels fix no CLIP width: the trainer's CLIP does (train/main.py)."""
     index = open_index(root)
     reader = SampleReader(index, None)
     try:
@@ -174,8 +176,10 @@ def data_dims(root: str | os.PathLike) -> dict:
     blocks = (frames - 1) // 2  # num_frame_per_block = 2
     dims = {"model_type": "i2v" if "y" in t else "ti2v", "in_dim": c + (t["y"].shape[0] if "y" in t else 0),
             "out_dim": c, "frame_seqlen": (h // 2) * (w // 2), "num_action_per_block": t["action"].shape[0] // blocks,
-            "text_dim": index.text.dim, "image_dim": int(t["clip"].shape[-1]), "image_len": int(t["clip"].shape[0])}
-    return dims | {"text_len": index.longest_prompt}
+            "text_dim": index.text.dim, "text_len": index.longest_prompt}
+    if "clip" in t:
+        dims |= {"image_dim": int(t["clip"].shape[-1]), "image_len": int(t["clip"].shape[0])}
+    return dims
 
 
 class SampleReader:
@@ -226,7 +230,8 @@ class SampleReader:
         columns = sorted(prompt_ids)
         column = column or columns[rng.integers(len(columns))]
         m = self.model
-        out = {"latents": t["latents"], "clip": t["clip"], "text": self.text(prompt_ids[column])}
+        image = self.index.manifest.image_member  # CLIP's features, or its input pixels
+        out = {"latents": t["latents"], image: t[image], "text": self.text(prompt_ids[column])}
         for name, width in (("state", m.max_state_dim), ("action", m.action_dim)):
             x = torch.from_numpy(np.asarray(t[name], np.float32))
             if x.shape[-1] != self.index.q01[name].size:

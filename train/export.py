@@ -17,6 +17,9 @@ Both loaders call `load_state_dict(strict=False)`, so a wrong name would load si
 
 `export_weights(model, out)` writes the plain DiT keys (`model.safetensors`, or shards + index).
 
+A LoRA model (train/lora.py) exports through both as merged plain weights (W + scale B@A, folded per layer while
+gathering); `export_lora_only` writes its trained tensors under PEFT names instead, for the official `load_lora`.
+
 Both are collective: parameters are all-gathered one at a time and rank 0 writes one file at a time, so no rank
 holds more than one output file. The folder is built under a hidden name and renamed when complete: `out` is
 always either the previous complete export or the new one.
@@ -34,10 +37,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
-from train.weights import (DREAMZERO_PREFIX, WeightsError, model_tensors, shard_file_names, shard_groups,
-                           write_index)
+from train.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
+from train.weights import (DREAMZERO_PREFIX, WeightsError, _allowed_absent, model_tensors, shard_file_names,
+                           shard_groups, write_index)
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +195,7 @@ def _gather(tensors: dict, keys: list[tuple[str, torch.dtype]], rank0: bool) -> 
     out = {}
     for key, dtype in keys:
         t = tensors[key][0]
-        full = t.full_tensor() if isinstance(t, DTensor) else t
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor, or a LoRA layer's Folded merge
         if rank0:
             out[key] = full.detach().to(device="cpu", dtype=dtype).contiguous()
     return out
@@ -280,7 +283,7 @@ def export_weights(model: nn.Module, out: str | Path, prefix: str = "", dtype: t
     out = Path(out)
     tmp = _staging(out) if _is_rank0() else None
     meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
-    _write_plain(model_tensors(model), tmp, prefix, dtype, meta, max_shard_bytes)
+    _write_plain(merged_tensors(model), tmp, prefix, dtype, meta, max_shard_bytes)
     if tmp is not None:
         _publish(tmp, out)
     _done()
@@ -298,7 +301,7 @@ def export_official(model: nn.Module, out: str | Path, base: str | Path, shards:
     layout = check_base(base, model, tag)  # on every rank: all ranks agree on the files, or all stop here
     tmp = _staging(out) if _is_rank0() else None
     meta = {k: str(v) for k, v in (metadata or {}).items()}
-    tensors = model_tensors(model)
+    tensors = merged_tensors(model)
     if layout.files:
         _write_from_base(tensors, tmp, layout, meta)
     else:
@@ -311,5 +314,48 @@ def export_official(model: nn.Module, out: str | Path, base: str | Path, shards:
         _publish(tmp, out)
         log.info("%s: eval-ready export (%s, base %s)", out, "DiT replaced in the base's weights" if layout.files
                  else "DiT only; encoders from the config's *_pretrained_path files", layout.root)
+    _done()
+    return out
+
+
+def lora_config(config: dict, model: nn.Module) -> dict:
+    """`config` (a base's config.json) for a lora-only folder: the trained DiT's fields, wrapped by PEFT with the
+    run's adapters at load time, the base DiT read from its `diffusion_model_pretrained_path` first."""
+    out = eval_config(config, model.cfg)
+    lora = model.lora
+    out["action_head_cfg"]["config"].update(
+        skip_component_loading=False, defer_lora_injection=False, train_architecture="lora", lora_rank=lora.rank,
+        lora_alpha=lora.alpha, lora_target_modules=",".join(lora.suffixes()), init_lora_weights="kaiming")
+    return out
+
+
+@torch.no_grad()
+def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None = None,
+                     shards: str | Path | None = None, dtype: torch.dtype = torch.bfloat16,
+                     metadata: dict | None = None) -> Path:
+    """Collective: a LoRA run's trained tensors as an official save_lora_only checkpoint holds them, PEFT names
+    (`PEFT_PREFIX` + name, adapters as `.lora_A.default.weight` / `.lora_B.default.weight`) in `out/model.safetensors`:
+    the adapters, the action/state encoder and decoder, and the frozen tensors a Wan base lacks (for ti2v the CLIP
+    branch, which the official loader would otherwise draw afresh). With `base`, also the base's config.json for
+    `load_lora` (`lora_config`), its conf.yaml with save_lora_only: true and the shards' statistics."""
+    out = Path(out)
+    layout = statistics = None
+    if base is not None:
+        statistics, tag = shard_statistics(shards)
+        layout = check_base(base, model, tag)
+    tmp = _staging(out) if _is_rank0() else None
+    absent = tuple(k for k in model_tensors(model) if _allowed_absent(model, k))
+    meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
+    _write_plain(lora_only_tensors(model, also=absent), tmp, PEFT_PREFIX, dtype, meta, 5 << 30)
+    if tmp is not None and layout is not None:
+        import yaml
+
+        (tmp / "config.json").write_text(json.dumps(lora_config(layout.config, model), indent=2) + "\n")
+        (tmp / "experiment_cfg").mkdir()
+        conf = yaml.safe_load((layout.root / "experiment_cfg" / "conf.yaml").read_text()) | {"save_lora_only": True}
+        (tmp / "experiment_cfg" / "conf.yaml").write_text(yaml.safe_dump(conf, sort_keys=False))
+        shutil.copyfile(statistics, tmp / "experiment_cfg" / "metadata.json")
+    if tmp is not None:
+        _publish(tmp, out)
     _done()
     return out

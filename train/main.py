@@ -23,17 +23,17 @@ from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
-if __package__ in (None, ""):  # `torchrun train/main.py`: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 import torch.distributed as dist
 
+from shardformat.manifest import ShardFormatError
+from shardformat.storage import ShardStore
 from train import checkpoint
-from train.config import Config, device_memory_gib, parse_args, resolve_auto
+from train.config import Config, device_memory_gib, parse_args, resolve_auto, save_config
 from train.data import ShardLoader, data_dims
 from train.export import check_base, shard_statistics
 from train.flops import dit_flops
+from train.lora import apply_lora, init_lora
 from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.metrics import MetricsLogger, StepProfiler, device_peak_flops
 from train.model import CausalWanModel, DiTBatch, DiTConfig, preset
@@ -42,6 +42,8 @@ from train.parallel import check_float8, float8_after_step, parallelize, recompu
 from train.weights import WeightsError, load_weights
 
 MODEL_INPUTS = [f.name for f in fields(DiTBatch)]
+NEEDS_CLIP = ("{shards} holds CLIP's input pixels, not its features (preprocess --image-features pixels): pass the "
+              "CLIP weights it was built with ({path}) as --model.image-encoder")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -59,10 +61,39 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def model_config(cfg: Config):
+def frozen_image_encoder(cfg: Config, device: torch.device):
+    """The frozen CLIP tower when the shards hold its input pixels (preprocess --image-features pixels), else None.
+    Every rank holds all of it (small; never sharded, never trained) in the encoders' dtype the shards record, so it
+    gives the features preprocessing would have stored. Refuses missing weights, or others than the shards' own."""
+    try:
+        manifest = ShardStore(cfg.data.shards).manifest()
+    except ShardFormatError as err:
+        raise SystemExit(str(err)) from None
+    if manifest.image_features == "encoded":
+        return None
+    built_with, path = manifest.encoders["image_encoder"], cfg.model.image_encoder
+    if path is None:
+        raise SystemExit(NEEDS_CLIP.format(shards=cfg.data.shards, path=built_with["path"]))
+    from preprocess.image_encoder import load_image_encoder  # preprocessing code only for these shards
+    from preprocess.outdir import weights_sha256
+
+    if not path.exists():
+        raise SystemExit(f"--model.image-encoder {path}: not found")
+    if weights_sha256(path) != built_with["sha256"]:
+        raise SystemExit(f"--model.image-encoder {path}: not the CLIP weights {cfg.data.shards} was built with "
+                         f"({built_with['path']}, sha256 {built_with['sha256'][:12]}): its features would differ")
+    return load_image_encoder(path, device=device, dtype=getattr(torch, manifest.encoders["dtype"]))
+
+
+def model_config(cfg: Config, image_encoder=None):
     """The preset's DiT config, matched to the shards: the tiny preset takes its data-facing widths from them (so it
-    trains on shards of any shape, e.g. those built with tiny encoders); a real preset must agree with them."""
+    trains on shards of any shape, e.g. those built with tiny encoders); a real preset must agree with them. Shards
+    of CLIP's input pixels take the CLIP widths from `image_encoder` (`frozen_image_encoder`)."""
     dims = data_dims(cfg.data.shards)
+    if image_encoder is not None:
+        dims |= dict(zip(("image_len", "image_dim"), image_encoder.feature_shape))
+    elif "image_dim" not in dims:
+        raise SystemExit(NEEDS_CLIP.format(shards=cfg.data.shards, path="the file they were built with"))
     model_cfg = preset(cfg.model.name)
     if cfg.model.num_layers:
         model_cfg = replace(model_cfg, num_layers=cfg.model.num_layers)
@@ -85,6 +116,7 @@ def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device) -> Ca
     meta = cfg.model.init_device == "meta"
     with torch.device("meta" if meta else "cpu"):
         model = CausalWanModel(model_cfg)
+    apply_lora(model, cfg.lora)  # before sharding: FSDP2 keeps each parameter's requires_grad
     parallelize(model, cfg.parallel)
     if meta:
         model.to_empty(device=device)
@@ -99,12 +131,13 @@ def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device) -> Ca
     elif meta:
         with torch.no_grad():
             model.init_weights()
+    init_lora(model, cfg.seed)  # after the base weights: the adapters are not in any weights file
     return model
 
 
-def build(cfg: Config, device: torch.device) -> CausalWanModel:
+def build(cfg: Config, device: torch.device, image_encoder=None) -> CausalWanModel:
     """Same init on every rank, then parallelize; parameters end up as fp32 shards on `device`."""
-    model = sharded_model(model_config(cfg), cfg, device)
+    model = sharded_model(model_config(cfg, image_encoder), cfg, device)
     if cfg.checkpoint.export and cfg.checkpoint.export_base is not None:  # refuse an unusable base now, not at the end
         try:
             check_base(cfg.checkpoint.export_base, model, shard_statistics(cfg.data.shards)[1])
@@ -211,7 +244,8 @@ def train(cfg: Config) -> dict:
                                   f"ranks")
     run_dir = Path(cfg.checkpoint.dir)
 
-    model = build(cfg, device)
+    image_encoder = frozen_image_encoder(cfg, device)
+    model = build(cfg, device, image_encoder)
     optimizer = build_optimizer(model, cfg.optim, device)
     loader = ShardLoader(cfg.data, model.cfg, rank, world, device)
     gen = noise_generator(cfg, rank, device)
@@ -237,8 +271,10 @@ def train(cfg: Config) -> dict:
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps, start=step, warmup=warmup)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1, default=str) + "\n")
-        print(f"{cfg.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {world} ranks "
+        save_config(cfg, run_dir / "config.yaml")  # --config reads it back: the same run
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"{cfg.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
+              f"({trainable / 1e6:.2f}M trainable), {world} ranks "
               f"({device.type}), micro-batch {micro}, accum {accum}, global batch {global_batch}, "
               f"{loader.num_windows} windows, {loader.batches_per_epoch} batches/epoch/rank", flush=True)
 
@@ -263,6 +299,8 @@ def train(cfg: Config) -> dict:
             micro_batches = []  # kept for the step's checks: (batch, loss)
             for i in range(accum):
                 batch, pending = (pending, None) if pending is not None else (next(batches), None)
+                if image_encoder is not None:  # the features the shards would have held, as bf16 like those
+                    batch["clip"] = image_encoder.encode_pixels(batch.pop("clip_pixels")).to(torch.bfloat16)
                 model.set_requires_gradient_sync(i == accum - 1)
                 inputs = DiTBatch(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
                 loss, terms = flow_matching_loss(model, inputs, fm, cfg.loss, generator=gen)

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import configs
 from train.attention import TokenLayout, make_attention_mask, masked_attention, weighted_key_attention
 
 
@@ -100,18 +101,16 @@ class DiTConfig:
                            self.num_action_per_block, self.num_state_per_block, self.local_attn_size)
 
 
-PRESETS = {
-    "5b": DiTConfig(),
-    "5b-libero": DiTConfig(num_action_per_block=16),
-    "14b": DiTConfig(model_type="i2v", dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=36,
-                     out_dim=16, frame_seqlen=880),
-    "tiny": DiTConfig(dim=64, ffn_dim=128, num_heads=2, num_layers=2, in_dim=4, out_dim=4, freq_dim=32,
-                      frame_seqlen=4, num_action_per_block=4, action_dim=8, max_state_dim=8, hidden_size=32,
-                      text_dim=32, text_len=16, image_dim=24, image_len=5),
-}
+# DiT shapes of the recipes (configs/<name>.yaml, section dit) by recipe name
+PRESETS = {name: configs.apply(DiTConfig(), configs.section(configs.recipe(name), "dit", name),
+                               f"configs/{name}.yaml: dit") for name in configs.names()}
+RENAMED = {"5b": "droid-5b", "5b-libero": "libero-5b", "14b": "droid-14b"}  # the names before recipes
 
 
 def preset(name: str, **overrides) -> DiTConfig:
+    if name not in PRESETS:
+        now = f" (now {RENAMED[name]!r})" if name in RENAMED else ""
+        raise SystemExit(f"unknown DiT preset {name!r}{now}; choose one of {sorted(PRESETS)}")
     return replace(PRESETS[name], **overrides)
 
 

@@ -132,7 +132,10 @@ def apply_float8(model: nn.Module, mode: str) -> int:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
-    config = replace(Float8LinearConfig.from_recipe_name(mode), enable_fsdp_float8_all_gather=mode == "tensorwise")
+    # pad_inner_dim: the weight gradient's matmul reduces over tokens (micro-batch x sequence, e.g. 4 x 257 CLIP rows),
+    # which float8 kernels need in multiples of 16; zero rows are exact
+    config = replace(Float8LinearConfig.from_recipe_name(mode), enable_fsdp_float8_all_gather=mode == "tensorwise",
+                     pad_inner_dim=True)
     if mode == "rowwise":  # compiled float8 casts then round as eager ones do (torchtitan sets it too)
         import torch._inductor.config
 

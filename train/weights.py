@@ -143,6 +143,8 @@ def model_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, nn.Module]]
         local = dict(mod.named_parameters(recurse=False))
         local.update((n, b) for n, b in mod.named_buffers(recurse=False) if n not in mod._non_persistent_buffers_set)
         for leaf, t in local.items():
+            if leaf in ("lora_A", "lora_B"):  # LoRA adapters (train/lora.py): no tensors of the official layout
+                continue
             out[official_name(f"{mod_name}.{leaf}" if mod_name else leaf)] = (t, mod)
     return out
 

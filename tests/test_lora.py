@@ -1,0 +1,213 @@
+"""LoRA fine-tuning (train/lora.py): the official recipe's trainable set (5B counts on the meta device), the update
+starting at zero, gradients only where the recipe trains, merging; and the trainer under torchrun with two gloo
+ranks from an official base built on the meta device: a run stopped and resumed logs the uninterrupted run's losses
+exactly, frozen weights stay the base's, a resume with another rank is refused in one line, the merged export equals
+the base with the lora-only export's adapters folded in, and the lora-only folder has the official PEFT layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import yaml
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+
+from preprocess.synthetic import make_synthetic_shards
+from train.export import export_weights
+from train.lora import ADAPTERS, PEFT_PREFIX, TRAINABLE, LoRAConfig, LoRALinear, apply_lora, init_lora, merge_lora
+from train.loss import FlowMatchScheduler, LossConfig, flow_matching_loss
+from train.model import build_model, random_batch
+from train.tiny_base import Args, write_base
+from train.weights import DREAMZERO_PREFIX
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = LoRAConfig(rank=4, alpha=4.0)
+STEPS = 6
+
+
+def _lora_model(cfg: LoRAConfig = RECIPE, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = build_model("tiny")
+    apply_lora(model, cfg)
+    init_lora(model, seed)
+    return model
+
+
+def test_trainable_set_is_the_official_recipe():
+    with torch.device("meta"):
+        model = build_model("droid-5b")
+    assert apply_lora(model, RECIPE) == 30 * 10  # q, k, v, o of both attentions and the two FFN linears per block
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    lora = sum(v for n, v in trainable.items() if n.rsplit(".", 1)[1] in ADAPTERS)
+    d, f = 3072, 14336
+    assert lora == 30 * 4 * (8 * 2 * d + 2 * (d + f)) == 10_076_160  # the reference's ~10.1 M
+    assert sum(v for n, v in trainable.items() if n.split(".")[0] in TRAINABLE) == pytest.approx(34.8e6, rel=2e-3)
+    assert set(trainable) == {n for n, _ in model.named_parameters()
+                              if n.split(".")[0] in TRAINABLE or n.rsplit(".", 1)[1] in ADAPTERS}
+    adapted = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    assert "blocks.0.cross_attn.k" in adapted and "blocks.0.ffn.2" in adapted
+    assert not any("k_img" in n or "v_img" in n or not n.startswith("blocks.") for n in adapted)
+
+
+def test_update_starts_at_zero_and_only_the_recipe_trains():
+    base = build_model("tiny")
+    model = _lora_model()
+    model.load_state_dict(base.state_dict(), strict=False)  # the same base weights under the same names
+    batch = random_batch(model.cfg, 2, (5, 4, 4), generator=torch.Generator().manual_seed(1))
+    args = [batch.latents, torch.full((2, 5), 500.0), batch.latents, batch.actions, torch.full((2, 8), 500.0),
+            batch.state, batch.text, batch.clip]
+    with torch.no_grad():
+        for m in model.modules():  # B = 0: each adapted layer is its base layer exactly
+            if isinstance(m, LoRALinear):
+                x = torch.randn(3, 7, m.in_features)
+                assert torch.equal(m(x), nn.functional.linear(x, m.weight, m.bias))
+        for got, want in zip(model(*args), base(*args)):  # (CPU kernels may round differently per parameter)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    a = model.blocks[0].self_attn.q.lora_A
+    assert 0 < a.abs().max() <= 1 / a.shape[1] ** 0.5  # kaiming-uniform(a=sqrt(5)) bound 1/sqrt(fan_in)
+
+    loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), LossConfig(),
+                                 generator=torch.Generator().manual_seed(2))
+    loss.backward()
+    for name, p in model.named_parameters():
+        trains = name.split(".")[0] in TRAINABLE or name.rsplit(".", 1)[1] in ADAPTERS
+        assert p.requires_grad == trains and (p.grad is not None) == trains, name
+    assert model.blocks[1].ffn[2].lora_B.grad.abs().sum() > 0
+
+
+def test_merge_folds_the_update_into_plain_weights(tmp_path):
+    model = _lora_model(LoRAConfig(rank=2, alpha=3.0))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.normal_()
+    merged = merge_lora(model.state_dict(), alpha=3.0)
+    q = model.blocks[0].self_attn.q
+    assert torch.equal(merged["blocks.0.self_attn.q.weight"], q.weight + 1.5 * (q.lora_B @ q.lora_A))
+    plain = build_model("tiny")
+    plain.load_state_dict(merged)  # strict: exactly the plain keys
+    batch = random_batch(model.cfg, 1, (5, 4, 4), generator=torch.Generator().manual_seed(3))
+    args = [batch.latents, torch.full((1, 5), 300.0), batch.latents, batch.actions, torch.full((1, 8), 300.0),
+            batch.state, batch.text, batch.clip]
+    for got, want in zip(plain(*args), model(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    export_weights(model, tmp_path / "export", dtype=torch.float32)  # the trainer's merged export
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert exported.keys() == merged.keys() and all(torch.equal(v, merged[k]) for k, v in exported.items())
+
+
+# ---------------------------------------------------------------- the trainer under torchrun
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("lora_shards") / "tiny"
+    make_synthetic_shards(out, "tiny", episodes=3, windows_per_episode=3, samples_per_shard=4, seed=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(shards, tmp_path_factory) -> Path:
+    return write_base(Args(out=tmp_path_factory.mktemp("lora_base") / "base", shards=shards, seed=5))
+
+
+def _train(shards: Path, base: Path, run_dir: Path, *extra: str, ranks: int = 2, check: bool = True):
+    """The trainer on `ranks` gloo ranks (torchrun; 1 = a plain process, whose last stderr line is the trainer's)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+    cmd = [sys.executable, *launcher, str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(shards),
+           "--checkpoint.dir", str(run_dir), "--steps", str(STEPS), "--checkpoint.interval", "3",
+           "--metrics.interval", "1", "--metrics.no-progress", "--metrics.no-tensorboard", "--data.num-workers", "0",
+           "--parallel.deterministic", "--parallel.param-dtype", "float32", "--checkpoint.export-dtype", "float32",
+           "--model.init-from", str(base), "--model.init-device", "meta", "--lora.rank", "4", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_PORT": "29641"}
+    return subprocess.run(cmd, check=check, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def runs(shards, base, tmp_path_factory) -> tuple[Path, Path]:
+    """An uninterrupted LoRA run (merged export), and one stopped after a checkpoint and resumed (lora-only)."""
+    full, resumed = tmp_path_factory.mktemp("lora_full"), tmp_path_factory.mktemp("lora_resumed")
+    _train(shards, base, full)
+    lora_only = ["--checkpoint.export-lora", "lora-only", "--checkpoint.export-base", str(base)]
+    _train(shards, base, resumed, "--stop-after", "3", *lora_only)
+    assert not (resumed / "export").exists() and len(_losses(resumed)) == 3
+    _train(shards, base, resumed, *lora_only)
+    return full, resumed
+
+
+@pytest.mark.slow
+def test_resumed_lora_run_reproduces_the_losses_and_saves_trainable_state_only(runs):
+    full, resumed = runs
+    assert [s for s, _ in _losses(full)] == list(range(1, STEPS + 1))
+    assert _losses(resumed) == _losses(full)
+    meta = FileSystemReader(str(full / "step-000006")).read_metadata()
+    saved = {k.split(".", 1)[1] for k in meta.state_dict_metadata if k.startswith("model.")}
+    assert saved and all(k.split(".")[0] in TRAINABLE or k.rsplit(".", 1)[1] in ADAPTERS for k in saved)
+    assert "blocks.0.self_attn.q.lora_A" in saved
+
+
+@pytest.mark.slow
+def test_resume_with_another_rank_is_refused_in_one_line(shards, base, runs, tmp_path):
+    run_dir = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(runs[0]), str(run_dir)], check=True)
+    done = _train(shards, base, run_dir, "--lora.rank", "8", "--steps", "9", ranks=1, check=False)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and "a checkpoint of another model (lora: checkpoint {'rank': 4" in last
+    assert "this run {'rank': 8" in last and "--lora flags" in last
+
+
+def _base_dit(base: Path) -> dict[str, torch.Tensor]:
+    sd = {}
+    for f in sorted(base.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return {k[len(DREAMZERO_PREFIX):]: v for k, v in sd.items() if k.startswith(DREAMZERO_PREFIX)}
+
+
+@pytest.mark.slow
+def test_exports_merged_and_lora_only_agree(runs, base):
+    full, resumed = runs
+    merged = load_file(full / "export" / "model.safetensors")
+    lora = load_file(resumed / "export" / "model.safetensors")
+    base_sd = _base_dit(base)
+    assert set(merged) == set(base_sd) and not any("lora" in k for k in merged)
+
+    peft = re.compile(r"blocks\.\d+\.(self_attn|cross_attn)\.[qkvo]|blocks\.\d+\.ffn\.[02]")
+    adapters = {k for k in lora if ".lora_" in k}
+    assert adapters and all(k.startswith(PEFT_PREFIX) for k in lora)
+    for k in adapters:
+        layer, leaf = re.fullmatch(re.escape(PEFT_PREFIX) + r"(.+)\.(lora_[AB])\.default\.weight", k).groups()
+        assert peft.fullmatch(layer), k
+    plain = {k[len(PEFT_PREFIX):]: v for k, v in lora.items() if k not in adapters}
+    assert {k.split(".")[0] for k in plain} == set(TRAINABLE) | {"blocks", "img_emb"}  # + the CLIP branch
+    assert all(".k_img." in k or ".v_img." in k or ".norm_k_img." in k for k in plain if k.startswith("blocks."))
+
+    # re-merging the lora-only tensors onto the base reproduces the merged export
+    ours = {**base_sd, **plain}
+    ours.update({re.sub(r"\.default\.weight$", "", k[len(PEFT_PREFIX):]): v for k, v in lora.items() if k in adapters})
+    remerged = merge_lora({k: v.float() for k, v in ours.items()}, alpha=4.0)
+    assert set(remerged) == set(merged)
+    for k, v in merged.items():
+        torch.testing.assert_close(remerged[k], v, rtol=0, atol=1e-6, msg=k)
+    frozen = ["patch_embedding.weight", "blocks.0.cross_attn.k_img.weight", "blocks.1.norm3.weight"]
+    assert all(torch.equal(merged[k], base_sd[k].float()) for k in frozen)  # frozen: the base's, bit for bit
+    assert not torch.equal(merged["blocks.0.self_attn.q.weight"], base_sd["blocks.0.self_attn.q.weight"].float())
+
+    head = json.loads((resumed / "export" / "config.json").read_text())["action_head_cfg"]["config"]
+    assert (head["train_architecture"], head["skip_component_loading"], head["defer_lora_injection"]) == (
+        "lora", False, False)
+    assert (head["lora_rank"], head["lora_alpha"], head["lora_target_modules"]) == (4, 4.0, "q,k,v,o,ffn.0,ffn.2")
+    conf = yaml.safe_load((resumed / "export" / "experiment_cfg" / "conf.yaml").read_text())
+    assert conf["save_lora_only"] is True
+    assert conf | {"save_lora_only": False} == yaml.safe_load((base / "experiment_cfg" / "conf.yaml").read_text())

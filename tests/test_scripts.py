@@ -1,0 +1,26 @@
+"""Every scripts/*.py starts as a program from an installed checkout (no sys.path set-up) and prints its help; the
+scripts that other tests run for real are smoke-tested there."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_ELSEWHERE = {  # script -> the test that runs it as a program
+    "bench_init_load.py": "test_init_load.py", "bench_loader.py": "test_bench_loader.py",
+    "bench_train.py": "test_bench_train.py", "check_fp8_parity.py": "test_float8.py",
+}
+
+
+def test_every_script_prints_its_help(tmp_path):
+    scripts = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
+    assert set(RUN_ELSEWHERE) <= set(scripts)
+    for script, test in RUN_ELSEWHERE.items():
+        assert f'"{script}"' in (ROOT / "tests" / test).read_text(), (script, test)
+    # from another directory, all at once: each one is a separate interpreter that imports torch
+    children = {name: subprocess.Popen([sys.executable, str(ROOT / "scripts" / name), "--help"], cwd=tmp_path,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for name in scripts if name not in RUN_ELSEWHERE}
+    for name, child in children.items():
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 0 and "usage" in out.lower(), (name, err[-2000:])

@@ -1,0 +1,65 @@
+"""A training run's curves from its metrics.jsonl: loss terms, learning rate, throughput and data wait, as one PNG
+(CLI: scripts/plot_metrics.py). Where a resumed run logged a step again, the later row wins."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PANELS = (  # (title, metrics.jsonl fields, y scale)
+    ("loss", ("loss", "loss_dynamics", "loss_action"), "log"),
+    ("learning rate", ("lr",), "linear"),
+    ("samples/s per GPU", ("samples_per_s_per_gpu",), "linear"),
+    ("data wait (% of time)", ("data_wait_pct",), "linear"),
+)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Rows of metrics.jsonl ordered by step, one per step (the last one logged)."""
+    by_step: dict[int, dict] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"{path}:{n}: not a JSON row ({err.msg})") from None
+        by_step[int(row["step"])] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot(rows: list[dict], out: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for ax, (name, fields, scale) in zip(axes.flat, PANELS):
+        for field in fields:
+            points = [(r["step"], r[field]) for r in rows if field in r]
+            if points:
+                ax.plot(*zip(*points), label=field, marker="." if len(points) < 50 else None)
+        ax.set_title(name)
+        ax.set_yscale(scale if all(r.get(f, 1) > 0 for r in rows for f in fields) else "linear")
+        ax.grid(alpha=0.3)
+        if len(fields) > 1:
+            ax.legend()
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    """RUN_DIR/metrics.jsonl -> `out` (default RUN_DIR/metrics.png); a missing or empty file stops with one line."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path}: missing (is {run_dir} a training run directory?)")
+    rows = read_metrics(path)
+    if not rows:
+        raise SystemExit(f"{path}: no rows yet (the trainer logs every --metrics.interval steps)")
+    return plot(rows, out or run_dir / "metrics.png", f"{run_dir} ({len(rows)} logged steps)")
