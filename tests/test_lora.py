@@ -20,12 +20,10 @@ import yaml
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from preprocess.synthetic import make_synthetic_shards
 from train.export import export_weights
 from train.lora import ADAPTERS, PEFT_PREFIX, TRAINABLE, LoRAConfig, LoRALinear, apply_lora, init_lora, merge_lora
 from train.loss import FlowMatchScheduler, LossConfig, flow_matching_loss
 from train.model import build_model, random_batch
-from train.tiny_base import Args, write_base
 from train.weights import DREAMZERO_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,18 +105,6 @@ def test_merge_folds_the_update_into_plain_weights(tmp_path):
 # ---------------------------------------------------------------- the trainer under torchrun
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("lora_shards") / "tiny"
-    make_synthetic_shards(out, "tiny", episodes=3, windows_per_episode=3, samples_per_shard=4, seed=1)
-    return out
-
-
-@pytest.fixture(scope="module")
-def base(shards, tmp_path_factory) -> Path:
-    return write_base(Args(out=tmp_path_factory.mktemp("lora_base") / "base", shards=shards, seed=5))
-
-
 def _train(shards: Path, base: Path, run_dir: Path, *extra: str, ranks: int = 2, check: bool = True):
     """The trainer on `ranks` gloo ranks (torchrun; 1 = a plain process, whose last stderr line is the trainer's)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
@@ -127,7 +113,7 @@ def _train(shards: Path, base: Path, run_dir: Path, *extra: str, ranks: int = 2,
            "--metrics.interval", "1", "--metrics.no-progress", "--metrics.no-tensorboard", "--data.num-workers", "0",
            "--parallel.deterministic", "--parallel.param-dtype", "float32", "--checkpoint.export-dtype", "float32",
            "--model.init-from", str(base), "--model.init-device", "meta", "--lora.rank", "4", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_PORT": "29641"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29641"}
     return subprocess.run(cmd, check=check, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -136,14 +122,14 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def runs(shards, base, tmp_path_factory) -> tuple[Path, Path]:
+def runs(small_shards, official_base, tmp_path_factory) -> tuple[Path, Path]:
     """An uninterrupted LoRA run (merged export), and one stopped after a checkpoint and resumed (lora-only)."""
     full, resumed = tmp_path_factory.mktemp("lora_full"), tmp_path_factory.mktemp("lora_resumed")
-    _train(shards, base, full)
-    lora_only = ["--checkpoint.export-lora", "lora-only", "--checkpoint.export-base", str(base)]
-    _train(shards, base, resumed, "--stop-after", "3", *lora_only)
+    _train(small_shards, official_base, full)
+    lora_only = ["--checkpoint.export-lora", "lora-only", "--checkpoint.export-base", str(official_base)]
+    _train(small_shards, official_base, resumed, "--stop-after", "3", *lora_only)
     assert not (resumed / "export").exists() and len(_losses(resumed)) == 3
-    _train(shards, base, resumed, *lora_only)
+    _train(small_shards, official_base, resumed, *lora_only)
     return full, resumed
 
 
@@ -159,10 +145,10 @@ def test_resumed_lora_run_reproduces_the_losses_and_saves_trainable_state_only(r
 
 
 @pytest.mark.slow
-def test_resume_with_another_rank_is_refused_in_one_line(shards, base, runs, tmp_path):
+def test_resume_with_another_rank_is_refused_in_one_line(small_shards, official_base, runs, tmp_path):
     run_dir = tmp_path / "run"
     subprocess.run(["cp", "-r", str(runs[0]), str(run_dir)], check=True)
-    done = _train(shards, base, run_dir, "--lora.rank", "8", "--steps", "9", ranks=1, check=False)
+    done = _train(small_shards, official_base, run_dir, "--lora.rank", "8", "--steps", "9", ranks=1, check=False)
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 1 and "a checkpoint of another model (lora: checkpoint {'rank': 4" in last
     assert "this run {'rank': 8" in last and "--lora flags" in last
@@ -176,7 +162,8 @@ def _base_dit(base: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_exports_merged_and_lora_only_agree(runs, base):
+def test_exports_merged_and_lora_only_agree(runs, official_base):
+    base = official_base
     full, resumed = runs
     merged = load_file(full / "export" / "model.safetensors")
     lora = load_file(resumed / "export" / "model.safetensors")
