@@ -160,11 +160,11 @@ def batch_positions(epoch_length: int, g: int, rank: int, world_size: int, micro
     return epoch, rank + world_size * np.arange(b * micro, (b + 1) * micro)
 
 
-def data_dims(root: str | os.PathLike) -> dict:
+def data_dims(source: str | os.PathLike | ShardIndex) -> dict:
     """The DiTConfig fields a shard directory fixes: latent channels (+ y), tokens per latent frame, actions per block,
     text and CLIP widths, longest prompt. The tiny preset takes them from the data; real presets are checked. Shards
     of CLIP's input pixels fix no CLIP width: the trainer's CLIP does (train/main.py)."""
-    index = open_index(root)
+    index = source if isinstance(source, ShardIndex) else open_index(source)
     reader = SampleReader(index, None)
     try:
         _, t = reader.raw(*index.windows[0].variants[0])
@@ -314,11 +314,14 @@ class ShardLoader:
     Iterating yields batches from the saved position on; `wait_s` accumulates the time spent blocked on data.
     """
 
-    def __init__(self, cfg: DataConfig, model: DiTConfig, rank: int, world_size: int, device: torch.device):
+    def __init__(self, cfg: DataConfig, model: DiTConfig, rank: int, world_size: int, device: torch.device,
+                 index: ShardIndex | None = None):
+        """`index`: the shard directory's index when the caller has opened it already (reading every shard JSON once
+        per rank, not twice); else it is opened here from cfg.shards and cfg.cache_dir."""
         if cfg.shards is None:
             raise SystemExit("--data.shards is required (a directory or URL with manifest.json)")
         self.cfg, self.model, self.rank, self.world_size, self.device = cfg, model, rank, world_size, device
-        self.index = open_index(cfg.shards, cfg.cache_dir)
+        self.index = index or open_index(cfg.shards, cfg.cache_dir)
         self.num_windows = len(self.index)
         self.epoch_length = int(self.index.weights(cfg.sampling).sum())
         self.batches_per_epoch = batches_per_epoch(self.epoch_length, world_size, cfg.micro_batch_size)

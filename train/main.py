@@ -30,7 +30,7 @@ from shardformat.manifest import ShardFormatError
 from shardformat.storage import ShardStore
 from train import checkpoint
 from train.config import Config, device_memory_gib, parse_args, resolve_auto, save_config
-from train.data import ShardLoader, data_dims
+from train.data import ShardIndex, ShardLoader, data_dims, open_index
 from train.export import check_base, shard_statistics
 from train.flops import dit_flops
 from train.lora import apply_lora, init_lora
@@ -85,11 +85,12 @@ def frozen_image_encoder(cfg: Config, device: torch.device):
     return load_image_encoder(path, device=device, dtype=getattr(torch, manifest.encoders["dtype"]))
 
 
-def model_config(cfg: Config, image_encoder=None):
+def model_config(cfg: Config, image_encoder=None, index: ShardIndex | None = None):
     """The preset's DiT config, matched to the shards: the tiny preset takes its data-facing widths from them (so it
     trains on shards of any shape, e.g. those built with tiny encoders); a real preset must agree with them. Shards
-    of CLIP's input pixels take the CLIP widths from `image_encoder` (`frozen_image_encoder`)."""
-    dims = data_dims(cfg.data.shards)
+    of CLIP's input pixels take the CLIP widths from `image_encoder` (`frozen_image_encoder`). `index`: the shards'
+    index if already open."""
+    dims = data_dims(index or cfg.data.shards)
     if image_encoder is not None:
         dims |= dict(zip(("image_len", "image_dim"), image_encoder.feature_shape))
     elif "image_dim" not in dims:
@@ -135,9 +136,9 @@ def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device) -> Ca
     return model
 
 
-def build(cfg: Config, device: torch.device, image_encoder=None) -> CausalWanModel:
+def build(cfg: Config, device: torch.device, image_encoder=None, index: ShardIndex | None = None) -> CausalWanModel:
     """Same init on every rank, then parallelize; parameters end up as fp32 shards on `device`."""
-    model = sharded_model(model_config(cfg, image_encoder), cfg, device)
+    model = sharded_model(model_config(cfg, image_encoder, index), cfg, device)
     if cfg.checkpoint.export and cfg.checkpoint.export_base is not None:  # refuse an unusable base now, not at the end
         try:
             check_base(cfg.checkpoint.export_base, model, shard_statistics(cfg.data.shards)[1])
@@ -245,9 +246,10 @@ def train(cfg: Config) -> dict:
     run_dir = Path(cfg.checkpoint.dir)
 
     image_encoder = frozen_image_encoder(cfg, device)
-    model = build(cfg, device, image_encoder)
+    index = open_index(cfg.data.shards, cfg.data.cache_dir)  # once: the model's widths and the loader both read it
+    model = build(cfg, device, image_encoder, index)
     optimizer = build_optimizer(model, cfg.optim, device)
-    loader = ShardLoader(cfg.data, model.cfg, rank, world, device)
+    loader = ShardLoader(cfg.data, model.cfg, rank, world, device, index)
     gen = noise_generator(cfg, rank, device)
     fm = FlowMatchScheduler(cfg.loss.num_train_timesteps, cfg.loss.shift).to(device)
 
