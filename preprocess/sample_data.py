@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,12 +162,38 @@ def list_column(arr: np.ndarray, value_type) -> pa.Array:
 # ---------------------------------------------------------------- DROID (v2.1, 3 mp4 cameras, 15 fps)
 
 
-def make_droid(out: Path, episodes: int, seed: int, codec: str) -> None:
+def _droid_videos(out: Path, traj: Trajectory, length: int, ep: int, h: int, w: int, fps: int, seed: int,
+                  codec: str) -> None:
+    chunk = ep // 1000
+    for cam_i, cam in enumerate(DROID_CAMERAS):
+        frames = render(traj, length, cam_i, h, w, seed * 100 + ep)
+        encode_mp4(out / f"videos/chunk-{chunk:03d}/observation.images.{cam}/episode_{ep:06d}.mp4", frames, fps, codec)
+
+
+def _libero_images(traj: Trajectory, length: int, ep: int, size: int, seed: int) -> dict:
+    return {cam: [png_cell(f) for f in render(traj, length, i * 2, size, size, seed * 100 + ep)]
+            for i, cam in enumerate(LIBERO_CAMERAS)}
+
+
+def _pool(workers: int):
+    """Render and compress frames in `workers` processes (the random draws stay in the parent, in episode order, so
+    the files do not depend on `workers`)."""
+    import multiprocessing
+
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1 else nullcontext()
+
+
+def make_droid(out: Path, episodes: int, seed: int, codec: str, workers: int = 1) -> None:
+    with _pool(workers) as pool:
+        _make_droid(out, episodes, seed, codec, pool)
+
+
+def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool) -> None:
     rng = np.random.default_rng(seed)
     fps, h, w = 15, 180, 320
     tasks = ["not provided"] + DROID_TASKS
     lengths = episode_lengths(rng, episodes, "droid")
-    episode_rows, stats_rows = [], []
+    episode_rows, stats_rows, videos = [], [], []
     for ep, length in enumerate(lengths):
         traj = simulate(rng, length)
         cart = np.concatenate([traj.eef_xyz, traj.eef_rot], 1)
@@ -200,12 +228,14 @@ def make_droid(out: Path, episodes: int, seed: int, codec: str) -> None:
         data_path = out / f"data/chunk-{chunk:03d}/episode_{ep:06d}.parquet"
         data_path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, data_path)
-        for cam_i, cam in enumerate(DROID_CAMERAS):
-            frames = render(traj, length, cam_i, h, w, seed * 100 + ep)
-            encode_mp4(out / f"videos/chunk-{chunk:03d}/observation.images.{cam}/episode_{ep:06d}.mp4", frames, fps, codec)
+        args = (out, traj, length, ep, h, w, fps, seed, codec)
+        videos.append(pool.submit(_droid_videos, *args) if pool else _droid_videos(*args))
         ep_tasks = [tasks[i] for i in dict.fromkeys([first, second, third])]
         episode_rows.append({"episode_index": ep, "tasks": ep_tasks, "length": length, "success": True})
         stats_rows.append({"episode_index": ep, "stats": basic_stats({"observation.state": state, "action": action})})
+    for done in videos:
+        if pool:
+            done.result()  # a worker's error raised here
 
     features = {f"observation.images.{c}": video_feature(h, w, fps, codec) for c in DROID_CAMERAS}
     features |= {
@@ -280,25 +310,26 @@ def libero_info(version: str, episodes: int, lengths: list[int], features: dict,
             "fps": fps, "splits": {"train": f"0:{episodes}"}, **paths, "features": features}
 
 
-def make_libero(out: Path, episodes: int, seed: int) -> None:
+def make_libero(out: Path, episodes: int, seed: int, workers: int = 1) -> None:
     rng = np.random.default_rng(seed)
     fps, size = 10, 256
     lengths = episode_lengths(rng, episodes, "libero")
     image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    episode_rows, offset, all_state, all_actions = [], 0, [], []
+    drawn = []  # every random draw first, in episode order; the frames after, in any number of processes
     for ep, length in enumerate(lengths):
         traj, state, actions = libero_episode(rng, length)
-        task = int(rng.integers(len(LIBERO_TASKS)))
-        columns = {cam: pa.array([png_cell(f) for f in render(traj, length, i * 2, size, size, seed * 100 + ep)], image_type)
-                   for i, cam in enumerate(LIBERO_CAMERAS)}
-        columns |= libero_rows(ep, length, offset, task, state, actions, fps)
-        path = out / f"data/chunk-000/episode_{ep:06d}.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.table(columns), path)
-        episode_rows.append({"episode_index": ep, "tasks": [LIBERO_TASKS[task]], "length": length})
-        offset += length
-        all_state.append(state)
-        all_actions.append(actions)
+        drawn.append((traj, state, actions, int(rng.integers(len(LIBERO_TASKS)))))
+    episode_rows, offset, all_state, all_actions = [], 0, [], []
+    with _pool(workers) as pool:
+        args = [(traj, length, ep, size, seed) for ep, (length, (traj, *_)) in enumerate(zip(lengths, drawn))]
+        images = pool.map(_libero_images, *zip(*args)) if pool else (_libero_images(*a) for a in args)
+        for ep, (length, (traj, state, actions, task), cells) in enumerate(zip(lengths, drawn, images)):
+            _write_libero_episode(out, ep, length, offset, task, state, actions, fps,
+                                  {cam: pa.array(cells[cam], image_type) for cam in LIBERO_CAMERAS})
+            episode_rows.append({"episode_index": ep, "tasks": [LIBERO_TASKS[task]], "length": length})
+            offset += length
+            all_state.append(state)
+            all_actions.append(actions)
     image = feature("image", [size, size, 3], ["height", "width", "channel"])
     write_json(out / "meta/info.json", libero_info(
         "v2.0", episodes, lengths, libero_features(image),
@@ -306,6 +337,14 @@ def make_libero(out: Path, episodes: int, seed: int) -> None:
     write_jsonl(out / "meta/tasks.jsonl", [{"task_index": i, "task": t} for i, t in enumerate(LIBERO_TASKS)])
     write_jsonl(out / "meta/episodes.jsonl", episode_rows)
     write_json(out / "meta/stats.json", basic_stats({"state": np.concatenate(all_state), "actions": np.concatenate(all_actions)}))
+
+
+def _write_libero_episode(out: Path, ep: int, length: int, offset: int, task: int, state, actions, fps: int,
+                          columns: dict) -> None:
+    columns |= libero_rows(ep, length, offset, task, state, actions, fps)
+    path = out / f"data/chunk-000/episode_{ep:06d}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
 
 
 def make_libero_v3(out: Path, episodes: int, seed: int, codec: str, episodes_per_data_file: int = 3,
@@ -357,17 +396,19 @@ def make_libero_v3(out: Path, episodes: int, seed: int, codec: str, episodes_per
 LAYOUTS = ("droid", "libero", "libero-v3")
 
 
-def write_sample_dataset(out: Path, layout: str, episodes: int = 4, seed: int = 0, codec: str = "h264") -> Path:
-    """Write the `layout` dataset to `out` (replaced if it exists); returns `out`."""
+def write_sample_dataset(out: Path, layout: str, episodes: int = 4, seed: int = 0, codec: str = "h264",
+                         workers: int = 1) -> Path:
+    """Write the `layout` dataset to `out` (replaced if it exists); returns `out`. `workers` processes render and
+    compress the frames of the droid and libero layouts (the same files for any number)."""
     if episodes < 1:
         raise ValueError(f"episodes must be at least 1, got {episodes}")
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
     if layout == "droid":
-        make_droid(out, episodes, seed, codec)
+        make_droid(out, episodes, seed, codec, workers)
     elif layout == "libero":
-        make_libero(out, episodes, seed)
+        make_libero(out, episodes, seed, workers)
     elif layout == "libero-v3":
         make_libero_v3(out, episodes, seed, codec)
     else:

@@ -12,9 +12,9 @@ the same encoders alone on the same device, measured in one run. One JSON line p
 3. The bound: the same `Encoders` (VAE, CLIP, the 14B's y) on the same device, on random videos of the recipe's
    shape, in batches of --batch-size, with nothing else running.
 
-Reported: samples/s per device over the whole call and in the steady state (first to last finished unit), each
-against the bound, device busy % (nvidia-smi's utilization, sampled every
-0.2 s over the run), CPU cores used per device (CPU time of this process and its children / wall time), bytes per
+Reported: samples/s per device over the whole call and in the steady state (every sample over the span from the
+first to the last sampling with a GPU at least half busy: the call without its start, which is reported as start_s), each against
+the bound, device busy % (nvidia-smi's utilization, sampled every 0.2 s over the run), CPU cores used per device (CPU time of this process and its children / wall time), bytes per
 sample in the unit spills (what the shards will hold).
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import tempfile
@@ -64,6 +65,12 @@ class BusySampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+    def active_window(self, devices: int, threshold_pct: float = 50.0) -> tuple[float, float] | None:
+        """Epoch times of the first and the last sample in which any of the first `devices` GPUs was at least
+        `threshold_pct` busy (the blips of CUDA start-up and weight loading, a few %, stay out)."""
+        busy = [t for r, t in zip(self.samples, self.times) if any(v >= threshold_pct for v in r[:devices])]
+        return (busy[0], busy[-1]) if len(busy) > 1 else None
 
     def mean_pct(self, devices: int, start: float = 0.0, end: float = float("inf")) -> float | None:
         """Mean busy % of the first `devices` GPUs over the samples taken between `start` and `end` (epoch s)."""
@@ -108,7 +115,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     dataset, model, layout = RECIPES[recipe]
     src = work / f"data-{layout}"
     if not (src / "meta" / "info.json").is_file():
-        write_sample_dataset(src, layout, args.episodes, seed=0)
+        write_sample_dataset(src, layout, args.episodes, seed=0, workers=os.cpu_count() or 1)
     out = work / f"shards-{recipe}"
     vae = "wan2.1" if model == "14b" else "wan2.2"
     cli = shards.Args(dataset=dataset, src=src, out=out, model=model, device=args.device, batch_size=args.batch_size,
@@ -118,7 +125,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
                       vae_compile=args.vae_compile, vae=weights / vae / "vae", image_encoder=weights / "clip" / "image_encoder",
                       text_encoder=weights / "umt5" / "text_encoder", tokenizer=weights / "umt5" / "tokenizer")
     devices = torch.cuda.device_count() if args.device == "cuda" else 1
-    cpu0, start = cpu_seconds(), time.perf_counter()
+    cpu0, start, start_epoch = cpu_seconds(), time.perf_counter(), time.time()
     with BusySampler() as busy:
         shards.run(cli)
     wall = time.perf_counter() - start
@@ -127,9 +134,13 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     records = [json.loads(p.read_text()) for p in units]
     samples = sum(r["count"] for r in records)
     spill_bytes = sum((p.with_suffix(".tar")).stat().st_size for p in units)
-    # steady state: from the first finished unit to the last (start-up, hashing and encoder loading left out)
-    done = sorted((p.stat().st_mtime, r["count"]) for p, r in zip(units, records))
-    steady = sum(c for _, c in done[1:]) / (done[-1][0] - done[0][0]) / devices if len(done) > 2 else None
+    # steady state: every sample over the span in which the GPUs were at work (from the first sampling with a GPU at
+    # least half busy to the last), i.e. the whole call without its start (hashing, weight checks, spawning, encoder loading); the run's ramp
+    # and tail stay in. (Unit completion times would not do: the workers' units finish in waves, not evenly.)
+    if args.busy_trace:
+        args.busy_trace.write_text(json.dumps({"start": start_epoch, "times": busy.times, "busy": busy.samples}))
+    window = busy.active_window(devices)
+    steady = samples / (window[1] - window[0]) / devices if window else None
     bound = encoder_bound(cli, args.bound_iters, warmup=4 if args.vae_compile else 2)  # compile: 3 graphs
     rate = samples / wall / devices
     return {"bench": "farm", "recipe": recipe, "device": torch.cuda.get_device_name() if args.device == "cuda" else
@@ -140,7 +151,8 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
             "samples_per_s_per_device": round(rate, 3), "bound_samples_per_s": round(bound, 3),
             "ratio_to_bound": round(rate / bound, 4), "busy_pct": busy.mean_pct(devices),
             "steady_samples_per_s_per_device": steady and round(steady, 3),
-            "steady_busy_pct": busy.mean_pct(devices, done[0][0], done[-1][0]) if len(done) > 2 else None,
+            "steady_busy_pct": busy.mean_pct(devices, *window) if window else None,
+            "start_s": window and round(window[0] - start_epoch, 1),
             "steady_ratio_to_bound": steady and round(steady / bound, 4),
             "cpu_cores_per_device": round(cores / devices, 2), "bytes_per_sample": round(spill_bytes / max(1, samples)),
             "torch": torch.__version__}
@@ -165,6 +177,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--vae-compile", action="store_true", help="preprocess shards --vae-compile (and in the bound)")
     p.add_argument("--anchor-stride", type=int, default=1, help="keep every n-th window (fewer samples per episode)")
     p.add_argument("--bound-iters", type=int, default=10, help="timed encoder batches of the bound")
+    p.add_argument("--busy-trace", type=Path, default=None,
+                   help="write the sampled GPU utilization (epoch times and per-GPU %%) of the last recipe to this JSON")
     p.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one, removed)")
     args = p.parse_args(argv)
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="bench_farm-")

@@ -19,16 +19,18 @@ def _parts(cfg):
 
 @pytest.mark.parametrize("preset, gib, gpus, want, why", [
     # the measured settings, fastest first; more or larger GPUs only free memory
-    ("libero-5b", H100, 4, ("selective", 8, False), "measured 14.07"),
-    ("libero-5b", H100, 8, ("selective", 8, False), "measured 14.07"),
+    ("libero-5b", H100, 4, ("selective", 8, False), "measured 13.72-14.07"),
+    ("libero-5b", H100, 8, ("selective", 8, False), "measured 13.72-14.07"),
     ("libero-5b", H200, 1, ("selective", 8, False), "measured 14.6-15.0"),
     ("libero-5b", H200, 2, ("selective", 8, False), "measured 14.6-15.0"),
-    ("libero-5b", H200, 4, ("selective", 8, False), "measured 14.07"),
+    ("libero-5b", H200, 4, ("selective", 8, False), "measured 13.72-14.07"),
     ("droid-14b", H200, 4, ("full", 1, True), "measured 0.255"),
+    ("droid-5b", H100, 4, ("full", 32, True), "measured 12.13"),
+    ("droid-5b", H200, 8, ("full", 32, True), "measured 12.13"),
     # nothing measured fits: the recipe with full recompute
     ("libero-5b", H100, 1, ("full", 32, True), "nothing measured fits"),
     ("libero-5b", H100, 2, ("full", 32, True), "nothing measured fits"),
-    ("droid-5b", H200, 4, ("full", 32, True), "nothing measured fits"),
+    ("droid-5b", H200, 2, ("full", 32, True), "nothing measured fits"),
     ("droid-14b", H100, 4, ("full", 1, True), "nothing measured fits"),
     ("droid-14b", H200, 2, ("full", 1, True), "nothing measured fits"),
     # CPU: today's behaviour, the recipe
