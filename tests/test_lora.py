@@ -198,3 +198,18 @@ def test_exports_merged_and_lora_only_agree(runs, official_base):
     conf = yaml.safe_load((resumed / "export" / "experiment_cfg" / "conf.yaml").read_text())
     assert conf["save_lora_only"] is True
     assert conf | {"save_lora_only": False} == yaml.safe_load((base / "experiment_cfg" / "conf.yaml").read_text())
+
+
+@pytest.mark.slow
+def test_resumed_full_fine_tuning_does_not_read_init_from(small_shards, official_base, tmp_path):
+    """Rank 0 = full fine-tuning: the step checkpoint holds every weight, so a resumed run skips --model.init-from
+    (a 14B base is ~1 min of reading) and still logs the uninterrupted run's losses; a LoRA run re-reads it (above)."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _train(small_shards, official_base, full, "--lora.rank", "0", ranks=1)
+    _train(small_shards, official_base, resumed, "--lora.rank", "0", "--stop-after", "3", ranks=1)
+    gone = tmp_path / "moved-base"  # the base is not there any more: reading it would stop the run
+    done = _train(small_shards, gone, resumed, "--lora.rank", "0", ranks=1)
+    assert "--model.init-from is not read" in done.stdout
+    assert [s for s, _ in _losses(full)] == list(range(1, STEPS + 1)) and _losses(resumed) == _losses(full)
+    fresh = _train(small_shards, gone, tmp_path / "fresh", "--lora.rank", "0", ranks=1, check=False)
+    assert fresh.returncode != 0 and str(gone) in fresh.stderr  # without a checkpoint it is read, and refused

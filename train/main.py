@@ -110,9 +110,12 @@ def model_config(cfg: Config, image_encoder=None, index: ShardIndex | None = Non
     return model_cfg
 
 
-def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device) -> CausalWanModel:
+def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
+                  checkpoint_holds_all: bool = False) -> CausalWanModel:
     """The DiT of `model_cfg`, parallelized, with fp32 shards on `device`: the seeded init, or --model.init-from of
-    which each rank reads only its own rows (with --model.init-device meta no rank ever holds the full model)."""
+    which each rank reads only its own rows (with --model.init-device meta no rank ever holds the full model).
+    `checkpoint_holds_all`: a step checkpoint will overwrite every parameter (a resumed full fine-tuning), so
+    --model.init-from is not read (~1 min for the 14B) and the seeded init stands in until then."""
     torch.manual_seed(cfg.seed)
     meta = cfg.model.init_device == "meta"
     with torch.device("meta" if meta else "cpu"):
@@ -124,7 +127,7 @@ def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device) -> Ca
         model._masks = {}
     else:
         model.to(device)
-    if cfg.model.init_from is not None:
+    if cfg.model.init_from is not None and not checkpoint_holds_all:
         try:
             load_weights(model, cfg.model.init_from, seed=cfg.seed)
         except WeightsError as e:
@@ -136,9 +139,10 @@ def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device) -> Ca
     return model
 
 
-def build(cfg: Config, device: torch.device, image_encoder=None, index: ShardIndex | None = None) -> CausalWanModel:
+def build(cfg: Config, device: torch.device, image_encoder=None, index: ShardIndex | None = None,
+          checkpoint_holds_all: bool = False) -> CausalWanModel:
     """Same init on every rank, then parallelize; parameters end up as fp32 shards on `device`."""
-    model = sharded_model(model_config(cfg, image_encoder, index), cfg, device)
+    model = sharded_model(model_config(cfg, image_encoder, index), cfg, device, checkpoint_holds_all)
     if cfg.checkpoint.export and cfg.checkpoint.export_base is not None:  # refuse an unusable base now, not at the end
         try:
             check_base(cfg.checkpoint.export_base, model, shard_statistics(cfg.data.shards)[1])
@@ -247,14 +251,17 @@ def train(cfg: Config) -> dict:
 
     image_encoder = frozen_image_encoder(cfg, device)
     index = open_index(cfg.data.shards, cfg.data.cache_dir)  # once: the model's widths and the loader both read it
-    model = build(cfg, device, image_encoder, index)
+    found = checkpoint.complete_checkpoints(run_dir) if cfg.checkpoint.resume else []
+    holds_all = bool(found) and cfg.lora.rank == 0  # a LoRA checkpoint holds the adapters only: the base is re-read
+    if holds_all and cfg.model.init_from is not None and rank == 0:
+        print(f"resuming from {found[-1][1]}, which holds every weight: --model.init-from is not read", flush=True)
+    model = build(cfg, device, image_encoder, index, checkpoint_holds_all=holds_all)
     optimizer = build_optimizer(model, cfg.optim, device)
     loader = ShardLoader(cfg.data, model.cfg, rank, world, device, index)
     gen = noise_generator(cfg, rank, device)
     fm = FlowMatchScheduler(cfg.loss.num_train_timesteps, cfg.loss.shift).to(device)
 
     step, skipped, warmup = 0, 0, warmup_steps(cfg.optim, cfg.steps)
-    found = checkpoint.complete_checkpoints(run_dir) if cfg.checkpoint.resume else []
     if found:
         state = checkpoint.load(found[-1][1], model, optimizer)
         step, skipped, warmup = state["step"], state["skipped"], state["warmup"]
