@@ -280,7 +280,9 @@ def run(args: Args) -> None:
     emb.preset(args.model)  # a clear error for a recipe the embodiment does not define
     if args.metadata is not None:
         check_metadata(args.metadata, emb.tag)
+    checking = time.perf_counter()
     check_weights(args)
+    checked = time.perf_counter() - checking
     ds = LeRobotDataset(args.src)
     units = plan_units(ds, args.episodes_per_unit, args.max_episodes)
     array_job = args.num_units is not None and args.stage != "finalize"
@@ -288,7 +290,10 @@ def run(args: Args) -> None:
     with outdir.hold(args.out, shared=array_job):
         args.workers = args.workers or default_workers(args)
         threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
+        hashing = time.perf_counter()
         inputs = build_inputs(args, threads)
+        print(f"start: encoder weights checked in {checked:.1f} s, inputs hashed in {time.perf_counter() - hashing:.1f} s",
+              flush=True)
         if url:
             remote.prefetch_remote_state(url, args.out, args.overwrite)
         outdir.claim(args.out, inputs, args.overwrite)

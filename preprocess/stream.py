@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+from tqdm import tqdm
 
 from preprocess import write
 from preprocess.errors import DatasetError
@@ -66,7 +67,9 @@ def run_stream(job: Job, units: dict[int, list[int]], workers: int) -> Iterator[
     for _ in range(workers):
         todo.put(None)
     parent = os.getpid()
-    encoders = [ctx.Process(target=_encoder_main, args=(job, d, requests, replies, results, parent), daemon=True,
+    started = time.time()
+    encoders = [ctx.Process(target=_encoder_main, args=(job, d, requests, replies, results, parent, started),
+                            daemon=True,
                             name=f"encoder-{d}") for d in devices]
     cpu = [ctx.Process(target=_worker_main, args=(job, w, todo, requests, replies[w], results, parent), daemon=True,
                        name=f"cpu-worker-{w}") for w in range(workers)]
@@ -84,6 +87,9 @@ def run_stream(job: Job, units: dict[int, list[int]], workers: int) -> Iterator[
                 continue
             if kind == "error":
                 raise payload
+            if kind == "info":
+                tqdm.write(payload)
+                continue
             remaining -= 1
             yield payload
     finally:
@@ -107,7 +113,7 @@ def _report_failure(results, where: str, err: BaseException) -> None:
     results.put(("error", err))
 
 
-def _encoder_main(job: Job, device: str, requests, replies, results, parent: int) -> None:
+def _encoder_main(job: Job, device: str, requests, replies, results, parent: int, started: float) -> None:
     """Load the encoders once; encode each request's batch and send the codes back to its worker. A thread takes
     the next request and prepares it (CLIP's resize on the host, the copy to the device on a side stream) while the
     device runs the current one, so the device does not wait on the host between batches."""
@@ -117,7 +123,10 @@ def _encoder_main(job: Job, device: str, requests, replies, results, parent: int
         cuda = device.startswith("cuda")
         if cuda:
             torch.cuda.set_device(device)
+        loading = time.time()
         encoders = Encoders(replace(job, device=device))
+        results.put(("info", f"encoders on {device}: ready {time.time() - started:.1f} s after the start of the "
+                             f"workers (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s)"))
         prepared: queue.Queue = queue.Queue(maxsize=1)
         threading.Thread(target=_prepare_ahead, args=(encoders, requests, prepared, cuda), daemon=True).start()
         while (item := prepared.get()) is not None:

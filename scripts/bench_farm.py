@@ -33,12 +33,15 @@ from types import SimpleNamespace
 
 import torch
 
+import configs
 from preprocess.sample_data import write_sample_dataset
+from preprocess.shards import DATASETS
 from preprocess.tiny_checkpoints import write_tiny_checkpoints
 
-# recipe -> (dataset preset, model recipe, sample layout)
-RECIPES = {"libero-5b": ("libero", "5b", "libero"), "droid-5b": ("droid", "5b", "droid"),
-           "droid-14b": ("droid", "14b", "droid")}
+# the recipes whose preprocess section names a model (configs/<name>.yaml): name -> (dataset, model, sample layout)
+RECIPES = {name: (pre["dataset"], pre["model"], DATASETS[pre["dataset"]].sample_layout)
+           for name in configs.names()
+           if "model" in (pre := configs.section(configs.recipe(name), "preprocess", name))}
 
 
 class BusySampler:
@@ -88,7 +91,6 @@ def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
     in batches of the run's batch size."""
     from preprocess.embodiments import get_embodiment
     from preprocess.pipeline import Encoders
-    from preprocess.shards import DATASETS
 
     device = "cuda:0" if cli.device == "cuda" else cli.device
     encoders = Encoders(SimpleNamespace(vae=str(cli.vae), image_encoder=str(cli.image_encoder), model=cli.model,

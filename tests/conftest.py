@@ -92,7 +92,8 @@ def tiny_checkpoints(tmp_path_factory) -> Path:
 def droid_shards(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
     """The sample DROID dataset built by the CLI (default executor) with the tiny checkpoints."""
     out = tmp_path_factory.mktemp("shards") / "droid"
-    build(droid_root, out, "droid", tiny_checkpoints)
+    done = build(droid_root, out, "droid", tiny_checkpoints)
+    (out.parent / "build-stdout.txt").write_text(done.stdout)  # beside the shards, not in them
     return out
 
 

@@ -4,6 +4,7 @@ worker's one-line error, and leave no process behind when the run is killed."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,11 @@ def test_stream_gives_the_bytes_of_the_local_pool(droid_shards, droid_root, tiny
           "--threads-per-worker", str(threads))
     assert check(out) == []
     assert manifest(out)["shards"] == manifest(droid_shards)["shards"]
+    # the stream says where its start went: weight checks and hashing, then each encoder's process start and load
+    said = (droid_shards.parent / "build-stdout.txt").read_text()
+    assert re.search(r"^start: encoder weights checked in [\d.]+ s, inputs hashed in [\d.]+ s$", said, re.M), said
+    assert re.search(r"^encoders on cpu: ready [\d.]+ s after the start of the workers \(process start [\d.]+ s, "
+                     r"loading [\d.]+ s\)$", said, re.M), said
 
 
 def test_a_bad_episode_with_fail_fast_stops_the_stream_with_its_line(droid_root, tiny_checkpoints, tmp_path):
