@@ -310,7 +310,7 @@ def train(cfg: Config) -> dict:
                 batch, pending = (pending, None) if pending is not None else (next(batches), None)
                 if image_encoder is not None:  # the features the shards would have held, as bf16 like those
                     batch["clip"] = image_encoder.encode_pixels(batch.pop("clip_pixels")).to(torch.bfloat16)
-                model.set_requires_gradient_sync(i == accum - 1)
+                model.set_requires_gradient_sync(i == accum - 1 or cfg.parallel.reduce_every_micro_batch)
                 inputs = DiTBatch(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
                 loss, terms = flow_matching_loss(model, inputs, fm, cfg.loss, generator=gen)
                 (loss / accum).backward()
