@@ -1,10 +1,12 @@
 """Parallelism, optimizer and checkpoint pieces in one process (gloo, world size 1)."""
 
+import gc
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from tests.conftest import tiny_model
@@ -26,11 +28,15 @@ def process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _loss_and_grads(model):
+def _backward(model) -> torch.Tensor:
     batch = random_batch(model.cfg, 2, (9, 4, 4), generator=torch.Generator().manual_seed(1))
     loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), generator=torch.Generator().manual_seed(2))
     loss.backward()
-    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+    return loss.detach()
+
+
+def _loss_and_grads(model):
+    return _backward(model), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -131,3 +137,48 @@ def test_adamw_defaults_and_schedule():
     assert lrs[0] == pytest.approx(cfg.lr / 5) and lrs[4] == pytest.approx(cfg.lr)
     assert lrs[52] == pytest.approx(cfg.lr * 0.5 * (1 + math.cos(math.pi * 47 / 95)))
     assert opt.param_groups[0]["betas"] == (0.95, 0.999) and opt.param_groups[0]["weight_decay"] == 1e-5
+
+
+def _live_cpu_bytes() -> int:
+    """Bytes of every live CPU tensor storage (each storage once): what a process holds, without an allocator API."""
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def _gradient_bytes_between_micro_batches(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        held = {}
+        for reduce_now in (False, True):  # the default's non-final micro-batch; --parallel.reduce-every-micro-batch
+            model = tiny_model()
+            params = sum(p.numel() for p in model.parameters())
+            parallelize(model, ParallelConfig(param_dtype="bfloat16", reduce_dtype="float32"))
+            model.set_requires_gradient_sync(reduce_now)
+            before = _live_cpu_bytes()
+            _backward(model)
+            held[reduce_now] = (_live_cpu_bytes() - before) / (4 * params)  # in fp32 copies of the whole model
+            del model
+        if rank == 0:
+            torch.save(held, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reducing_every_micro_batch_holds_a_shard_of_the_gradients_not_all(tmp_path):
+    """Between micro-batches, FSDP2 without a reduce keeps the whole model's gradients unsharded in fp32 (the
+    default on every micro-batch but the last: 4 bytes per parameter on every rank); reducing after each one keeps
+    this rank's fp32 shard (4 / world bytes). Measured as live tensor bytes on two gloo ranks."""
+    out = tmp_path / "held.pt"
+    mp.start_processes(_gradient_bytes_between_micro_batches, args=(str(tmp_path / "store"), str(out)), nprocs=2,
+                       start_method="spawn")
+    held = torch.load(out)
+    assert 0.95 < held[False] < 1.15, held  # one fp32 copy of every gradient
+    assert 0.45 < held[True] < 0.65, held  # half of it: this rank's shard
