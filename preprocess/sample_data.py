@@ -402,6 +402,8 @@ def write_sample_dataset(out: Path, layout: str, episodes: int = 4, seed: int = 
     compress the frames of the droid and libero layouts (the same files for any number)."""
     if episodes < 1:
         raise ValueError(f"episodes must be at least 1, got {episodes}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)

@@ -22,7 +22,6 @@ import json
 import os
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -235,9 +234,7 @@ def build_inputs(args: Args, threads: int) -> dict:
     bytes, and the sha256 of each encoder and of --metadata. Keys are argument names."""
     same = ("dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend", "dtype",
             "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes", "samples_per_shard")
-    # the encoder files are many GB: hashed side by side (hashlib works outside the GIL), not one after the other
-    with ThreadPoolExecutor(len(ENCODERS)) as pool:
-        hashes = dict(zip(ENCODERS, pool.map(lambda name: outdir.weights_sha256(Path(getattr(args, name))), ENCODERS)))
+    hashes = dict(zip(ENCODERS, outdir.weights_sha256(*(Path(getattr(args, name)) for name in ENCODERS))))
     return {"src": outdir.fingerprint(args.src), **{name: getattr(args, name) for name in same},
             "threads_per_worker": threads, "device": torch.device(args.device).type, **hashes,
             "metadata": None if args.metadata is None else sha256_file(args.metadata)}

@@ -12,10 +12,11 @@ the same encoders alone on the same device, measured in one run. One JSON line p
 3. The bound: the same `Encoders` (VAE, CLIP, the 14B's y) on the same device, on random videos of the recipe's
    shape, in batches of --batch-size, with nothing else running.
 
-Reported: samples/s per device over the whole call and in the steady state (every sample over the span from the
-first to the last sampling with a GPU at least half busy: the call without its start, which is reported as start_s), each against
-the bound, device busy % (nvidia-smi's utilization, sampled every 0.2 s over the run), CPU cores used per device (CPU time of this process and its children / wall time), bytes per
-sample in the unit spills (what the shards will hold).
+Reported: samples/s per device over the whole call and in the steady state (every sample over the call from the
+first sampling with a GPU at least half busy on: the call without its start, reported as start_s; GPU runs only),
+each against the bound, device busy % (nvidia-smi's utilization of the encoders' GPUs, sampled every 0.2 s over the
+run), CPU cores used per device (CPU time of this process and its children / wall time), bytes per sample in the unit
+spills (what the shards will hold).
 """
 
 from __future__ import annotations
@@ -44,17 +45,30 @@ RECIPES = {name: (pre["dataset"], pre["model"], DATASETS[pre["dataset"]].sample_
            if "model" in (pre := configs.section(configs.recipe(name), "preprocess", name))}
 
 
-class BusySampler:
-    """Mean utilization.gpu of the visible GPUs while running (nvidia-smi every 0.2 s); None without nvidia-smi."""
+def encoder_gpus(device: str) -> list[str]:
+    """nvidia-smi's ids of the GPUs the encoders run on: every visible one for `cuda`, the N-th visible one for
+    `cuda:N` (CUDA_VISIBLE_DEVICES maps visible indices to physical ids or UUIDs, which nvidia-smi -i takes too)."""
+    if not device.startswith("cuda"):
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [
+        str(i) for i in range(torch.cuda.device_count())]
+    return ids if device == "cuda" else [ids[torch.device(device).index or 0]]
 
-    def __init__(self, period_s: float = 0.2):
-        self.period_s, self.samples, self.times, self._stop = period_s, [], [], threading.Event()
+
+class BusySampler:
+    """utilization.gpu of the GPUs `ids` (nvidia-smi every 0.2 s); no samples without nvidia-smi or GPUs."""
+
+    def __init__(self, ids: list[str], period_s: float = 0.2):
+        self.ids, self.period_s, self.samples, self.times = ids, period_s, [], []
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
+        while self.ids and not self._stop.wait(self.period_s):
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                out = subprocess.run(["nvidia-smi", "-i", ",".join(self.ids), "--query-gpu=utilization.gpu",
+                                      "--format=csv,noheader,nounits"],
                                      capture_output=True, text=True, timeout=5).stdout.split()
                 self.samples.append([float(v) for v in out])
                 self.times.append(time.time())
@@ -69,14 +83,14 @@ class BusySampler:
         self._stop.set()
         self._thread.join()
 
-    def active_window(self, devices: int, threshold_pct: float = 50.0) -> tuple[float, float] | None:
-        """Epoch times of the first and the last sample in which any of the first `devices` GPUs was at least
-        `threshold_pct` busy (the blips of CUDA start-up and weight loading, a few %, stay out)."""
-        busy = [t for r, t in zip(self.samples, self.times) if any(v >= threshold_pct for v in r[:devices])]
-        return (busy[0], busy[-1]) if len(busy) > 1 else None
+    def first_busy(self, devices: int, threshold_pct: float = 50.0) -> float | None:
+        """Epoch time of the first sample in which any of the `devices` GPUs was at least `threshold_pct` busy (the
+        blips of CUDA start-up and weight loading, a few %, stay out)."""
+        return next((t for r, t in zip(self.samples, self.times) if any(v >= threshold_pct for v in r[:devices])),
+                    None)
 
     def mean_pct(self, devices: int, start: float = 0.0, end: float = float("inf")) -> float | None:
-        """Mean busy % of the first `devices` GPUs over the samples taken between `start` and `end` (epoch s)."""
+        """Mean busy % of the `devices` GPUs over the samples taken between `start` and `end` (epoch s)."""
         rows = [r[:devices] for r, t in zip(self.samples, self.times) if len(r) >= devices and start <= t <= end]
         return sum(map(sum, rows)) / (len(rows) * devices) if rows else None
 
@@ -117,7 +131,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     dataset, model, layout = RECIPES[recipe]
     src = work / f"data-{layout}"
     if not (src / "meta" / "info.json").is_file():
-        write_sample_dataset(src, layout, args.episodes, seed=0, workers=os.cpu_count() or 1)
+        write_sample_dataset(src, layout, args.episodes, seed=0, workers=max(1, (os.cpu_count() or 2) // 2))
     out = work / f"shards-{recipe}"
     vae = "wan2.1" if model == "14b" else "wan2.2"
     cli = shards.Args(dataset=dataset, src=src, out=out, model=model, device=args.device, batch_size=args.batch_size,
@@ -128,20 +142,25 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
                       text_encoder=weights / "umt5" / "text_encoder", tokenizer=weights / "umt5" / "tokenizer")
     devices = torch.cuda.device_count() if args.device == "cuda" else 1
     cpu0, start, start_epoch = cpu_seconds(), time.perf_counter(), time.time()
-    with BusySampler() as busy:
+    with BusySampler(encoder_gpus(args.device)) as busy:
         shards.run(cli)
-    wall = time.perf_counter() - start
+    wall, end_epoch = time.perf_counter() - start, time.time()
     cores = (cpu_seconds() - cpu0) / wall
     units = sorted((out / "work").glob("unit-*.json"))
     records = [json.loads(p.read_text()) for p in units]
     samples = sum(r["count"] for r in records)
     spill_bytes = sum((p.with_suffix(".tar")).stat().st_size for p in units)
-    # steady state: every sample over the span in which the GPUs were at work (from the first sampling with a GPU at
-    # least half busy to the last), i.e. the whole call without its start (hashing, weight checks, spawning, encoder loading); the run's ramp
-    # and tail stay in. (Unit completion times would not do: the workers' units finish in waves, not evenly.)
+    # steady state: every sample over the call from the first sampling with a GPU at least half busy to its end, i.e.
+    # the whole call without its start (hashing, weight checks, spawning, encoder loading); the run's ramp and tail
+    # stay in. GPU runs only. (Unit completion times would not do: the workers' units finish in waves, not evenly.)
     if args.busy_trace:
-        args.busy_trace.write_text(json.dumps({"start": start_epoch, "times": busy.times, "busy": busy.samples}))
-    window = busy.active_window(devices)
+        trace = args.busy_trace
+        if len(args.recipes) > 1:
+            trace = trace.with_stem(f"{trace.stem}-{recipe}")
+        trace.write_text(json.dumps({"start": start_epoch, "end": end_epoch, "gpus": busy.ids, "times": busy.times,
+                                     "busy": busy.samples}))
+    first = busy.first_busy(devices)
+    window = (first, end_epoch) if first is not None else None
     steady = samples / (window[1] - window[0]) / devices if window else None
     bound = encoder_bound(cli, args.bound_iters, warmup=4 if args.vae_compile else 2)  # compile: 3 graphs
     rate = samples / wall / devices
@@ -162,7 +181,8 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES), help="recipes to measure")
+    p.add_argument("--recipes", nargs="+", default=sorted(RECIPES, key=lambda r: (RECIPES[r][1] != "5b", r)),
+                   choices=list(RECIPES), help="recipes to measure (default: all, the 14B last)")
     p.add_argument("--device", default="cuda", help="encoder device: cuda (every local GPU), cuda:N or cpu")
     p.add_argument("--size", choices=["full", "tiny"], default="full", help="encoder widths (tiny: smoke runs)")
     p.add_argument("--episodes", type=int, default=48, help="episodes of each generated dataset")
@@ -180,7 +200,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--anchor-stride", type=int, default=1, help="keep every n-th window (fewer samples per episode)")
     p.add_argument("--bound-iters", type=int, default=10, help="timed encoder batches of the bound")
     p.add_argument("--busy-trace", type=Path, default=None,
-                   help="write the sampled GPU utilization (epoch times and per-GPU %%) of the last recipe to this JSON")
+                   help="write the sampled GPU utilization (epoch times and per-GPU %%) to this JSON (with several "
+                        "recipes: one file each, the recipe's name after the stem)")
     p.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one, removed)")
     args = p.parse_args(argv)
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="bench_farm-")

@@ -23,12 +23,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--episodes", type=int, default=4, help="number of episodes (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="random seed; the same seed writes the same data")
     parser.add_argument("--workers", type=int, default=1,
-                        help="processes that render and compress frames (droid, libero; the same files for any number)")
+                        help="processes that render and compress frames (droid and libero layouts; the same files for any "
+                             "number)")
     parser.add_argument("--codec", choices=["h264", "av1"], default="h264",
                         help="video codec for mp4 layouts: h264 (libx264, as DROID) or av1 (SVT-AV1, LeRobot's default)")
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error("--episodes must be at least 1")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     write_sample_dataset(args.out, args.layout, args.episodes, args.seed, args.codec, args.workers)
     print(f"wrote {args.layout} sample dataset with {args.episodes} episodes to {args.out}")
 

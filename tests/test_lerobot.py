@@ -155,3 +155,11 @@ def test_sample_dataset_same_files_with_worker_processes(tmp_path, layout, droid
     assert files == sorted(p.relative_to(parallel) for p in parallel.rglob("*") if p.is_file())
     for rel in files:
         assert (serial / rel).read_bytes() == (parallel / rel).read_bytes(), rel
+
+
+
+def test_sample_dataset_refuses_no_workers(tmp_path):
+    from preprocess.sample_data import write_sample_dataset
+
+    with pytest.raises(ValueError, match="workers must be at least 1"):
+        write_sample_dataset(tmp_path / "x", "libero", workers=0)

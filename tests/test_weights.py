@@ -50,3 +50,22 @@ def test_wrong_kind_and_bad_files(tmp_path, tiny_checkpoints):
     torch.save({"a": 1}, tmp_path / "notstate.pth")
     with pytest.raises(WeightsError, match="not a state dict"):
         read_state_dict(Path(tmp_path / "notstate.pth"))
+
+
+def test_weights_sha256_of_files_and_folders(tmp_path, tiny_checkpoints):
+    """What inputs.json records per encoder: a file's sha256; a folder's sha256 over (relative name, file sha256)
+    pairs in name order. Hashing several paths in one pool gives each path's own hash."""
+    import hashlib
+
+    from preprocess.outdir import weights_sha256
+
+    folder = tmp_path / "enc"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.bin").write_bytes(b"bb" * 1000)
+    (folder / "sub" / "a.json").write_text("{}")
+    sha = {name: hashlib.sha256(data).hexdigest() for name, data in [("b.bin", b"bb" * 1000), ("sub/a.json", b"{}")]}
+    want = hashlib.sha256(f"b.bin\0{sha['b.bin']}\0sub/a.json\0{sha['sub/a.json']}\0".encode()).hexdigest()
+    assert weights_sha256(folder) == [want]
+    assert weights_sha256(folder / "b.bin") == [sha["b.bin"]]
+    paths = sorted(tiny_checkpoints.glob("*/*"))
+    assert weights_sha256(*paths, folder, threads=3) == [weights_sha256(p)[0] for p in paths] + [want]

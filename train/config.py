@@ -154,9 +154,9 @@ class ParallelConfig:
     unset (None) = auto, as --parallel.activation-checkpoint auto."""
     reduce_every_micro_batch: bool = False
     """Reduce-scatter the gradients after every micro-batch instead of once per optimizer step. Once per step (the
-    default) each rank accumulates the full model's gradients in fp32 between micro-batches (4 bytes per parameter,
-    20 GB for the 5B); every micro-batch keeps only this rank's fp32 shard (4/world bytes) for accum-times the
-    gradient traffic. Without accumulation (global batch = micro-batch x world) both are the same."""
+    default) each rank accumulates the full model's gradients in the reduce dtype between micro-batches (fp32: 4
+    bytes per parameter, 20 GB for the 5B); every micro-batch keeps only this rank's shard (4/world bytes) for
+    accum-times the gradient traffic. Without accumulation (global batch = micro-batch x world) both are the same."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """Float8 matmuls in the DiT blocks' linears (torchao float8 training; pip install -e '.[fp8]'; CUDA compute
     capability >= 8.9): tensorwise = one scale per tensor, FSDP all-gathers the weights in float8; rowwise = one

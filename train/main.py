@@ -79,7 +79,7 @@ def frozen_image_encoder(cfg: Config, device: torch.device):
 
     if not path.exists():
         raise SystemExit(f"--model.image-encoder {path}: not found")
-    if weights_sha256(path) != built_with["sha256"]:
+    if weights_sha256(path)[0] != built_with["sha256"]:
         raise SystemExit(f"--model.image-encoder {path}: not the CLIP weights {cfg.data.shards} was built with "
                          f"({built_with['path']}, sha256 {built_with['sha256'][:12]}): its features would differ")
     return load_image_encoder(path, device=device, dtype=getattr(torch, manifest.encoders["dtype"]))
