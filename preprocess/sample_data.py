@@ -229,13 +229,15 @@ def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool) -> None:
         data_path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, data_path)
         args = (out, traj, length, ep, h, w, fps, seed, codec)
-        videos.append(pool.submit(_droid_videos, *args) if pool else _droid_videos(*args))
+        if pool:
+            videos.append(pool.submit(_droid_videos, *args))
+        else:
+            _droid_videos(*args)
         ep_tasks = [tasks[i] for i in dict.fromkeys([first, second, third])]
         episode_rows.append({"episode_index": ep, "tasks": ep_tasks, "length": length, "success": True})
         stats_rows.append({"episode_index": ep, "stats": basic_stats({"observation.state": state, "action": action})})
     for done in videos:
-        if pool:
-            done.result()  # a worker's error raised here
+        done.result()  # a worker's error raised here
 
     features = {f"observation.images.{c}": video_feature(h, w, fps, codec) for c in DROID_CAMERAS}
     features |= {

@@ -69,8 +69,7 @@ def run_stream(job: Job, units: dict[int, list[int]], workers: int) -> Iterator[
     parent = os.getpid()
     started = time.time()
     encoders = [ctx.Process(target=_encoder_main, args=(job, d, requests, replies, results, parent, started),
-                            daemon=True,
-                            name=f"encoder-{d}") for d in devices]
+                            daemon=True, name=f"encoder-{d}") for d in devices]
     cpu = [ctx.Process(target=_worker_main, args=(job, w, todo, requests, replies[w], results, parent), daemon=True,
                        name=f"cpu-worker-{w}") for w in range(workers)]
     for p in encoders + cpu:

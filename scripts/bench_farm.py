@@ -83,16 +83,15 @@ class BusySampler:
         self._stop.set()
         self._thread.join()
 
-    def first_busy(self, devices: int, threshold_pct: float = 50.0) -> float | None:
-        """Epoch time of the first sample in which any of the `devices` GPUs was at least `threshold_pct` busy (the
-        blips of CUDA start-up and weight loading, a few %, stay out)."""
-        return next((t for r, t in zip(self.samples, self.times) if any(v >= threshold_pct for v in r[:devices])),
-                    None)
+    def first_busy(self, threshold_pct: float = 50.0) -> float | None:
+        """Epoch time of the first sample in which any of the GPUs was at least `threshold_pct` busy (the blips of
+        CUDA start-up and weight loading, a few %, stay out)."""
+        return next((t for r, t in zip(self.samples, self.times) if any(v >= threshold_pct for v in r)), None)
 
-    def mean_pct(self, devices: int, start: float = 0.0, end: float = float("inf")) -> float | None:
-        """Mean busy % of the `devices` GPUs over the samples taken between `start` and `end` (epoch s)."""
-        rows = [r[:devices] for r, t in zip(self.samples, self.times) if len(r) >= devices and start <= t <= end]
-        return sum(map(sum, rows)) / (len(rows) * devices) if rows else None
+    def mean_pct(self, start: float = 0.0, end: float = float("inf")) -> float | None:
+        """Mean busy % of the GPUs over the samples taken between `start` and `end` (epoch s)."""
+        rows = [r for r, t in zip(self.samples, self.times) if len(r) == len(self.ids) and start <= t <= end]
+        return sum(map(sum, rows)) / (len(rows) * len(self.ids)) if rows else None
 
 
 def cpu_seconds() -> float:
@@ -140,9 +139,10 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
                       episodes_per_unit=args.episodes_per_unit, image_features=args.image_features,
                       vae_compile=args.vae_compile, vae=weights / vae / "vae", image_encoder=weights / "clip" / "image_encoder",
                       text_encoder=weights / "umt5" / "text_encoder", tokenizer=weights / "umt5" / "tokenizer")
-    devices = torch.cuda.device_count() if args.device == "cuda" else 1
+    gpus = encoder_gpus(args.device)
+    devices = len(gpus) or 1  # one encoder process per GPU, or one on the CPU
     cpu0, start, start_epoch = cpu_seconds(), time.perf_counter(), time.time()
-    with BusySampler(encoder_gpus(args.device)) as busy:
+    with BusySampler(gpus) as busy:
         shards.run(cli)
     wall, end_epoch = time.perf_counter() - start, time.time()
     cores = (cpu_seconds() - cpu0) / wall
@@ -159,7 +159,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
             trace = trace.with_stem(f"{trace.stem}-{recipe}")
         trace.write_text(json.dumps({"start": start_epoch, "end": end_epoch, "gpus": busy.ids, "times": busy.times,
                                      "busy": busy.samples}))
-    first = busy.first_busy(devices)
+    first = busy.first_busy()
     window = (first, end_epoch) if first is not None else None
     steady = samples / (window[1] - window[0]) / devices if window else None
     bound = encoder_bound(cli, args.bound_iters, warmup=4 if args.vae_compile else 2)  # compile: 3 graphs
@@ -170,9 +170,9 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
             "episodes_per_unit": args.episodes_per_unit, "image_features": args.image_features,
             "vae_compile": args.vae_compile, "samples": samples, "wall_s": round(wall, 2),
             "samples_per_s_per_device": round(rate, 3), "bound_samples_per_s": round(bound, 3),
-            "ratio_to_bound": round(rate / bound, 4), "busy_pct": busy.mean_pct(devices),
+            "ratio_to_bound": round(rate / bound, 4), "busy_pct": busy.mean_pct(),
             "steady_samples_per_s_per_device": steady and round(steady, 3),
-            "steady_busy_pct": busy.mean_pct(devices, *window) if window else None,
+            "steady_busy_pct": busy.mean_pct(*window) if window else None,
             "start_s": window and round(window[0] - start_epoch, 1),
             "steady_ratio_to_bound": steady and round(steady / bound, 4),
             "cpu_cores_per_device": round(cores / devices, 2), "bytes_per_sample": round(spill_bytes / max(1, samples)),

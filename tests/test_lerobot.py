@@ -157,7 +157,6 @@ def test_sample_dataset_same_files_with_worker_processes(tmp_path, layout, droid
         assert (serial / rel).read_bytes() == (parallel / rel).read_bytes(), rel
 
 
-
 def test_sample_dataset_refuses_no_workers(tmp_path):
     from preprocess.sample_data import write_sample_dataset
 
