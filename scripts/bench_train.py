@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "micro_batch": micro, "global_batch": global_batch, "accum": accum,
                     "ac": cfg.parallel.activation_checkpoint, "compile": cfg.parallel.compile,
                     "attention": cfg.model.attention, "reshard_after_forward": cfg.parallel.reshard_after_forward,
+                    "reduce_every_micro_batch": cfg.parallel.reduce_every_micro_batch,
                     "float8": cfg.parallel.float8, "auto": auto,
                     "warmup_steps": args.warmup_steps, "steps": args.steps, "trainer_extra": extra}
     try:

@@ -44,7 +44,9 @@ def test_the_table_picks_the_fastest_measured_setting_that_fits(tmp_path, preset
     assert _parts(resolved) == want
     assert why in line and line.startswith(f"auto settings for {preset} on ") and "\n" not in line
     assert resolved.parallel.global_batch_size == cfg.parallel.global_batch_size  # the recipe's global batch
-    assert _parts(cfg) == ("auto", 0, None)  # a copy: the input is left as it was
+    # bf16 runs: every measured setting reduces once per step and recomputes every block alike
+    assert (resolved.parallel.reduce_every_micro_batch, resolved.parallel.ac_blocks) == (False, -1)
+    assert _parts(cfg) == ("auto", 0, None) and cfg.parallel.reduce_every_micro_batch is None  # a copy, untouched
 
 
 def test_given_flags_win_part_by_part(tmp_path):
@@ -56,7 +58,7 @@ def test_given_flags_win_part_by_part(tmp_path):
                                "full"), H100, 1)
     assert _parts(cfg) == ("full", 32, False)
     every = _cfg(tmp_path, "--parallel.activation-checkpoint", "none", "--data.micro-batch-size", "4",
-                 "--parallel.reshard-after-forward")
+                 "--parallel.reshard-after-forward", "--parallel.no-reduce-every-micro-batch")
     assert resolve_auto(every, H200, 1) == (every, None)  # nothing auto: nothing to say
     # tiny keeps its explicit recipe; asking it for auto gives that recipe
     assert resolve_auto(_cfg(tmp_path, preset="tiny"), H200, 1)[1] is None
@@ -80,3 +82,41 @@ def test_unresolved_settings_are_refused_where_they_would_be_used(tmp_path):
     for unresolved in (ParallelConfig(activation_checkpoint="auto"), ParallelConfig(reshard_after_forward=None)):
         with pytest.raises(ValueError, match="resolve_auto"):
             parallelize(build_model("tiny"), unresolved)
+
+
+def _mix(cfg):
+    p = cfg.parallel
+    return p.activation_checkpoint, p.ac_blocks, p.ac_others, p.reduce_every_micro_batch, cfg.data.micro_batch_size
+
+
+def test_float8_runs_take_the_settings_measured_with_float8_then_the_bf16_ones(tmp_path):
+    fp8 = ("--parallel.float8", "tensorwise")
+    # the 14B on 4 H200 with float8: the measured mix (14 selective blocks, gradients reduced every micro-batch)
+    cfg, line = resolve_auto(_cfg(tmp_path, *fp8, preset="droid-14b"), H200, 4)
+    assert _mix(cfg) == ("full", 26, "selective", True, 1) and cfg.parallel.float8 == "tensorwise"
+    assert ("full recompute on 26 blocks (selective recompute on the others), micro-batch 1, reshard after forward, "
+            "gradients reduced every micro-batch" in line and "measured 0.328" in line)
+    # the same GPUs in bf16 never take the float8 entry: float8 changes the numerics and is only ever given
+    cfg, line = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4)
+    assert _mix(cfg) == ("full", -1, "none", False, 1) and cfg.parallel.float8 == "none" and "measured 0.255" in line
+    # no float8 entry for libero-5b: its bf16 measurement (float8 took no more memory where both were measured)
+    cfg, line = resolve_auto(_cfg(tmp_path, *fp8), H100, 4)
+    assert _mix(cfg) == ("selective", -1, "none", False, 8) and "measured 13.72" in line
+    # nothing measured fits 4 H100 for the 14B, with or without float8: the recipe
+    cfg, line = resolve_auto(_cfg(tmp_path, *fp8, preset="droid-14b"), H100, 4)
+    assert _mix(cfg) == ("full", -1, "none", False, 1) and "nothing measured fits" in line
+
+
+def test_the_recompute_mix_and_gradient_reduction_given_are_kept(tmp_path):
+    fp8 = ("--parallel.float8", "tensorwise")
+    cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.ac-blocks", "30", "--parallel.ac-others", "selective",
+                                  preset="droid-14b"), H200, 4)
+    assert _mix(cfg) == ("full", 30, "selective", True, 1) and "on 30 blocks" in line
+    cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.no-reduce-every-micro-batch", preset="droid-14b"),
+                             H200, 4)
+    assert _mix(cfg) == ("full", 26, "selective", False, 1) and line.endswith("; given: gradient reduction")
+    assert "gradients reduced" not in line
+    # a given recompute mode keeps its own blocks; the gradient reduction still comes from the fastest fit
+    cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.activation-checkpoint", "full", preset="droid-14b"),
+                             H200, 4)
+    assert _mix(cfg) == ("full", -1, "none", True, 1) and line.endswith("; given: recompute")

@@ -152,11 +152,12 @@ class ParallelConfig:
     reshard_after_forward: tyro.conf.DisallowNone[bool | None] = True
     """Free gathered block parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like);
     unset (None) = auto, as --parallel.activation-checkpoint auto."""
-    reduce_every_micro_batch: bool = False
-    """Reduce-scatter the gradients after every micro-batch instead of once per optimizer step. Once per step (the
-    default) each rank accumulates the full model's gradients in the reduce dtype between micro-batches (fp32: 4
-    bytes per parameter, 20 GB for the 5B); every micro-batch keeps only this rank's shard (4/world bytes) for
-    accum-times the gradient traffic. Without accumulation (global batch = micro-batch x world) both are the same."""
+    reduce_every_micro_batch: tyro.conf.DisallowNone[bool | None] = False
+    """Reduce-scatter the gradients after every micro-batch instead of once per optimizer step. Once per step each
+    rank accumulates the full model's gradients in the reduce dtype between micro-batches (fp32: 4 bytes per
+    parameter, 20 GB for the 5B, 66 GB for the 14B); every micro-batch keeps only this rank's shard (4/world bytes)
+    for accum-times the gradient traffic. Without accumulation (global batch = micro-batch x world) both are the same.
+    Unset (None, the 5B/14B presets) = auto, as --parallel.activation-checkpoint auto."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """Float8 matmuls in the DiT blocks' linears (torchao float8 training; pip install -e '.[fp8]'; CUDA compute
     capability >= 8.9): tensorwise = one scale per tensor, FSDP all-gathers the weights in float8; rowwise = one
@@ -254,27 +255,36 @@ class Throughput:
     ac: str
     micro: int
     reshard: bool
+    ac_blocks: int = -1  # with them: --parallel.ac-blocks / --parallel.ac-others
+    ac_others: str = "none"
+    reduce_every: bool = False  # --parallel.reduce-every-micro-batch
 
     def describe(self) -> str:
         recompute = "no recompute" if self.ac == "none" else f"{self.ac} recompute"
-        return f"{recompute}, micro-batch {self.micro}, {'' if self.reshard else 'no '}reshard after forward"
+        if self.ac != "none" and self.ac_blocks >= 0:
+            others = "none" if self.ac_others == "none" else f"{self.ac_others} recompute"
+            recompute += f" on {self.ac_blocks} blocks ({others} on the others)"
+        reduce = ", gradients reduced every micro-batch" if self.reduce_every else ""
+        return f"{recompute}, micro-batch {self.micro}, {'' if self.reshard else 'no '}reshard after forward{reduce}"
 
 
 @dataclass(frozen=True)
 class Measured:
     """A setting measured to fit (scripts/bench_train.py, docs/PERFORMANCE.md) on `min_gpus` GPUs of `min_gib`
-    each; it also fits more GPUs (less sharded state per GPU) and larger ones."""
+    each with --parallel.float8 `float8`; it also fits more GPUs (less sharded state per GPU) and larger ones."""
 
     preset: str
     min_gpus: int
     min_gib: float
     setting: Throughput
     evidence: str
+    float8: str = "none"
 
 
 def _measured(name: str, entry: dict) -> Measured:
-    return Measured(name, entry["min_gpus"], entry["min_gib"],
-                    Throughput(entry["ac"], entry["micro"], entry["reshard"]), entry["evidence"])
+    setting = Throughput(entry["ac"], entry["micro"], entry["reshard"], entry.get("ac_blocks", -1),
+                         entry.get("ac_others", "none"), entry.get("reduce_every", False))
+    return Measured(name, entry["min_gpus"], entry["min_gib"], setting, entry["evidence"], entry.get("float8", "none"))
 
 
 # Per recipe (configs/<name>.yaml, section throughput): the measured settings, fastest first, and the fallback
@@ -318,16 +328,20 @@ def _fitting_micro(micro: int, global_batch: int, world_size: int) -> int:
 
 def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tuple[Config, str | None]:
     """A copy of `cfg` whose auto parts (--parallel.activation-checkpoint auto, --data.micro-batch-size 0, unset
-    --parallel.[no-]reshard-after-forward) take the fastest MEASURED setting for the preset that fits `world_size`
-    GPUs of `gpu_mem_gib` each, else the preset's RECIPES entry (None = CPU: the recipe). Given parts are kept.
-    Returns the copy and one line saying what was chosen and why (None when nothing was auto)."""
+    --parallel.[no-]reshard-after-forward and --parallel.[no-]reduce-every-micro-batch) take the fastest MEASURED
+    setting for the preset that fits `world_size` GPUs of `gpu_mem_gib` each, else the preset's RECIPES entry (None =
+    CPU: the recipe). Settings measured with the run's --parallel.float8 come first, then the bf16 ones (float8 did
+    not take more memory where both were measured). The recompute mode brings its entry's --parallel.ac-blocks and
+    --parallel.ac-others unless those are given. Given parts are kept. Returns the copy and one line saying what was
+    chosen and why (None when nothing was auto)."""
     p, d = cfg.parallel, cfg.data
     auto = {"ac": p.activation_checkpoint == "auto", "micro": d.micro_batch_size == AUTO_MICRO,
-            "reshard": p.reshard_after_forward is None}
+            "reshard": p.reshard_after_forward is None, "reduce": p.reduce_every_micro_batch is None}
     if not any(auto.values()):
         return cfg, None
     fits = [m for m in MEASURED if m.preset == cfg.preset and gpu_mem_gib is not None
-            and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib]
+            and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib and m.float8 in (p.float8, "none")]
+    fits.sort(key=lambda m: m.float8 != p.float8)  # stable: each group stays fastest first
     chosen = fits[0].setting if fits else RECIPES[cfg.preset]
     gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
     where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
@@ -336,13 +350,20 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     out = copy.deepcopy(cfg)
     if auto["ac"]:
         out.parallel.activation_checkpoint = chosen.ac
+        if (p.ac_blocks, p.ac_others) == (-1, "none"):  # not given
+            out.parallel.ac_blocks, out.parallel.ac_others = chosen.ac_blocks, chosen.ac_others
+    if auto["reduce"]:
+        out.parallel.reduce_every_micro_batch = chosen.reduce_every
     if auto["reshard"]:
         out.parallel.reshard_after_forward = chosen.reshard
     if auto["micro"]:
         out.data.micro_batch_size = _fitting_micro(chosen.micro, p.global_batch_size, world_size)
     result = Throughput(out.parallel.activation_checkpoint, out.data.micro_batch_size,
-                        out.parallel.reshard_after_forward)
-    given = [{"ac": "recompute", "micro": "micro-batch", "reshard": "resharding"}[k] for k, a in auto.items() if not a]
+                        out.parallel.reshard_after_forward, out.parallel.ac_blocks, out.parallel.ac_others,
+                        bool(out.parallel.reduce_every_micro_batch))
+    out.parallel.reduce_every_micro_batch = result.reduce_every  # False where it was neither given nor auto
+    given = [{"ac": "recompute", "micro": "micro-batch", "reshard": "resharding", "reduce": "gradient reduction"}[k]
+             for k, a in auto.items() if not a]
     batch = f", global batch {p.global_batch_size}" if p.global_batch_size else ""
     return out, (f"auto settings for {cfg.preset} on {where}: {result.describe()}{batch} ({why})"
                  + (f"; given: {', '.join(given)}" if given else ""))
