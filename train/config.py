@@ -360,8 +360,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
         out.data.micro_batch_size = _fitting_micro(chosen.micro, p.global_batch_size, world_size)
     result = Throughput(out.parallel.activation_checkpoint, out.data.micro_batch_size,
                         out.parallel.reshard_after_forward, out.parallel.ac_blocks, out.parallel.ac_others,
-                        bool(out.parallel.reduce_every_micro_batch))
-    out.parallel.reduce_every_micro_batch = result.reduce_every  # False where it was neither given nor auto
+                        out.parallel.reduce_every_micro_batch)
     given = [{"ac": "recompute", "micro": "micro-batch", "reshard": "resharding", "reduce": "gradient reduction"}[k]
              for k, a in auto.items() if not a]
     batch = f", global batch {p.global_batch_size}" if p.global_batch_size else ""
