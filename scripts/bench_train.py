@@ -45,7 +45,7 @@ from train.flops import dit_flops
 from train.main import model_config
 from train.metrics import device_peak_flops
 from train.model import Block, DiTConfig, compact_text_rows, rope_tables, text_key_log_weight
-from train.parallel import apply_ac, apply_compile, apply_float8, recomputed_blocks
+from train.parallel import apply_ac, apply_compile, apply_float8, recomputed_blocks, use_expandable_segments
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                     "peak_mem_gib", "measured_steps", "measured_s", "loss_last")})
 
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        use_expandable_segments(device)  # the trainer's allocator, for the bound too
         result.update(device=device.type, gpu=device_name(device), torch=torch.__version__,
                       **provenance(argv))
         bounds = {}

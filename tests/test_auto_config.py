@@ -91,11 +91,11 @@ def _mix(cfg):
 
 def test_float8_runs_take_the_settings_measured_with_float8_then_the_bf16_ones(tmp_path):
     fp8 = ("--parallel.float8", "tensorwise")
-    # the 14B on 4 H200 with float8: the measured mix (14 selective blocks, gradients reduced every micro-batch)
+    # the 14B on 4 H200 with float8: the measured mix (28 selective blocks, gradients reduced every micro-batch)
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, preset="droid-14b"), H200, 4)
-    assert _mix(cfg) == ("full", 26, "selective", True, 1) and cfg.parallel.float8 == "tensorwise"
-    assert ("full recompute on 26 blocks (selective recompute on the others), micro-batch 1, reshard after forward, "
-            "gradients reduced every micro-batch" in line and "measured 0.328" in line)
+    assert _mix(cfg) == ("full", 12, "selective", True, 1) and cfg.parallel.float8 == "tensorwise"
+    assert ("full recompute on 12 blocks (selective recompute on the others), micro-batch 1, reshard after forward, "
+            "gradients reduced every micro-batch" in line and "measured 0.357" in line)
     # the same GPUs in bf16 never take the float8 entry: float8 changes the numerics and is only ever given
     cfg, line = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4)
     assert _mix(cfg) == ("full", -1, "none", False, 1) and cfg.parallel.float8 == "none" and "measured 0.255" in line
@@ -114,7 +114,7 @@ def test_the_recompute_mix_and_gradient_reduction_given_are_kept(tmp_path):
     assert _mix(cfg) == ("full", 30, "selective", True, 1) and "on 30 blocks" in line
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.no-reduce-every-micro-batch", preset="droid-14b"),
                              H200, 4)
-    assert _mix(cfg) == ("full", 26, "selective", False, 1) and line.endswith("; given: gradient reduction")
+    assert _mix(cfg) == ("full", 12, "selective", False, 1) and line.endswith("; given: gradient reduction")
     assert "gradients reduced" not in line
     # a given recompute mode keeps its own blocks; the gradient reduction still comes from the fastest fit
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.activation-checkpoint", "full", preset="droid-14b"),

@@ -38,7 +38,8 @@ from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.metrics import MetricsLogger, StepProfiler, device_peak_flops
 from train.model import CausalWanModel, DiTBatch, DiTConfig, preset
 from train.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_grad_norm, warmup_steps
-from train.parallel import check_float8, float8_after_step, parallelize, recomputed_blocks
+from train.parallel import (check_float8, float8_after_step, parallelize, recomputed_blocks,
+                            use_expandable_segments)
 from train.weights import WeightsError, load_weights
 
 MODEL_INPUTS = [f.name for f in fields(DiTBatch)]
@@ -54,6 +55,7 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        use_expandable_segments(device)
     backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if cuda else "gloo")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # also runs as a plain `python train/main.py`
     os.environ.setdefault("MASTER_PORT", "29517")
