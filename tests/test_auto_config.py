@@ -120,3 +120,16 @@ def test_the_recompute_mix_and_gradient_reduction_given_are_kept(tmp_path):
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.activation-checkpoint", "full", preset="droid-14b"),
                              H200, 4)
     assert _mix(cfg) == ("full", -1, "none", True, 1) and line.endswith("; given: recompute")
+
+
+def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_path):
+    # the 14B on 4 H100 fits nothing measured; offloaded, its gradients must not accumulate unsharded on the GPU
+    cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", preset="droid-14b"), H100, 4)
+    assert _mix(cfg) == ("full", -1, "none", True, 1)
+    assert "gradients reduced every micro-batch for --parallel.cpu-offload" in line
+    # given, the reduction stays as given
+    cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", "--parallel.no-reduce-every-micro-batch",
+                                  preset="droid-14b"), H100, 4)
+    assert cfg.parallel.reduce_every_micro_batch is False and "for --parallel.cpu-offload" not in line
+    with pytest.raises(SystemExit, match=r"--parallel.cpu-offload True \(must be off with --parallel.float8"):
+        _cfg(tmp_path, "--parallel.cpu-offload", "--parallel.float8", "tensorwise", preset="droid-14b")

@@ -116,6 +116,31 @@ def test_fsdp_mixed_precision_trains_with_fp32_masters_and_official_names(tmp_pa
         torch.testing.assert_close(restored[k], full[k], rtol=0, atol=0)
 
 
+def _offloaded(module) -> list[bool]:
+    """Whether FSDP2 keeps each of `module`'s sharded parameters in host memory (its CPUOffloadPolicy)."""
+    return [p.offload_to_cpu for p in module._get_fsdp_state()._fsdp_param_group.fsdp_params]
+
+
+def test_cpu_offload_keeps_every_shard_in_host_memory_and_trains_the_same():
+    """--parallel.cpu-offload: every FSDP unit (blocks and root) offloads its fp32 shards and gradients, and the
+    optimizer is the fused AdamW (the fast one on the CPU); on a CPU device the step is the same as without."""
+    grads, weights = {}, {}
+    for offload in (False, True):
+        model = tiny_model()
+        parallelize(model, ParallelConfig(cpu_offload=offload))
+        assert all(_offloaded(model)) == offload and all(all(_offloaded(b)) == offload for b in model.blocks)
+        opt = build_optimizer(model, OptimConfig(lr=1e-3, fused=True if not offload else None), torch.device("cpu"),
+                              offloaded=offload)
+        assert opt.defaults["fused"]
+        _, grads[offload] = _loss_and_grads(model)
+        clip_grad_norm(model, 1.0)
+        opt.step()
+        weights[offload] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    for k in grads[False]:
+        torch.testing.assert_close(grads[True][k], grads[False][k], rtol=0, atol=0)
+        torch.testing.assert_close(weights[True][k], weights[False][k], rtol=0, atol=0)
+
+
 def test_adamw_defaults_and_schedule():
     cfg = OptimConfig()
     assert (cfg.lr, cfg.betas, cfg.weight_decay, cfg.grad_clip) == (1e-5, (0.95, 0.999), 1e-5, 1.0)

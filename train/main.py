@@ -57,6 +57,12 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
         use_expandable_segments(device)
     backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if cuda else "gloo")
+    if backend == "nccl" and cfg.parallel.cpu_offload:
+        # the host-offloaded shards' collectives (gradient norm, checkpoints, export) run on host tensors, and the
+        # optimizer steps on the host: its cores split over this node's ranks (torchrun's default is 1 thread each)
+        backend = "cuda:nccl,cpu:gloo"
+        cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(torch.get_num_threads(), cores))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # also runs as a plain `python train/main.py`
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if cuda else None)
@@ -114,12 +120,14 @@ def model_config(cfg: Config, image_encoder=None, index: ShardIndex | None = Non
 
 def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
                   checkpoint_holds_all: bool = False) -> CausalWanModel:
-    """The DiT of `model_cfg`, parallelized, with fp32 shards on `device`: the seeded init, or --model.init-from of
-    which each rank reads only its own rows (with --model.init-device meta no rank ever holds the full model).
+    """The DiT of `model_cfg`, parallelized, with fp32 shards on `device` (in host memory with --parallel.cpu-offload):
+    the seeded init, or --model.init-from of which each rank reads only its own rows (with --model.init-device meta
+    no rank ever holds the full model).
     `checkpoint_holds_all`: a step checkpoint will overwrite every parameter (a resumed full fine-tuning), so
     --model.init-from is not read (~1 min for the 14B) and the seeded init stands in until then."""
     torch.manual_seed(cfg.seed)
     meta = cfg.model.init_device == "meta"
+    device = torch.device("cpu") if cfg.parallel.cpu_offload else device  # where the fp32 shards live
     with torch.device("meta" if meta else "cpu"):
         model = CausalWanModel(model_cfg)
     apply_lora(model, cfg.lora)  # before sharding: FSDP2 keeps each parameter's requires_grad
@@ -258,7 +266,7 @@ def train(cfg: Config) -> dict:
     if holds_all and cfg.model.init_from is not None and rank == 0:
         print(f"resuming from {found[-1][1]}, which holds every weight: --model.init-from is not read", flush=True)
     model = build(cfg, device, image_encoder, index, checkpoint_holds_all=holds_all)
-    optimizer = build_optimizer(model, cfg.optim, device)
+    optimizer = build_optimizer(model, cfg.optim, device, offloaded=cfg.parallel.cpu_offload)
     loader = ShardLoader(cfg.data, model.cfg, rank, world, device, index)
     gen = noise_generator(cfg, rank, device)
     fm = FlowMatchScheduler(cfg.loss.num_train_timesteps, cfg.loss.shift).to(device)
@@ -319,7 +327,7 @@ def train(cfg: Config) -> dict:
                 micro_batches.append((batch, terms["loss"]))
                 for k, v in terms.items():
                     terms_sum[k] = terms_sum.get(k, 0) + v / accum
-            grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+            grad_norm = clip_grad_norm(model, cfg.optim.grad_clip).to(device)  # host-offloaded: a host tensor
             # checked before the optimizer step, so no NaN ever reaches the weights (one host sync per step)
             nonfinite, stop = step_flags([loss for _, loss in micro_batches], grad_norm, preemption.requested)
             if nonfinite:

@@ -11,10 +11,11 @@ from torch.distributed.tensor import DTensor
 from train.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
+                    offloaded: bool = False) -> torch.optim.AdamW:
     """AdamW on every trainable parameter with the same weight decay (as RLinf; the official trainer exempts biases
-    and LayerNorms)."""
-    fused = device.type == "cuda" if cfg.fused is None else cfg.fused
+    and LayerNorms). `offloaded`: the state lives in host memory (--parallel.cpu-offload)."""
+    fused = (device.type == "cuda" or offloaded) if cfg.fused is None else cfg.fused
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                              fused=fused)

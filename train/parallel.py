@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from train.config import ParallelConfig
 
@@ -106,15 +106,19 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
 
     Forward inputs are not cast: FSDP2's default would round the timesteps (1000 values -> 294 in bf16), the fp32
     RoPE tables and the compact-text log-weights before the model sees them. The model casts its activations to
-    the parameter dtype itself, as the reference's autocast does, and keeps those three in fp32."""
+    the parameter dtype itself, as the reference's autocast does, and keeps those three in fp32.
+
+    --parallel.cpu-offload: the fp32 shards and their gradients live in host memory (pinned where a GPU computes, for
+    asynchronous copies); each gather copies the shard to the GPU first, each reduce-scatter copies the result back."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype],
                               cast_forward_inputs=False)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again first in backward: keep them gathered
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward, offload_policy=offload)
 
 
 def float8_filter(module: nn.Module, fqn: str) -> bool:
