@@ -292,9 +292,10 @@ def train(cfg: Config) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")  # --config reads it back: the same run
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        where = device.type + ("; fp32 state in host memory" if cfg.parallel.cpu_offload else "")
         print(f"{cfg.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
-              f"({trainable / 1e6:.2f}M trainable), {world} ranks "
-              f"({device.type}), micro-batch {micro}, accum {accum}, global batch {global_batch}, "
+              f"({trainable / 1e6:.2f}M trainable), {world} ranks ({where}), micro-batch {micro}, "
+              f"accum {accum}, global batch {global_batch}, "
               f"{loader.num_windows} windows, {loader.batches_per_epoch} batches/epoch/rank", flush=True)
 
     batches, metrics = iter(loader), None
