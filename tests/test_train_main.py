@@ -185,7 +185,8 @@ def test_reducing_after_every_micro_batch_and_offloading_train_the_same(tiny_sha
         run_dir = tmp_path / name
         cmd = [*_command(tiny_shards, run_dir), "--steps", "6", "--checkpoint.interval", "0",
                "--checkpoint.no-save-final", "--checkpoint.no-export", "--parallel.param-dtype", "float32",
-               "--parallel.global-batch-size", "8", *extra]  # tiny: micro-batch 2 x 2 ranks x accum 2
+               "--parallel.global-batch-size", "8", "--parallel.backend", "gloo",  # CPU ranks, also on a GPU host
+               *extra]  # tiny: micro-batch 2 x 2 ranks x accum 2
         done = subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert ("fp32 state in host memory" in done.stdout) == (name == "offloaded")
         runs[name] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

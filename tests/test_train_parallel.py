@@ -15,7 +15,8 @@ from train.config import CheckpointConfig, OptimConfig, ParallelConfig
 from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.model import build_model, random_batch
 from train.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
-from train.parallel import ac_block_indices, apply_ac, parallelize, recomputed_blocks
+from train.parallel import (ac_block_indices, allocator_settings, apply_ac, parallelize, recomputed_blocks,
+                            use_expandable_segments)
 
 torch.set_num_threads(2)
 
@@ -139,6 +140,19 @@ def test_cpu_offload_keeps_every_shard_in_host_memory_and_trains_the_same():
     for k in grads[False]:
         torch.testing.assert_close(grads[True][k], grads[False][k], rtol=0, atol=0)
         torch.testing.assert_close(weights[True][k], weights[False][k], rtol=0, atol=0)
+
+
+def test_expandable_segments_keep_the_environments_other_allocator_settings():
+    """Applying allocator settings resets every one not named: the environment's own are applied with them."""
+    assert allocator_settings({}) == "expandable_segments:True"
+    assert (allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,garbage_collection_threshold:0.8"})
+            == "max_split_size_mb:512,garbage_collection_threshold:0.8,expandable_segments:True")
+    assert (allocator_settings({"PYTORCH_ALLOC_CONF": "max_split_size_mb:256", "PYTORCH_CUDA_ALLOC_CONF": "x:1"})
+            == "max_split_size_mb:256,expandable_segments:True")  # the newer name first
+    # the environment chooses: expandable segments named either way, or another allocator backend
+    assert allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) is None
+    assert allocator_settings({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}) is None
+    assert not use_expandable_segments(torch.device("cpu"))
 
 
 def test_adamw_defaults_and_schedule():

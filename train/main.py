@@ -127,7 +127,6 @@ def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
     --model.init-from is not read (~1 min for the 14B) and the seeded init stands in until then."""
     torch.manual_seed(cfg.seed)
     meta = cfg.model.init_device == "meta"
-    device = torch.device("cpu") if cfg.parallel.cpu_offload else device  # where the fp32 shards live
     with torch.device("meta" if meta else "cpu"):
         model = CausalWanModel(model_cfg)
     apply_lora(model, cfg.lora)  # before sharding: FSDP2 keeps each parameter's requires_grad
@@ -146,6 +145,8 @@ def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
         with torch.no_grad():
             model.init_weights()
     init_lora(model, cfg.seed)  # after the base weights: the adapters are not in any weights file
+    if cfg.parallel.cpu_offload:  # only now: DTensor's per-shard random streams exist on the GPU's generator alone
+        model.to("cpu")  # FSDP2 pins the shards again
     return model
 
 

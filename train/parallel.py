@@ -82,15 +82,26 @@ def apply_ac(model: nn.Module, mode: str, ac_blocks: int = -1, others: str = "no
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
+def allocator_settings(environ) -> str | None:
+    """The CUDA allocator settings `use_expandable_segments` applies: the environment's own (PYTORCH_ALLOC_CONF, else
+    PYTORCH_CUDA_ALLOC_CONF) with expandable segments added, since applying settings resets every one not named.
+    None where the environment chooses itself: it names expandable_segments, or another allocator backend."""
+    conf = next((environ[v] for v in ALLOC_CONF_VARS if environ.get(v)), "")
+    if "expandable_segments" in conf or "backend:" in conf:
+        return None
+    return ",".join(filter(None, [conf, "expandable_segments:True"]))
+
+
 def use_expandable_segments(device: torch.device) -> bool:
     """Let the CUDA caching allocator grow segments in place rather than cache fixed-size blocks, unless the
-    environment already chooses (expandable_segments named in PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF).
-    Why: near the memory ceiling fixed blocks fragment; the 14B float8 mix with 28 selective blocks on 4 H200 failed
-    to allocate 0.8 GiB with 9.3 GiB reserved but unused, and runs at 131 GiB with this. Set at runtime (before the
-    first allocation), so it holds whatever imported torch first. Returns whether it set it."""
-    if device.type != "cuda" or any("expandable_segments" in os.environ.get(v, "") for v in ALLOC_CONF_VARS):
+    environment chooses (`allocator_settings`). Why: near the memory ceiling fixed blocks fragment; the 14B float8
+    mix with 28 selective blocks on 4 H200 failed to allocate 0.8 GiB with 9.3 GiB reserved but unused, and runs at
+    131 GiB with this. Set at runtime (before the first allocation), so it holds whatever imported torch first.
+    Returns whether it set it."""
+    settings = allocator_settings(os.environ)
+    if device.type != "cuda" or settings is None:
         return False
-    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    torch._C._accelerator_setAllocatorSettings(settings)
     return True
 
 
@@ -108,11 +119,12 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
     RoPE tables and the compact-text log-weights before the model sees them. The model casts its activations to
     the parameter dtype itself, as the reference's autocast does, and keeps those three in fp32.
 
-    --parallel.cpu-offload: the fp32 shards and their gradients live in host memory (pinned where a GPU computes, for
-    asynchronous copies); each gather copies the shard to the GPU first, each reduce-scatter copies the result back."""
+    --parallel.cpu-offload: the fp32 shards and their gradients live in host memory (pinned where a GPU computes);
+    each gather copies the shard to the GPU first, each reduce-scatter copies the result back."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype],
                               cast_forward_inputs=False)
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
+    pin = torch.cuda.is_available() and cfg.backend != "gloo"  # pinned: asynchronous copies to a computing GPU
+    offload = CPUOffloadPolicy(pin_memory=pin) if cfg.cpu_offload else OffloadPolicy()
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again first in backward: keep them gathered
