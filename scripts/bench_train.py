@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "ac": cfg.parallel.activation_checkpoint, "compile": cfg.parallel.compile,
                     "attention": cfg.model.attention, "reshard_after_forward": cfg.parallel.reshard_after_forward,
                     "reduce_every_micro_batch": cfg.parallel.reduce_every_micro_batch,
-                    "float8": cfg.parallel.float8, "auto": auto,
+                    "float8": cfg.parallel.float8, "cpu_offload": cfg.parallel.cpu_offload, "auto": auto,
                     "warmup_steps": args.warmup_steps, "steps": args.steps, "trainer_extra": extra}
     try:
         # windows for every step, plus the batches the loader workers have prefetched when the run ends

@@ -34,6 +34,7 @@ def test_tiny_cpu_run_prints_every_field(tmp_path):
     assert (r["preset"], r["model"], r["world_size"], r["micro_batch"], r["global_batch"], r["accum"]) == (
         "tiny", "tiny", 1, 2, 4, 2)
     assert (r["ac"], r["compile"], r["device"]) == ("full", False, "cpu")
+    assert (r["float8"], r["cpu_offload"], r["reduce_every_micro_batch"]) == ("none", False, False)
     assert r["trainer_extra"] == ["--data.num-workers", "1", "--metrics.profile-start", "2", "--metrics.profile-steps",
                                   "1"]
     # the third step was profiled: top ops on rank 0 and a Chrome trace
