@@ -19,6 +19,7 @@ import yaml
 
 from preprocess import synthetic
 from train.config import Config
+from train.parallel import computes_on_cuda
 
 MAIN = Path(__file__).resolve().parent / "main.py"
 
@@ -53,8 +54,7 @@ def trainer_argv(args, shards: Path, run_dir: Path, extra: list[str]) -> list[st
 
 def trainer_device(cfg: Config) -> torch.device:
     """The device the trainer's rank 0 trains on (train/main.py setup_distributed): what its auto settings size by."""
-    cuda = torch.cuda.is_available() and cfg.parallel.backend != "gloo"
-    return torch.device("cuda", 0) if cuda else torch.device("cpu")
+    return torch.device("cuda", 0) if computes_on_cuda(cfg.parallel) else torch.device("cpu")
 
 
 def check_same_resolution(cfg: Config, run_dir: Path) -> None:

@@ -38,7 +38,7 @@ from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.metrics import MetricsLogger, StepProfiler, device_peak_flops
 from train.model import CausalWanModel, DiTBatch, DiTConfig, preset
 from train.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_grad_norm, warmup_steps
-from train.parallel import (check_float8, float8_after_step, parallelize, recomputed_blocks,
+from train.parallel import (check_float8, computes_on_cuda, float8_after_step, parallelize, recomputed_blocks,
                             use_expandable_segments)
 from train.weights import WeightsError, load_weights
 
@@ -51,7 +51,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available() and cfg.parallel.backend != "gloo"
+    cuda = computes_on_cuda(cfg.parallel)
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

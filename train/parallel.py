@@ -79,6 +79,11 @@ def apply_ac(model: nn.Module, mode: str, ac_blocks: int = -1, others: str = "no
         model.blocks.register_module(str(i), checkpoint_wrapper(model.blocks[i], **kwargs))
 
 
+def computes_on_cuda(cfg: ParallelConfig) -> bool:
+    """Whether the ranks compute on CUDA GPUs: there are some, and --parallel.backend is not gloo."""
+    return torch.cuda.is_available() and cfg.backend != "gloo"
+
+
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
@@ -123,8 +128,8 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
     each gather copies the shard to the GPU first, each reduce-scatter copies the result back."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype],
                               cast_forward_inputs=False)
-    pin = torch.cuda.is_available() and cfg.backend != "gloo"  # pinned: asynchronous copies to a computing GPU
-    offload = CPUOffloadPolicy(pin_memory=pin) if cfg.cpu_offload else OffloadPolicy()
+    # pinned host memory: asynchronous copies to and from a computing GPU
+    offload = CPUOffloadPolicy(pin_memory=computes_on_cuda(cfg)) if cfg.cpu_offload else OffloadPolicy()
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again first in backward: keep them gathered
