@@ -2,7 +2,7 @@
 
 import pytest
 
-from train.config import ParallelConfig, parse_args, resolve_auto
+from train.config import ParallelConfig, parse_args, resolve_auto, validate
 from train.model import build_model
 from train.parallel import parallelize
 
@@ -133,3 +133,15 @@ def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_p
     assert cfg.parallel.reduce_every_micro_batch is False and "for --parallel.cpu-offload" not in line
     with pytest.raises(SystemExit, match=r"--parallel.cpu-offload True \(must be off with --parallel.float8"):
         _cfg(tmp_path, "--parallel.cpu-offload", "--parallel.float8", "tensorwise", preset="droid-14b")
+
+
+def test_gathering_once_per_step_needs_the_gathered_parameters_kept_after_forward(tmp_path):
+    with pytest.raises(SystemExit, match=r"--parallel.gather-once-per-step True \(must be off with "
+                                         r"--parallel.reshard-after-forward"):
+        _cfg(tmp_path, "--parallel.gather-once-per-step", "--parallel.reshard-after-forward")
+    # auto resharding: checked again once resolved (train/main.py), as here
+    kept, _ = resolve_auto(_cfg(tmp_path, "--parallel.gather-once-per-step"), H100, 4)
+    validate(kept)
+    resharded, _ = resolve_auto(_cfg(tmp_path, "--parallel.gather-once-per-step", preset="droid-5b"), H100, 4)
+    with pytest.raises(SystemExit, match="gather-once-per-step"):
+        validate(resharded)

@@ -172,16 +172,18 @@ def test_resume_with_more_steps_continues_the_cosine_without_warmup(tiny_shards,
     assert rows[STEPS]["lr"] > 0.3e-2
 
 
-def test_reducing_after_every_micro_batch_and_offloading_train_the_same(tiny_shards, tmp_path):
+def test_reducing_after_every_micro_batch_offloading_and_gathering_once_train_the_same(tiny_shards, tmp_path):
     """Gradient accumulation over 2 micro-batches per rank, the gradients reduce-scattered once per step (unsharded
     fp32 accumulation, the default) or after every micro-batch (sharded accumulation): the same run up to the
     order of fp32 sums. The latter with the fp32 state offloaded to host memory (the same unfused AdamW; on CPU
     ranks the copies are the only difference, and the gradient norm's collective runs on host tensors): bit for bit
-    the same run."""
+    the same run. Gathering the parameters once per step instead of once per micro-batch: the default's run bit for
+    bit (the same gathered values)."""
     runs = {}
     for name, extra in [("per_step", []), ("per_micro_batch", ["--parallel.reduce-every-micro-batch"]),
                         ("offloaded", ["--parallel.reduce-every-micro-batch", "--parallel.cpu-offload",
-                                       "--optim.fused", "False"])]:
+                                       "--optim.fused", "False"]),
+                        ("gathered_once", ["--parallel.no-reshard-after-forward", "--parallel.gather-once-per-step"])]:
         run_dir = tmp_path / name
         cmd = [*_command(tiny_shards, run_dir), "--steps", "6", "--checkpoint.interval", "0",
                "--checkpoint.no-save-final", "--checkpoint.no-export", "--parallel.param-dtype", "float32",
@@ -199,3 +201,4 @@ def test_reducing_after_every_micro_batch_and_offloading_train_the_same(tiny_sha
     # ... but not the same sums: the flag took effect (a no-op would give the default's bits)
     assert [r["grad_norm"] for r in per_step] != [r["grad_norm"] for r in per_micro]
     assert [(r["loss"], r["grad_norm"]) for r in runs["offloaded"]] == [(r["loss"], r["grad_norm"]) for r in per_micro]
+    assert [(r["loss"], r["grad_norm"]) for r in runs["gathered_once"]] == [(r["loss"], r["grad_norm"]) for r in per_step]

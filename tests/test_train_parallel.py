@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from tests.conftest import tiny_model
 from train import checkpoint
@@ -15,8 +16,8 @@ from train.config import CheckpointConfig, OptimConfig, ParallelConfig
 from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.model import build_model, random_batch
 from train.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
-from train.parallel import (ac_block_indices, allocator_settings, apply_ac, parallelize, recomputed_blocks,
-                            use_expandable_segments)
+from train.parallel import (ac_block_indices, allocator_settings, apply_ac, parallelize, prepare_micro_batch,
+                            recomputed_blocks, use_expandable_segments)
 
 torch.set_num_threads(2)
 
@@ -140,6 +141,44 @@ def test_cpu_offload_keeps_every_shard_in_host_memory_and_trains_the_same():
     for k in grads[False]:
         torch.testing.assert_close(grads[True][k], grads[False][k], rtol=0, atol=0)
         torch.testing.assert_close(weights[True][k], weights[False][k], rtol=0, atol=0)
+
+
+def _all_gathers_per_step(rank: int, store: str, out: str) -> None:
+    """On each of two gloo ranks: the parameter all-gathers of one optimizer step of 3 micro-batches, and whether
+    the first block's parameters are sharded again (DTensors) after each micro-batch's backward; without and with
+    --parallel.gather-once-per-step."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        found = {}
+        for once in (False, True):
+            cfg = ParallelConfig(reshard_after_forward=False, gather_once_per_step=once)
+            model = tiny_model()
+            parallelize(model, cfg)
+            sharded_after = []
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for i in range(3):
+                    prepare_micro_batch(model, cfg, i, 3)
+                    _backward(model)
+                    sharded_after.append(isinstance(model.blocks[0].self_attn.q.weight, DTensor))
+            found[once] = sum(e.name == "c10d::_allgather_base_" for e in prof.events()), sharded_after
+        if rank == 0:
+            torch.save(found, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gathering_once_per_step_keeps_the_parameters_gathered_until_the_last_micro_batch(tmp_path):
+    """--parallel.gather-once-per-step: one all-gather per FSDP unit and optimizer step, where the default without
+    resharding after forward gathers every unit once per micro-batch; the parameters are sharded again after the
+    last micro-batch's backward, ready for the optimizer step."""
+    out = tmp_path / "found.pt"
+    mp.start_processes(_all_gathers_per_step, args=(str(tmp_path / "store"), str(out)), nprocs=2,
+                       start_method="spawn")
+    found = torch.load(out)
+    units = len(tiny_model().blocks) + 1  # every block and the root
+    assert found[False] == (3 * units, [True, True, True])
+    assert found[True] == (units, [False, False, True])
 
 
 def test_expandable_segments_keep_the_environments_other_allocator_settings():

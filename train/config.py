@@ -159,6 +159,11 @@ class ParallelConfig:
     parameter, 20 GB for the 5B, 66 GB for the 14B); every micro-batch keeps only this rank's shard (4/world bytes)
     for accum-times the gradient traffic. Without accumulation (global batch = micro-batch x world) both are the same.
     Unset (None, the 5B/14B presets) = auto, as --parallel.activation-checkpoint auto."""
+    gather_once_per_step: bool = False
+    """All-gather each block's parameters once per optimizer step instead of once per micro-batch: they stay
+    gathered from the first micro-batch's forward to the last one's backward (FSDP2 reshards after backward on the
+    last micro-batch only). Needs --parallel.no-reshard-after-forward, whose peak (between forward and backward)
+    already holds every block gathered."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """Float8 matmuls in the DiT blocks' linears (torchao float8 training; pip install -e '.[fp8]'; CUDA compute
     capability >= 8.9): tensorwise = one scale per tensor, FSDP all-gathers the weights in float8; rowwise = one
@@ -433,6 +438,9 @@ def validate(cfg: Config) -> None:
          "none with --lora.rank > 0: float8 swaps out the adapted linears"),
         ("--parallel.cpu-offload", p.cpu_offload, not p.cpu_offload or p.float8 == "none",
          "off with --parallel.float8: float8 casts and scales its weights on the GPU"),
+        ("--parallel.gather-once-per-step", p.gather_once_per_step,
+         not p.gather_once_per_step or p.reshard_after_forward is not True,
+         "off with --parallel.reshard-after-forward: forward frees the gathered parameters anyway"),
         ("--checkpoint.export-lora", c.export_lora, c.export_lora == "merged" or cfg.lora.rank > 0,
          "merged without --lora.rank"),
     ]

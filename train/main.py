@@ -29,7 +29,7 @@ import torch.distributed as dist
 from shardformat.manifest import ShardFormatError
 from shardformat.storage import ShardStore
 from train import checkpoint
-from train.config import Config, device_memory_gib, parse_args, resolve_auto, save_config
+from train.config import Config, device_memory_gib, parse_args, resolve_auto, save_config, validate
 from train.data import ShardIndex, ShardLoader, data_dims, open_index
 from train.export import check_base, shard_statistics
 from train.flops import dit_flops
@@ -38,8 +38,8 @@ from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.metrics import MetricsLogger, StepProfiler, device_peak_flops
 from train.model import CausalWanModel, DiTBatch, DiTConfig, preset
 from train.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_grad_norm, warmup_steps
-from train.parallel import (check_float8, computes_on_cuda, float8_after_step, parallelize, recomputed_blocks,
-                            use_expandable_segments)
+from train.parallel import (check_float8, computes_on_cuda, float8_after_step, parallelize, prepare_micro_batch,
+                            recomputed_blocks, use_expandable_segments)
 from train.weights import WeightsError, load_weights
 
 MODEL_INPUTS = [f.name for f in fields(DiTBatch)]
@@ -125,6 +125,8 @@ def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
     no rank ever holds the full model).
     `checkpoint_holds_all`: a step checkpoint will overwrite every parameter (a resumed full fine-tuning), so
     --model.init-from is not read (~1 min for the 14B) and the seeded init stands in until then."""
+    if cfg.parallel.cpu_offload:
+        return offloaded_model(model_cfg, cfg, device, checkpoint_holds_all)
     torch.manual_seed(cfg.seed)
     meta = cfg.model.init_device == "meta"
     with torch.device("meta" if meta else "cpu"):
@@ -145,8 +147,26 @@ def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
         with torch.no_grad():
             model.init_weights()
     init_lora(model, cfg.seed)  # after the base weights: the adapters are not in any weights file
-    if cfg.parallel.cpu_offload:  # only now: DTensor's per-shard random streams exist on the GPU's generator alone
-        model.to("cpu")  # FSDP2 pins the shards again
+    return model
+
+
+def offloaded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
+                    checkpoint_holds_all: bool = False) -> CausalWanModel:
+    """`sharded_model` with --parallel.cpu-offload: its shards initialized or loaded on `device` without the offload,
+    then copied into the offloaded model's host memory. Why: FSDP2 moves an offloaded shard to host memory the moment
+    it exists, and on the host DTensor has no per-shard random streams (every rank would draw the same values)."""
+    on_device = sharded_model(model_cfg, replace(cfg, parallel=replace(cfg.parallel, cpu_offload=False)), device,
+                              checkpoint_holds_all)
+    with torch.device("meta"):
+        model = CausalWanModel(model_cfg)
+    apply_lora(model, cfg.lora)
+    parallelize(model, cfg.parallel)
+    model.to_empty(device="cpu")  # FSDP2 pins the shards where a GPU computes
+    model._masks = {}
+    sources = dict(on_device.named_parameters())
+    with torch.no_grad():
+        for name, host in model.named_parameters():
+            host.to_local().copy_(sources[name].to_local())
     return model
 
 
@@ -246,6 +266,7 @@ def train(cfg: Config) -> dict:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack, for hangs
     rank, world, device = setup_distributed(cfg)
     cfg, auto = resolve_auto(cfg, device_memory_gib(device), world)
+    validate(cfg)  # again: what auto resolved may not go with a given flag
     check_float8(cfg.parallel.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     if rank == 0 and auto:
         print(auto, flush=True)
@@ -322,7 +343,7 @@ def train(cfg: Config) -> dict:
                 batch, pending = (pending, None) if pending is not None else (next(batches), None)
                 if image_encoder is not None:  # the features the shards would have held, as bf16 like those
                     batch["clip"] = image_encoder.encode_pixels(batch.pop("clip_pixels")).to(torch.bfloat16)
-                model.set_requires_gradient_sync(i == accum - 1 or cfg.parallel.reduce_every_micro_batch)
+                prepare_micro_batch(model, cfg.parallel, i, accum)
                 inputs = DiTBatch(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
                 loss, terms = flow_matching_loss(model, inputs, fm, cfg.loss, generator=gen)
                 (loss / accum).backward()

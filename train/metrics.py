@@ -51,6 +51,7 @@ class MetricsLogger:
         self.samples = 0
         self.t0 = time.perf_counter()
         self.wait0 = 0.0
+        self.retries0 = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
         self.jsonl = self.tb = self.bar = None
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -92,7 +93,12 @@ class MetricsLogger:
         if self.peak_flops:
             record["mfu_pct"] = 100 * per_gpu * self.flops_per_sample / self.peak_flops
         if self.device.type == "cuda":
-            record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            stats = torch.cuda.memory_stats(self.device)
+            record["peak_mem_gib"] = stats["allocated_bytes.all.peak"] / 2**30
+            record["peak_reserved_gib"] = stats["reserved_bytes.all.peak"] / 2**30
+            # the allocator found no free block, emptied its cache and tried again: the run is at its memory ceiling
+            record["alloc_retries"] = stats["num_alloc_retries"] - self.retries0
+            self.retries0 = stats["num_alloc_retries"]
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.rank == 0:
             self.jsonl.write(json.dumps(record) + "\n")
@@ -140,6 +146,8 @@ def format_line(r: dict) -> str:
     parts.append(f"data {r['data_wait_pct']:.1f}%")
     if "peak_mem_gib" in r:
         parts.append(f"mem {r['peak_mem_gib']:.1f} GiB")
+    if r.get("alloc_retries"):
+        parts.append(f"{r['alloc_retries']} allocator retries")
     return " | ".join(parts)
 
 

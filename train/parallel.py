@@ -138,6 +138,17 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward, offload_policy=offload)
 
 
+def prepare_micro_batch(model: nn.Module, cfg: ParallelConfig, index: int, count: int) -> None:
+    """FSDP2's settings for micro-batch `index` of the `count` in an optimizer step: reduce-scatter the gradients
+    after its backward on the last one only (every one with --parallel.reduce-every-micro-batch); with
+    --parallel.gather-once-per-step, keep the gathered parameters after backward on all but the last, so the next
+    micro-batch's forward finds them gathered."""
+    last = index == count - 1
+    model.set_requires_gradient_sync(last or cfg.reduce_every_micro_batch)
+    if cfg.gather_once_per_step:
+        model.set_reshard_after_backward(last)
+
+
 def float8_filter(module: nn.Module, fqn: str) -> bool:
     """The linears float8 training converts: those inside the DiT blocks whose widths are multiples of 16 (float8
     matmul kernels need them); the embeddings, head and action/state encoders stay in bf16."""
