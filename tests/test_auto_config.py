@@ -123,8 +123,19 @@ def test_the_recompute_mix_and_gradient_reduction_given_are_kept(tmp_path):
 
 
 def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_path):
-    # the 14B on 4 H100 fits nothing measured; offloaded, its gradients must not accumulate unsharded on the GPU
+    # the 14B on 4 H100 fits only with its state in host memory: the measured offloaded setting, named when absent
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", preset="droid-14b"), H100, 4)
+    assert _mix(cfg) == ("full", -1, "none", True, 2) and cfg.parallel.reshard_after_forward is False
+    assert "measured 0.13 samples/s/GPU at 59.9 GiB on 4 H100" in line
+    cfg, line = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H100, 4)
+    assert _mix(cfg) == ("full", -1, "none", False, 1)
+    assert "nothing measured fits these GPUs: the preset's recipe; with --parallel.cpu-offload: measured 0.13" in line
+    # the offloaded setting is never chosen for a run without the offload, however large its GPUs
+    cfg, _ = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4)
+    assert _mix(cfg) == ("full", -1, "none", False, 1) and cfg.parallel.reshard_after_forward is True
+    # offloaded where nothing offloaded was measured (2 GPUs): the recipe, its gradients reduced every micro-batch
+    # (an unsharded accumulation would sit on the GPU)
+    cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", preset="droid-14b"), H100, 2)
     assert _mix(cfg) == ("full", -1, "none", True, 1)
     assert "gradients reduced every micro-batch for --parallel.cpu-offload" in line
     # given, the reduction stays as given

@@ -163,7 +163,8 @@ class ParallelConfig:
     """All-gather each block's parameters once per optimizer step instead of once per micro-batch: they stay
     gathered from the first micro-batch's forward to the last one's backward (FSDP2 reshards after backward on the
     last micro-batch only). Needs --parallel.no-reshard-after-forward, whose peak (between forward and backward)
-    already holds every block gathered."""
+    already holds every block gathered. For slow links between the GPUs: on 4 NVLink-connected H100s it was slower
+    (docs/PERFORMANCE.md)."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """Float8 matmuls in the DiT blocks' linears (torchao float8 training; pip install -e '.[fp8]'; CUDA compute
     capability >= 8.9): tensorwise = one scale per tensor, FSDP all-gathers the weights in float8; rowwise = one
@@ -172,7 +173,8 @@ class ParallelConfig:
     """Keep the fp32 master weights, their gradients and AdamW's moments in host memory (FSDP2's CPUOffloadPolicy):
     the GPUs hold only the gathered bf16 weights and the activations, and the optimizer steps on the CPU (with the
     host's cores split over the ranks of a node). For models whose state does not fit the GPUs, such as the 14B on
-    80 GB cards; slower, since every gather copies the shard in from host memory. Not with --parallel.float8."""
+    80 GB cards; slower, since every gather copies the shard in from host memory. Auto settings then take those
+    measured with the offload. Not with --parallel.float8."""
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s of one device for MFU; 0 = detect (H100/H200: 989), unknown = no MFU."""
 
@@ -282,7 +284,8 @@ class Throughput:
 @dataclass(frozen=True)
 class Measured:
     """A setting measured to fit (scripts/bench_train.py, docs/PERFORMANCE.md) on `min_gpus` GPUs of `min_gib`
-    each with --parallel.float8 `float8`; it also fits more GPUs (less sharded state per GPU) and larger ones."""
+    each with --parallel.float8 `float8` and --parallel.cpu-offload `cpu_offload`; it also fits more GPUs (less
+    sharded state per GPU) and larger ones."""
 
     preset: str
     min_gpus: int
@@ -290,12 +293,14 @@ class Measured:
     setting: Throughput
     evidence: str
     float8: str = "none"
+    cpu_offload: bool = False
 
 
 def _measured(name: str, entry: dict) -> Measured:
     setting = Throughput(entry["ac"], entry["micro"], entry["reshard"], entry.get("ac_blocks", -1),
                          entry.get("ac_others", "none"), entry.get("reduce_every", False))
-    return Measured(name, entry["min_gpus"], entry["min_gib"], setting, entry["evidence"], entry.get("float8", "none"))
+    return Measured(name, entry["min_gpus"], entry["min_gib"], setting, entry["evidence"], entry.get("float8", "none"),
+                    entry.get("cpu_offload", False))
 
 
 # Per recipe (configs/<name>.yaml, section throughput): the measured settings, fastest first, and the fallback
@@ -351,14 +356,18 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
             "reshard": p.reshard_after_forward is None, "reduce": p.reduce_every_micro_batch is None}
     if not any(auto.values()):
         return cfg, None
-    fits = [m for m in MEASURED if m.preset == cfg.preset and gpu_mem_gib is not None
-            and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib and m.float8 in (p.float8, "none")]
-    fits.sort(key=lambda m: m.float8 != p.float8)  # stable: each group stays fastest first
+    on_gpus = [m for m in MEASURED if m.preset == cfg.preset and gpu_mem_gib is not None
+               and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib and m.float8 in (p.float8, "none")]
+    # an offloaded setting fits only offloaded runs; an offloaded run fits any, its own kind first
+    fits = [m for m in on_gpus if p.cpu_offload or not m.cpu_offload]
+    fits.sort(key=lambda m: (m.cpu_offload != p.cpu_offload, m.float8 != p.float8))  # stable: fastest first in each
     chosen = fits[0].setting if fits else RECIPES[cfg.preset]
     gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
     where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
     why = (f"measured {fits[0].evidence}" if fits else
            "the preset's recipe" if gpu_mem_gib is None else "nothing measured fits these GPUs: the preset's recipe")
+    if not fits and on_gpus:  # only with the state in host memory
+        why += f"; with --parallel.cpu-offload: measured {on_gpus[0].evidence}"
     if auto["reduce"] and p.cpu_offload and not chosen.reduce_every:
         why += "; gradients reduced every micro-batch for --parallel.cpu-offload"
     out = copy.deepcopy(cfg)
