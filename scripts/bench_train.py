@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
             check_same_resolution(cfg, run_dir)
             trainer = measured_window(run_dir, args.warmup_steps, micro * accum)
         result.update({k: trainer.get(k) for k in ("samples_per_s_per_gpu", "mfu_pct", "data_wait_pct",
-                                                    "peak_mem_gib", "measured_steps", "measured_s", "loss_last")})
+                                                    "peak_mem_gib", "peak_reserved_gib", "alloc_retries_per_step",
+                                                    "measured_steps", "measured_s", "loss_last")})
 
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         use_expandable_segments(device)  # the trainer's allocator, for the bound too

@@ -47,6 +47,7 @@ def test_tiny_cpu_run_prints_every_field(tmp_path):
     assert r["measured_steps"] == 2 and r["samples_per_s_per_gpu"] > 0 and r["measured_s"] > 0
     assert 0 <= r["data_wait_pct"] <= 100
     assert r["mfu_pct"] is None and r["peak_mem_gib"] is None  # CPU: no peak FLOP/s, no device allocator
+    assert r["peak_reserved_gib"] is None and r["alloc_retries_per_step"] is None
     for name in ("bound", "bound_no_recompute"):
         assert r[f"{name}_samples_per_s"] > 0 and r[f"{name}_batch"] == 2
         assert r[f"ratio_to_bound{name[5:]}"] == pytest.approx(r["samples_per_s_per_gpu"] / r[f"{name}_samples_per_s"],
@@ -70,15 +71,16 @@ def test_measured_window_excludes_warmup_and_weights_by_time(tmp_path):
     # 8 samples in 1 s + 8 samples in 4 s = 16 samples in 5 s
     records = [{"step": 2, "samples_per_s_per_gpu": 0.5, "data_wait_pct": 50.0, "mfu_pct": 1.0, "peak_mem_gib": 99.0},
                {"step": 4, "samples_per_s_per_gpu": 8.0, "data_wait_pct": 10.0, "mfu_pct": 40.0, "peak_mem_gib": 7.0,
-                "loss": 1.5},
+                "peak_reserved_gib": 7.5, "alloc_retries": 3, "loss": 1.5},
                {"step": 6, "samples_per_s_per_gpu": 2.0, "data_wait_pct": 0.0, "mfu_pct": 10.0, "peak_mem_gib": 6.0,
-                "loss": 1.25}]
+                "peak_reserved_gib": 7.8, "alloc_retries": 1, "loss": 1.25}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     m = bench.measured_window(tmp_path, warmup_steps=2, samples_per_rank_step=4)
     assert m["samples_per_s_per_gpu"] == pytest.approx(16 / 5)
     assert m["data_wait_pct"] == pytest.approx(100 * 0.1 / 5)
     assert m["mfu_pct"] == pytest.approx((40 * 1 + 10 * 4) / 5)  # MFU is proportional to the rate: 40 / 8 * 16 / 5
     assert (m["peak_mem_gib"], m["measured_steps"], m["measured_s"], m["loss_last"]) == (7.0, 4, 5.0, 1.25)
+    assert (m["peak_reserved_gib"], m["alloc_retries_per_step"]) == (7.8, 1.0)  # 4 retries over 4 steps
 
 
 def test_trainer_flags_put_warmup_in_its_own_records_and_pass_extra_flags_last(tmp_path):
