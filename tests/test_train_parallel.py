@@ -16,8 +16,9 @@ from train.config import CheckpointConfig, OptimConfig, ParallelConfig
 from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.model import build_model, random_batch
 from train.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
-from train.parallel import (ac_block_indices, allocator_settings, apply_ac, parallelize, prepare_micro_batch,
-                            recomputed_blocks, use_expandable_segments)
+from train.parallel import (ac_block_indices, allocator_settings, apply_ac, check_host_memory, host_memory_available,
+                            offload_host_bytes, parallelize, prepare_micro_batch, recomputed_blocks,
+                            use_expandable_segments)
 
 torch.set_num_threads(2)
 
@@ -179,6 +180,37 @@ def test_gathering_once_per_step_keeps_the_parameters_gathered_until_the_last_mi
     units = len(tiny_model().blocks) + 1  # every block and the root
     assert found[False] == (3 * units, [True, True, True])
     assert found[True] == (units, [False, False, True])
+
+
+def test_offloaded_state_takes_the_host_memory_estimated_before_the_build():
+    """`offload_host_bytes` from the unsharded shapes equals what the offloaded model, its gradients and AdamW's
+    moments hold in host memory after a step (one rank; unpinned, as on CPU ranks)."""
+    estimate = offload_host_bytes(tiny_model(), 1, pinned=False)
+    model = tiny_model()
+    parallelize(model, ParallelConfig(cpu_offload=True))
+    opt = build_optimizer(model, OptimConfig(lr=1e-3), torch.device("cpu"), offloaded=True)
+    _backward(model)
+    opt.step()
+    held = [t for p in model.parameters() for t in (p.to_local(), p.grad.to_local())]
+    held += [v.to_local() if isinstance(v, DTensor) else v for state in opt.state.values()
+             for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert all(t.device.type == "cpu" for t in held)
+    assert estimate == sum(t.numel() * t.element_size() for t in held)
+
+
+def test_offload_estimate_pads_shards_and_rounds_pinned_ones_and_refuses_what_does_not_fit():
+    linear = torch.nn.Linear(3, 5)  # 2 ranks: weight rows 5 -> 3 per rank (36 bytes), bias 5 -> 3 (12 bytes)
+    assert offload_host_bytes(linear, 2, pinned=False) == 4 * (36 + 12)
+    # pinned shards and gradients rounded up to 64 and 16 bytes, the moments not pinned
+    assert offload_host_bytes(linear, 2, pinned=True) == 2 * (64 + 16) + 2 * (36 + 12)
+    linear.weight.requires_grad_(False)  # frozen (LoRA's base): its shard only
+    assert offload_host_bytes(linear, 2, pinned=True) == 64 + 2 * 16 + 2 * 12
+    check_host_memory(80 * 10**9, 4, 400 * 10**9)
+    check_host_memory(80 * 10**9, 4, None)  # no /proc/meminfo: not checked
+    with pytest.raises(SystemExit, match=r"--parallel.cpu-offload: this node's 4 rank\(s\) need ~336 GB of host "
+                                         r"memory \(84.0 GB each.*, 250 GB is available"):
+        check_host_memory(84 * 10**9, 4, 250 * 10**9)
+    assert host_memory_available() > 0  # this Linux machine's MemAvailable
 
 
 def test_expandable_segments_keep_the_environments_other_allocator_settings():

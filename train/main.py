@@ -38,7 +38,8 @@ from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.metrics import MetricsLogger, StepProfiler, device_peak_flops
 from train.model import CausalWanModel, DiTBatch, DiTConfig, preset
 from train.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_grad_norm, warmup_steps
-from train.parallel import (check_float8, computes_on_cuda, float8_after_step, parallelize, prepare_micro_batch,
+from train.parallel import (check_float8, check_host_memory, computes_on_cuda, float8_after_step,
+                            host_memory_available, offload_host_bytes, parallelize, prepare_micro_batch,
                             recomputed_blocks, use_expandable_segments)
 from train.weights import WeightsError, load_weights
 
@@ -155,11 +156,13 @@ def offloaded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
     """`sharded_model` with --parallel.cpu-offload: its shards initialized or loaded on `device` without the offload,
     then copied into the offloaded model's host memory. Why: FSDP2 moves an offloaded shard to host memory the moment
     it exists, and on the host DTensor has no per-shard random streams (every rank would draw the same values)."""
-    on_device = sharded_model(model_cfg, replace(cfg, parallel=replace(cfg.parallel, cpu_offload=False)), device,
-                              checkpoint_holds_all)
     with torch.device("meta"):
         model = CausalWanModel(model_cfg)
     apply_lora(model, cfg.lora)
+    held = offload_host_bytes(model, dist.get_world_size(), pinned=computes_on_cuda(cfg.parallel))
+    check_host_memory(held, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory_available())
+    on_device = sharded_model(model_cfg, replace(cfg, parallel=replace(cfg.parallel, cpu_offload=False)), device,
+                              checkpoint_holds_all)
     parallelize(model, cfg.parallel)
     model.to_empty(device="cpu")  # FSDP2 pins the shards where a GPU computes
     model._masks = {}

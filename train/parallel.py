@@ -138,6 +138,40 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward, offload_policy=offload)
 
 
+def offload_host_bytes(model: nn.Module, world: int, pinned: bool) -> int:
+    """Host memory one of `world` ranks holds with --parallel.cpu-offload (before any step runs, from the unsharded
+    shapes; a meta model will do): per parameter, the rank's fp32 shard (dim 0 split over the ranks and padded, as
+    FSDP2 shards), its gradient and AdamW's two moments where it trains. Shards and gradients are pinned where a GPU
+    computes (`pinned`), and the pinned-memory allocator rounds each one up to a power of two. For the 14B on 4
+    ranks: 83.6 GB each, 334 GB for the node, where 337-341 GB were in use."""
+    total = 0
+    for p in model.parameters():
+        rows = -(-p.shape[0] // world) if p.dim() else 1
+        shard = rows * (p.numel() // p.shape[0] if p.dim() else 1) * 4
+        held = 1 << (shard - 1).bit_length() if pinned and shard else shard
+        total += held + (held + 2 * shard if p.requires_grad else 0)
+    return total
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def check_host_memory(per_rank: int, local_ranks: int, available: int | None) -> None:
+    """Refuse --parallel.cpu-offload in one line where this node's ranks would not fit its host memory (the kernel
+    would kill a rank mid-build instead)."""
+    need = per_rank * local_ranks
+    if available is not None and need > available:
+        raise SystemExit(f"--parallel.cpu-offload: this node's {local_ranks} rank(s) need ~{need / 1e9:.0f} GB of host "
+                         f"memory ({per_rank / 1e9:.1f} GB each: fp32 shards, gradients and AdamW moments), "
+                         f"{available / 1e9:.0f} GB is available; use more nodes, or train LoRA adapters (--lora.rank)")
+
+
 def prepare_micro_batch(model: nn.Module, cfg: ParallelConfig, index: int, count: int) -> None:
     """FSDP2's settings for micro-batch `index` of the `count` in an optimizer step: reduce-scatter the gradients
     after its backward on the last one only (every one with --parallel.reduce-every-micro-batch); with
