@@ -130,6 +130,9 @@ def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_p
     cfg, line = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H100, 4)
     assert _mix(cfg) == ("full", -1, "none", False, 1)
     assert "nothing measured fits these GPUs: the preset's recipe; with --parallel.cpu-offload: measured 0.13" in line
+    # ... but not to a float8 run, which cannot offload
+    _, line = resolve_auto(_cfg(tmp_path, "--parallel.float8", "tensorwise", preset="droid-14b"), H100, 4)
+    assert line.endswith("nothing measured fits these GPUs: the preset's recipe)")
     # the offloaded setting is never chosen for a run without the offload, however large its GPUs
     cfg, _ = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4)
     assert _mix(cfg) == ("full", -1, "none", False, 1) and cfg.parallel.reshard_after_forward is True
@@ -147,8 +150,8 @@ def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_p
 
 
 def test_gathering_once_per_step_needs_the_gathered_parameters_kept_after_forward(tmp_path):
-    with pytest.raises(SystemExit, match=r"--parallel.gather-once-per-step True \(must be off with "
-                                         r"--parallel.reshard-after-forward"):
+    with pytest.raises(SystemExit, match=r"--parallel.gather-once-per-step True \(must be used with "
+                                         r"--parallel.no-reshard-after-forward, given or chosen by the auto settings"):
         _cfg(tmp_path, "--parallel.gather-once-per-step", "--parallel.reshard-after-forward")
     # auto resharding: checked again once resolved (train/main.py), as here
     kept, _ = resolve_auto(_cfg(tmp_path, "--parallel.gather-once-per-step"), H100, 4)

@@ -6,6 +6,7 @@ ranks take the same number of steps over uneven shards, no rank outlives a SIGKI
 weights load back strictly. A resume with more --steps continues the cosine from its step.
 """
 
+import gzip
 import json
 import os
 import shutil
@@ -178,17 +179,20 @@ def test_reducing_after_every_micro_batch_offloading_and_gathering_once_train_th
     order of fp32 sums. The latter with the fp32 state offloaded to host memory (the same unfused AdamW; on CPU
     ranks the copies are the only difference, and the gradient norm's collective runs on host tensors): bit for bit
     the same run. Gathering the parameters once per step instead of once per micro-batch: the default's run bit for
-    bit (the same gathered values)."""
+    bit (the same gathered values), with one all-gather per FSDP unit in a profiled step instead of two."""
     runs = {}
     for name, extra in [("per_step", []), ("per_micro_batch", ["--parallel.reduce-every-micro-batch"]),
                         ("offloaded", ["--parallel.reduce-every-micro-batch", "--parallel.cpu-offload",
                                        "--optim.fused", "False"]),
-                        ("gathered_once", ["--parallel.no-reshard-after-forward", "--parallel.gather-once-per-step"])]:
+                        ("gathered_once", ["--parallel.no-reshard-after-forward", "--parallel.gather-once-per-step"]),
+                        ("gathered_per_micro_batch", ["--parallel.no-reshard-after-forward"])]:
         run_dir = tmp_path / name
         cmd = [*_command(tiny_shards, run_dir), "--steps", "6", "--checkpoint.interval", "0",
                "--checkpoint.no-save-final", "--checkpoint.no-export", "--parallel.param-dtype", "float32",
                "--parallel.global-batch-size", "8", "--parallel.backend", "gloo",  # CPU ranks, also on a GPU host
                *extra]  # tiny: micro-batch 2 x 2 ranks x accum 2
+        if name.startswith("gathered"):  # step 4 profiled: its parameter all-gathers are in the trace
+            cmd += ["--metrics.profile-start", "3", "--metrics.profile-steps", "1"]
         done = subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert ("fp32 state in host memory" in done.stdout) == (name == "offloaded")
         runs[name] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -201,4 +205,11 @@ def test_reducing_after_every_micro_batch_offloading_and_gathering_once_train_th
     # ... but not the same sums: the flag took effect (a no-op would give the default's bits)
     assert [r["grad_norm"] for r in per_step] != [r["grad_norm"] for r in per_micro]
     assert [(r["loss"], r["grad_norm"]) for r in runs["offloaded"]] == [(r["loss"], r["grad_norm"]) for r in per_micro]
-    assert [(r["loss"], r["grad_norm"]) for r in runs["gathered_once"]] == [(r["loss"], r["grad_norm"]) for r in per_step]
+    for name in ("gathered_once", "gathered_per_micro_batch"):
+        assert [(r["loss"], r["grad_norm"]) for r in runs[name]] == [(r["loss"], r["grad_norm"]) for r in per_step]
+    # ... and the trainer gathered each FSDP unit (2 blocks and the root) once in the step, not once per micro-batch
+    gathers = {}
+    for name in ("gathered_once", "gathered_per_micro_batch"):
+        with gzip.open(tmp_path / name / "trace-rank0.json.gz", "rt") as f:
+            gathers[name] = sum(e.get("name") == "c10d::_allgather_base_" for e in json.load(f)["traceEvents"])
+    assert gathers == {"gathered_once": 3, "gathered_per_micro_batch": 6}

@@ -182,20 +182,35 @@ def test_gathering_once_per_step_keeps_the_parameters_gathered_until_the_last_mi
     assert found[True] == (units, [False, False, True])
 
 
-def test_offloaded_state_takes_the_host_memory_estimated_before_the_build():
-    """`offload_host_bytes` from the unsharded shapes equals what the offloaded model, its gradients and AdamW's
-    moments hold in host memory after a step (one rank; unpinned, as on CPU ranks)."""
-    estimate = offload_host_bytes(tiny_model(), 1, pinned=False)
-    model = tiny_model()
-    parallelize(model, ParallelConfig(cpu_offload=True))
-    opt = build_optimizer(model, OptimConfig(lr=1e-3), torch.device("cpu"), offloaded=True)
-    _backward(model)
-    opt.step()
-    held = [t for p in model.parameters() for t in (p.to_local(), p.grad.to_local())]
-    held += [v.to_local() if isinstance(v, DTensor) else v for state in opt.state.values()
-             for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]
-    assert all(t.device.type == "cpu" for t in held)
-    assert estimate == sum(t.numel() * t.element_size() for t in held)
+def _offloaded_host_bytes(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        estimate = offload_host_bytes(tiny_model(), 2, pinned=False)
+        model = tiny_model()
+        parallelize(model, ParallelConfig(cpu_offload=True))
+        opt = build_optimizer(model, OptimConfig(lr=1e-3), torch.device("cpu"), offloaded=True)
+        _backward(model)
+        opt.step()
+        # the shards' storage (FSDP2 pads it to the same size on every rank), their gradients, AdamW's moments
+        held = [p.to_local().untyped_storage().nbytes() for p in model.parameters()]
+        held += [t.numel() * t.element_size() for t in [p.grad.to_local() for p in model.parameters()] + [
+            v.to_local() if isinstance(v, DTensor) else v for state in opt.state.values()
+            for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]]
+        devices = {p.to_local().device.type for p in model.parameters()}
+        torch.save((estimate, sum(held), devices), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_offloaded_state_takes_the_host_memory_estimated_before_the_build(tmp_path):
+    """`offload_host_bytes` from the unsharded shapes is what rank 0 of two holds in host memory after a step with
+    --parallel.cpu-offload (shards, gradients, AdamW's moments; unpinned, as on CPU ranks), and the most of any rank:
+    rank 1's chunks are smaller where a dimension does not split evenly."""
+    out = tmp_path / "held"
+    mp.start_processes(_offloaded_host_bytes, args=(str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    (estimate, rank0, devices), (_, rank1, _) = (torch.load(f"{out}.{r}") for r in (0, 1))
+    assert devices == {"cpu"} and estimate == rank0 and rank1 <= rank0
 
 
 def test_offload_estimate_pads_shards_and_rounds_pinned_ones_and_refuses_what_does_not_fit():
@@ -207,9 +222,9 @@ def test_offload_estimate_pads_shards_and_rounds_pinned_ones_and_refuses_what_do
     assert offload_host_bytes(linear, 2, pinned=True) == 64 + 2 * 16 + 2 * 12
     check_host_memory(80 * 10**9, 4, 400 * 10**9)
     check_host_memory(80 * 10**9, 4, None)  # no /proc/meminfo: not checked
-    with pytest.raises(SystemExit, match=r"--parallel.cpu-offload: this node's 4 rank\(s\) need ~336 GB of host "
-                                         r"memory \(84.0 GB each.*, 250 GB is available"):
-        check_host_memory(84 * 10**9, 4, 250 * 10**9)
+    with pytest.raises(SystemExit, match=r"--parallel.cpu-offload: this node's 4 rank\(s\) need ~344 GB of host "
+                                         r"memory \(84.0 GB each .*2 GB for the process\), 340 GB is available"):
+        check_host_memory(84 * 10**9, 4, 340 * 10**9)  # the state alone (336 GB) would fit
     assert host_memory_available() > 0  # this Linux machine's MemAvailable
 
 

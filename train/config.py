@@ -366,7 +366,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
     why = (f"measured {fits[0].evidence}" if fits else
            "the preset's recipe" if gpu_mem_gib is None else "nothing measured fits these GPUs: the preset's recipe")
-    if not fits and on_gpus:  # only with the state in host memory
+    if not fits and on_gpus and p.float8 == "none":  # only with the state in host memory (never with float8)
         why += f"; with --parallel.cpu-offload: measured {on_gpus[0].evidence}"
     if auto["reduce"] and p.cpu_offload and not chosen.reduce_every:
         why += "; gradients reduced every micro-batch for --parallel.cpu-offload"
@@ -449,7 +449,8 @@ def validate(cfg: Config) -> None:
          "off with --parallel.float8: float8 casts and scales its weights on the GPU"),
         ("--parallel.gather-once-per-step", p.gather_once_per_step,
          not p.gather_once_per_step or p.reshard_after_forward is not True,
-         "off with --parallel.reshard-after-forward: forward frees the gathered parameters anyway"),
+         "used with --parallel.no-reshard-after-forward, given or chosen by the auto settings: resharding after "
+         "forward gathers every micro-batch's parameters again"),
         ("--checkpoint.export-lora", c.export_lora, c.export_lora == "merged" or cfg.lora.rank > 0,
          "merged without --lora.rank"),
     ]

@@ -160,7 +160,13 @@ def offloaded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
         model = CausalWanModel(model_cfg)
     apply_lora(model, cfg.lora)
     held = offload_host_bytes(model, dist.get_world_size(), pinned=computes_on_cuda(cfg.parallel))
-    check_host_memory(held, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory_available())
+    # the least any rank found (-1: one could not tell), read before any rank allocates its state, so that every rank
+    # decides alike (a host tensor: the offload's process group has a CPU backend)
+    found = host_memory_available()
+    least = torch.tensor([-1 if found is None else found], dtype=torch.int64)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    check_host_memory(held, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), None if least < 0 else int(least))
+    # the fp32 shards on the device first (4 bytes per parameter over the ranks; the 14B on 4 GPUs: 16.5 GB each)
     on_device = sharded_model(model_cfg, replace(cfg, parallel=replace(cfg.parallel, cpu_offload=False)), device,
                               checkpoint_holds_all)
     parallelize(model, cfg.parallel)
@@ -170,6 +176,9 @@ def offloaded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
     with torch.no_grad():
         for name, host in model.named_parameters():
             host.to_local().copy_(sources[name].to_local())
+    del on_device, sources
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the device copy's memory back to the GPU's other users
     return model
 
 

@@ -139,11 +139,12 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
 
 
 def offload_host_bytes(model: nn.Module, world: int, pinned: bool) -> int:
-    """Host memory one of `world` ranks holds with --parallel.cpu-offload (before any step runs, from the unsharded
-    shapes; a meta model will do): per parameter, the rank's fp32 shard (dim 0 split over the ranks and padded, as
-    FSDP2 shards), its gradient and AdamW's two moments where it trains. Shards and gradients are pinned where a GPU
-    computes (`pinned`), and the pinned-memory allocator rounds each one up to a power of two. For the 14B on 4
-    ranks: 83.6 GB each, 334 GB for the node, where 337-341 GB were in use."""
+    """Host memory the first of `world` ranks holds with --parallel.cpu-offload, the most of any rank (from the
+    unsharded shapes, before any step; a meta model will do): per parameter, the rank's fp32 shard (dim 0 split over
+    the ranks; rank 0's chunk is the padded size FSDP2 stores on every rank), its gradient and AdamW's two moments
+    where it trains. Shards and gradients are pinned where a GPU computes (`pinned`), and the pinned-memory allocator
+    rounds each one up to a power of two. For the 14B on 4 ranks: 83.6 GB each, 334 GB per node, where 337-341 GB
+    were in use (the processes' own memory on top)."""
     total = 0
     for p in model.parameters():
         rows = -(-p.shape[0] // world) if p.dim() else 1
@@ -153,23 +154,45 @@ def offload_host_bytes(model: nn.Module, world: int, pinned: bool) -> int:
     return total
 
 
+PROCESS_HOST_BYTES = 2 * 10**9  # a rank's own host memory besides the offloaded state (torch, CUDA context, loader)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 says "max" for no limit
+
+
 def host_memory_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    """Bytes this process may still take: MemAvailable of /proc/meminfo, or less where a cgroup (a container, a
+    Slurm job) limits the memory (its limit minus its use). None where neither is known."""
+    found = []
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, then v1
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit_bytes, used_bytes = _read_int(limit), _read_int(used)
+        if limit_bytes is not None and used_bytes is not None and limit_bytes < 2**60:  # v1's "no limit" is ~2**63
+            found.append(max(0, limit_bytes - used_bytes))
+    return min(found) if found else None
 
 
 def check_host_memory(per_rank: int, local_ranks: int, available: int | None) -> None:
     """Refuse --parallel.cpu-offload in one line where this node's ranks would not fit its host memory (the kernel
-    would kill a rank mid-build instead)."""
-    need = per_rank * local_ranks
+    would kill a rank mid-build instead). `per_rank`: `offload_host_bytes`; each rank also takes PROCESS_HOST_BYTES.
+    `available`: the least any rank found (all ranks decide alike)."""
+    need = (per_rank + PROCESS_HOST_BYTES) * local_ranks
     if available is not None and need > available:
         raise SystemExit(f"--parallel.cpu-offload: this node's {local_ranks} rank(s) need ~{need / 1e9:.0f} GB of host "
-                         f"memory ({per_rank / 1e9:.1f} GB each: fp32 shards, gradients and AdamW moments), "
-                         f"{available / 1e9:.0f} GB is available; use more nodes, or train LoRA adapters (--lora.rank)")
+                         f"memory ({per_rank / 1e9:.1f} GB each of fp32 shards, gradients and AdamW moments, "
+                         f"{PROCESS_HOST_BYTES / 1e9:.0f} GB for the process), {available / 1e9:.0f} GB is available; "
+                         f"use more nodes, or train LoRA adapters (--lora.rank)")
 
 
 def prepare_micro_batch(model: nn.Module, cfg: ParallelConfig, index: int, count: int) -> None:
