@@ -17,36 +17,41 @@ def _parts(cfg):
     return cfg.parallel.activation_checkpoint, cfg.data.micro_batch_size, cfg.parallel.reshard_after_forward
 
 
-@pytest.mark.parametrize("preset, gib, gpus, want, why", [
-    # the measured settings, fastest first; more or larger GPUs only free memory
-    ("libero-5b", H100, 4, ("selective", 8, False), "measured 13.72-14.07"),
-    ("libero-5b", H100, 8, ("selective", 8, False), "measured 13.72-14.07"),
-    ("libero-5b", H200, 1, ("selective", 8, False), "measured 14.6-15.0"),
-    ("libero-5b", H200, 2, ("selective", 8, False), "measured 14.6-15.0"),
-    ("libero-5b", H200, 4, ("selective", 8, False), "measured 13.72-14.07"),
-    ("droid-14b", H200, 4, ("full", 1, True), "measured 0.255"),
-    ("droid-5b", H100, 4, ("full", 32, True), "measured 12.13"),
-    ("droid-5b", H200, 8, ("full", 32, True), "measured 12.13"),
+@pytest.mark.parametrize("preset, gib, gpus, want, stream, why", [
+    # the measured settings, fastest first; more or larger GPUs only free memory. stream: gradients reduced every
+    # micro-batch and parameters gathered once per step (the two go together in the table)
+    ("libero-5b", H100, 4, ("selective", 8, False), True, "measured 14.34-15.09"),
+    ("libero-5b", H100, 8, ("selective", 8, False), True, "measured 14.34-15.09"),
+    ("libero-5b", H200, 1, ("selective", 8, False), False, "measured 14.6-15.0"),
+    ("libero-5b", H200, 2, ("selective", 8, False), False, "measured 14.6-15.0"),
+    ("libero-5b", H200, 4, ("selective", 8, False), True, "measured 14.34-15.09"),
+    ("droid-14b", H200, 4, ("full", 1, True), False, "measured 0.255"),
+    ("droid-5b", H100, 4, ("selective", 8, False), True, "measured 14.13"),
+    ("droid-5b", H200, 8, ("selective", 8, False), True, "measured 14.13"),
     # nothing measured fits: the recipe with full recompute
-    ("libero-5b", H100, 1, ("full", 32, True), "nothing measured fits"),
-    ("libero-5b", H100, 2, ("full", 32, True), "nothing measured fits"),
-    ("droid-5b", H200, 2, ("full", 32, True), "nothing measured fits"),
-    ("droid-14b", H100, 4, ("full", 1, True), "nothing measured fits"),
-    ("droid-14b", H200, 2, ("full", 1, True), "nothing measured fits"),
+    ("libero-5b", H100, 1, ("full", 32, True), False, "nothing measured fits"),
+    ("libero-5b", H100, 2, ("full", 32, True), False, "nothing measured fits"),
+    ("droid-5b", H200, 2, ("full", 32, True), False, "nothing measured fits"),
+    ("droid-14b", H100, 4, ("full", 1, True), False, "nothing measured fits"),
+    ("droid-14b", H200, 2, ("full", 1, True), False, "nothing measured fits"),
     # CPU: today's behaviour, the recipe
-    ("libero-5b", None, 1, ("full", 32, True), "on CPU"),
-    ("droid-14b", None, 2, ("full", 1, True), "on CPU"),
+    ("libero-5b", None, 1, ("full", 32, True), False, "on CPU"),
+    ("droid-14b", None, 2, ("full", 1, True), False, "on CPU"),
 ])
-def test_the_table_picks_the_fastest_measured_setting_that_fits(tmp_path, preset, gib, gpus, want, why):
+def test_the_table_picks_the_fastest_measured_setting_that_fits(tmp_path, preset, gib, gpus, want, stream, why):
     cfg = _cfg(tmp_path, preset=preset)
     assert _parts(cfg) == ("auto", 0, None)  # the presets leave all three to the GPUs
     resolved, line = resolve_auto(cfg, gib, gpus)
     assert _parts(resolved) == want
     assert why in line and line.startswith(f"auto settings for {preset} on ") and "\n" not in line
     assert resolved.parallel.global_batch_size == cfg.parallel.global_batch_size  # the recipe's global batch
-    # bf16 runs: every measured setting reduces once per step and recomputes every block alike
-    assert (resolved.parallel.reduce_every_micro_batch, resolved.parallel.ac_blocks) == (False, -1)
-    assert _parts(cfg) == ("auto", 0, None) and cfg.parallel.reduce_every_micro_batch is None  # a copy, untouched
+    p = resolved.parallel
+    assert (p.reduce_every_micro_batch, p.gather_once_per_step) == (stream, stream)
+    assert p.ac_blocks == -1  # bf16 runs: every measured setting recomputes every block alike
+    assert ("gathered once per step" in line) == stream
+    validate(resolved)
+    assert _parts(cfg) == ("auto", 0, None)  # a copy, untouched
+    assert (cfg.parallel.reduce_every_micro_batch, cfg.parallel.gather_once_per_step) == (None, None)
 
 
 def test_given_flags_win_part_by_part(tmp_path):
@@ -58,13 +63,25 @@ def test_given_flags_win_part_by_part(tmp_path):
                                "full"), H100, 1)
     assert _parts(cfg) == ("full", 32, False)
     every = _cfg(tmp_path, "--parallel.activation-checkpoint", "none", "--data.micro-batch-size", "4",
-                 "--parallel.reshard-after-forward", "--parallel.no-reduce-every-micro-batch")
+                 "--parallel.reshard-after-forward", "--parallel.no-reduce-every-micro-batch",
+                 "--parallel.no-gather-once-per-step")
     assert resolve_auto(every, H200, 1) == (every, None)  # nothing auto: nothing to say
     # tiny keeps its explicit recipe; asking it for auto gives that recipe
     assert resolve_auto(_cfg(tmp_path, preset="tiny"), H200, 1)[1] is None
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.activation-checkpoint", "auto", "--data.micro-batch-size", "0",
                                   preset="tiny"), None, 2)
     assert _parts(cfg) == ("none", 2, True) and "no recompute, micro-batch 2" in line
+
+
+def test_gathering_once_is_chosen_only_where_nothing_reshards_after_forward(tmp_path):
+    # the 4-GPU entry gathers once per step; resharding after forward, given, would gather every micro-batch anyway
+    cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.reshard-after-forward"), H100, 4)
+    assert _parts(cfg) == ("selective", 8, True) and line.endswith("; given: resharding")
+    assert (cfg.parallel.reduce_every_micro_batch, cfg.parallel.gather_once_per_step) == (True, False)
+    validate(cfg)
+    # given, it is kept
+    cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.no-gather-once-per-step"), H100, 4)
+    assert not cfg.parallel.gather_once_per_step and line.endswith("; given: gathering")
 
 
 def test_an_auto_micro_batch_keeps_the_global_batch(tmp_path):
@@ -101,7 +118,7 @@ def test_float8_runs_take_the_settings_measured_with_float8_then_the_bf16_ones(t
     assert _mix(cfg) == ("full", -1, "none", False, 1) and cfg.parallel.float8 == "none" and "measured 0.255" in line
     # no float8 entry for libero-5b: its bf16 measurement (float8 took no more memory where both were measured)
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8), H100, 4)
-    assert _mix(cfg) == ("selective", -1, "none", False, 8) and "measured 13.72" in line
+    assert _mix(cfg) == ("selective", -1, "none", True, 8) and "measured 14.34" in line
     # nothing measured fits 4 H100 for the 14B, with or without float8: the recipe
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, preset="droid-14b"), H100, 4)
     assert _mix(cfg) == ("full", -1, "none", False, 1) and "nothing measured fits" in line
@@ -156,6 +173,6 @@ def test_gathering_once_per_step_needs_the_gathered_parameters_kept_after_forwar
     # auto resharding: checked again once resolved (train/main.py), as here
     kept, _ = resolve_auto(_cfg(tmp_path, "--parallel.gather-once-per-step"), H100, 4)
     validate(kept)
-    resharded, _ = resolve_auto(_cfg(tmp_path, "--parallel.gather-once-per-step", preset="droid-5b"), H100, 4)
+    resharded, _ = resolve_auto(_cfg(tmp_path, "--parallel.gather-once-per-step", preset="droid-14b"), H200, 4)
     with pytest.raises(SystemExit, match="gather-once-per-step"):
         validate(resharded)

@@ -7,6 +7,8 @@ import json
 import pickle
 import shutil
 import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 
@@ -105,6 +107,36 @@ def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
     assert summary["last_step"] == 8 and summary["skipped"] >= 1
     exported = load_file(run_dir / "export" / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in exported.values())
+
+
+@pytest.mark.parametrize("failure, code, message", [
+    ("RuntimeError('CUDA out of memory')", 1, "RuntimeError: CUDA out of memory"),  # with its traceback
+    ("SystemExit('step 5: non-finite loss')", 1, "step 5: non-finite loss"),  # the trainer's one-line errors
+    ("SystemExit(3)", 3, None),
+])
+def test_a_failed_rank_leaves_at_once_with_its_error(failure, code, message):
+    """A rank that failed must exit even where Python's own exit would block (on GPUs: freeing memory under a
+    collective that never completes; here a thread that never ends, which Python's exit waits for), with its error
+    printed, what it printed before flushed, and its exit status."""
+    script = textwrap.dedent(f"""
+        import threading
+        from train.main import leave_now
+        threading.Thread(target=threading.Event().wait).start()
+        print("step 4 | loss 2.61", flush=False)  # stdout is a pipe here: block-buffered
+        try:
+            raise {failure}
+        except BaseException as failure:
+            leave_now(failure)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == code, done.stderr[-2000:]
+    assert done.stdout == "step 4 | loss 2.61\n"
+    if message is None:
+        assert done.stderr == ""
+    else:
+        assert done.stderr.rstrip().endswith(message)
+        assert ("Traceback (most recent call last)" in done.stderr) == failure.startswith("RuntimeError")
 
 
 def _trained_model(**overrides):

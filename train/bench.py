@@ -62,7 +62,8 @@ def check_same_resolution(cfg: Config, run_dir: Path) -> None:
     path = run_dir / "config.yaml"
     theirs, ours = yaml.safe_load(path.read_text())["train"], asdict(cfg)
     parts = [("parallel", "activation_checkpoint"), ("data", "micro_batch_size"), ("parallel", "reshard_after_forward"),
-             ("parallel", "ac_blocks"), ("parallel", "ac_others"), ("parallel", "reduce_every_micro_batch")]
+             ("parallel", "ac_blocks"), ("parallel", "ac_others"), ("parallel", "reduce_every_micro_batch"),
+             ("parallel", "gather_once_per_step")]
     differ = [f"{g}.{k} {theirs[g][k]} (here {ours[g][k]})" for g, k in parts if theirs[g][k] != ours[g][k]]
     if differ:
         raise SystemExit(f"{path}: the trainer resolved other settings than the bound uses: {'; '.join(differ)}")

@@ -159,12 +159,13 @@ class ParallelConfig:
     parameter, 20 GB for the 5B, 66 GB for the 14B); every micro-batch keeps only this rank's shard (4/world bytes)
     for accum-times the gradient traffic. Without accumulation (global batch = micro-batch x world) both are the same.
     Unset (None, the 5B/14B presets) = auto, as --parallel.activation-checkpoint auto."""
-    gather_once_per_step: bool = False
+    gather_once_per_step: tyro.conf.DisallowNone[bool | None] = False
     """All-gather each block's parameters once per optimizer step instead of once per micro-batch: they stay
     gathered from the first micro-batch's forward to the last one's backward (FSDP2 reshards after backward on the
     last micro-batch only). Needs --parallel.no-reshard-after-forward, whose peak (between forward and backward)
-    already holds every block gathered. For slow links between the GPUs: on 4 NVLink-connected H100s it was slower
-    (docs/PERFORMANCE.md)."""
+    already holds every block gathered. Pays with the gradients reduced every micro-batch, which frees the memory
+    that the gathered weights would otherwise squeeze (docs/PERFORMANCE.md). Unset (None, the 5B/14B presets) =
+    auto, as --parallel.activation-checkpoint auto (never with resharding after forward)."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """Float8 matmuls in the DiT blocks' linears (torchao float8 training; pip install -e '.[fp8]'; CUDA compute
     capability >= 8.9): tensorwise = one scale per tensor, FSDP all-gathers the weights in float8; rowwise = one
@@ -271,6 +272,7 @@ class Throughput:
     ac_blocks: int = -1  # with them: --parallel.ac-blocks / --parallel.ac-others
     ac_others: str = "none"
     reduce_every: bool = False  # --parallel.reduce-every-micro-batch
+    gather_once: bool = False  # --parallel.gather-once-per-step (only without resharding after forward)
 
     def describe(self) -> str:
         recompute = "no recompute" if self.ac == "none" else f"{self.ac} recompute"
@@ -278,7 +280,9 @@ class Throughput:
             others = "none" if self.ac_others == "none" else f"{self.ac_others} recompute"
             recompute += f" on {self.ac_blocks} blocks ({others} on the others)"
         reduce = ", gradients reduced every micro-batch" if self.reduce_every else ""
-        return f"{recompute}, micro-batch {self.micro}, {'' if self.reshard else 'no '}reshard after forward{reduce}"
+        once = ", parameters gathered once per step" if self.gather_once else ""
+        return (f"{recompute}, micro-batch {self.micro}, {'' if self.reshard else 'no '}reshard after forward"
+                f"{reduce}{once}")
 
 
 @dataclass(frozen=True)
@@ -298,7 +302,8 @@ class Measured:
 
 def _measured(name: str, entry: dict) -> Measured:
     setting = Throughput(entry["ac"], entry["micro"], entry["reshard"], entry.get("ac_blocks", -1),
-                         entry.get("ac_others", "none"), entry.get("reduce_every", False))
+                         entry.get("ac_others", "none"), entry.get("reduce_every", False),
+                         entry.get("gather_once", False))
     return Measured(name, entry["min_gpus"], entry["min_gib"], setting, entry["evidence"], entry.get("float8", "none"),
                     entry.get("cpu_offload", False))
 
@@ -344,7 +349,8 @@ def _fitting_micro(micro: int, global_batch: int, world_size: int) -> int:
 
 def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tuple[Config, str | None]:
     """A copy of `cfg` whose auto parts (--parallel.activation-checkpoint auto, --data.micro-batch-size 0, unset
-    --parallel.[no-]reshard-after-forward and --parallel.[no-]reduce-every-micro-batch) take the fastest MEASURED
+    --parallel.[no-]reshard-after-forward, --parallel.[no-]reduce-every-micro-batch and
+    --parallel.[no-]gather-once-per-step) take the fastest MEASURED
     setting for the preset that fits `world_size` GPUs of `gpu_mem_gib` each, else the preset's RECIPES entry (None =
     CPU: the recipe). Settings measured with the run's --parallel.float8 come first, then the bf16 ones (float8 did
     not take more memory where both were measured). The recompute mode brings its entry's --parallel.ac-blocks and
@@ -353,7 +359,8 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     micro-batch unless that is given."""
     p, d = cfg.parallel, cfg.data
     auto = {"ac": p.activation_checkpoint == "auto", "micro": d.micro_batch_size == AUTO_MICRO,
-            "reshard": p.reshard_after_forward is None, "reduce": p.reduce_every_micro_batch is None}
+            "reshard": p.reshard_after_forward is None, "reduce": p.reduce_every_micro_batch is None,
+            "once": p.gather_once_per_step is None}
     if not any(auto.values()):
         return cfg, None
     on_gpus = [m for m in MEASURED if m.preset == cfg.preset and gpu_mem_gib is not None
@@ -380,13 +387,15 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
         out.parallel.reduce_every_micro_batch = chosen.reduce_every or p.cpu_offload
     if auto["reshard"]:
         out.parallel.reshard_after_forward = chosen.reshard
+    if auto["once"]:  # kept gathered through the step only where nothing reshards them after forward
+        out.parallel.gather_once_per_step = chosen.gather_once and out.parallel.reshard_after_forward is False
     if auto["micro"]:
         out.data.micro_batch_size = _fitting_micro(chosen.micro, p.global_batch_size, world_size)
     result = Throughput(out.parallel.activation_checkpoint, out.data.micro_batch_size,
                         out.parallel.reshard_after_forward, out.parallel.ac_blocks, out.parallel.ac_others,
-                        out.parallel.reduce_every_micro_batch)
-    given = [{"ac": "recompute", "micro": "micro-batch", "reshard": "resharding", "reduce": "gradient reduction"}[k]
-             for k, a in auto.items() if not a]
+                        out.parallel.reduce_every_micro_batch, out.parallel.gather_once_per_step)
+    given = [{"ac": "recompute", "micro": "micro-batch", "reshard": "resharding", "reduce": "gradient reduction",
+              "once": "gathering"}[k] for k, a in auto.items() if not a]
     batch = f", global batch {p.global_batch_size}" if p.global_batch_size else ""
     return out, (f"auto settings for {cfg.preset} on {where}: {result.describe()}{batch} ({why})"
                  + (f"; given: {', '.join(given)}" if given else ""))

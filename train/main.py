@@ -19,9 +19,11 @@ import json
 import os
 import signal
 import sys
+import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -64,6 +66,11 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
         backend = "cuda:nccl,cpu:gloo"
         cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(torch.get_num_threads(), cores))
+    if "nccl" in backend:
+        # every collective here is a block's all-gather or reduce-scatter (tens to hundreds of MB); NCCL picked its
+        # low-latency protocol for them, whose kernels hold the SMs longer beside the matmuls, and steps came out
+        # uneven (docs/PERFORMANCE.md). The environment's own NCCL_PROTO wins.
+        os.environ.setdefault("NCCL_PROTO", "Simple")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # also runs as a plain `python train/main.py`
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if cuda else None)
@@ -412,10 +419,33 @@ def train(cfg: Config) -> dict:
     return summary
 
 
+def leave_now(failure: BaseException) -> NoReturn:
+    """Report `failure` as Python would at exit, then end the process without Python's teardown. Why: after a
+    failure this rank's GPU may still hold a collective waiting for ranks that will never join it (they failed too,
+    or wait elsewhere), and freeing CUDA memory or the process group at exit then blocks for good: four ranks out of
+    GPU memory printed their errors and stayed alive, so torchrun never ended the job. Checkpoints are complete or
+    absent either way (train/checkpoint.py writes them atomically)."""
+    if isinstance(failure, SystemExit):
+        code = 0 if failure.code is None else failure.code
+        if not isinstance(code, int):  # a message: printed, exit status 1
+            print(code, file=sys.stderr)
+            code = 1
+    else:
+        traceback.print_exception(failure)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     try:
         train(cfg)
+    except BaseException as failure:
+        if __name__ == "__main__":  # a torchrun worker; imported, the caller handles it
+            leave_now(failure)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
