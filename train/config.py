@@ -20,6 +20,7 @@ import torch
 import tyro
 
 import configs
+from train import memory
 from train.lora import LoRAConfig
 from train.loss import LossConfig
 from train.model import RENAMED
@@ -373,6 +374,10 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
     why = (f"measured {fits[0].evidence}" if fits else
            "the preset's recipe" if gpu_mem_gib is None else "nothing measured fits these GPUs: the preset's recipe")
+    size = memory.run_size(cfg) if not fits and gpu_mem_gib is not None else None
+    if size is not None:  # sized by the memory model instead: a setting estimated to fit, or a refusal now
+        chosen, estimated = memory.fitting_setting(cfg, size, chosen, auto, gpu_mem_gib, world_size)
+        why = f"nothing measured fits these GPUs: {estimated}"
     if not fits and on_gpus and p.float8 == "none":  # only with the state in host memory (never with float8)
         why += f"; with --parallel.cpu-offload: measured {on_gpus[0].evidence}"
     if auto["reduce"] and p.cpu_offload and not chosen.reduce_every:

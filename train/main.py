@@ -284,7 +284,10 @@ def train(cfg: Config) -> dict:
     preemption = Preemption()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack, for hangs
     rank, world, device = setup_distributed(cfg)
-    cfg, auto = resolve_auto(cfg, device_memory_gib(device), world)
+    try:
+        cfg, auto = resolve_auto(cfg, device_memory_gib(device), world)
+    except SystemExit as refusal:  # every rank decides alike; one says why
+        raise SystemExit(refusal.code if rank == 0 else 1) from None
     validate(cfg)  # again: what auto resolved may not go with a given flag
     check_float8(cfg.parallel.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     if rank == 0 and auto:

@@ -1,0 +1,184 @@
+"""GPU memory of a training configuration, estimated before any work, so auto settings never pick one that runs
+out of memory after a step, and a run that cannot fit refuses in one line naming what would.
+
+Per GPU, in bytes, for P parameters (T of them trainable) sharded over N ranks:
+
+    state          fp32 master shards 4P/N, AdamW moments 8T/N (host memory with --parallel.cpu-offload)
+    gradients      fp32: the rank's shard 4T/N, or, accumulated over several micro-batches without
+                   --parallel.reduce-every-micro-batch, FSDP2's unsharded buffer 4T (it replaces the shard)
+    gathered       bf16 parameters: the whole model (2P) when nothing reshards after forward, else two blocks
+    activations    per sample and block, in units of one bf16 hidden state (tokens x dim x 2 bytes): what the
+                   recompute mode keeps through the forward, plus one block's working set in backward
+    overhead       CUDA context, compiled kernels' workspaces, NCCL buffers, allocator slack
+
+The activation coefficients are fitted to the peaks measured with `scripts/bench_train.py` (docs/TRAINING.md
+lists them; tests/test_memory.py checks the estimate against each). One rank keeps no unsharded gradient buffer:
+its reduce-scatter output is the gradient itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+import configs
+from train.lora import LoRAConfig, apply_lora
+from train.model import CausalWanModel, DiTConfig, preset
+
+GIB = 2**30
+# Bytes per sample and block, in bf16 hidden states (tokens x dim x 2 bytes), kept through the forward by mode.
+KEPT_PER_BLOCK = {"full": 1.0, "selective": 14.5, "none": 34.0}
+WORKING_SET = 38.0  # the recomputed block's activations and gradients in backward, per sample (same unit)
+OVERHEAD = 4.5 * 10**9
+FIT_FRACTION = 0.95  # of the card's memory: what the allocator can hand out before fragmentation bites
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What memory depends on in the model: parameter counts and the token shape of one sample."""
+
+    params: int
+    trainable: int
+    block_params: int
+    blocks: int
+    tokens: int
+    dim: int
+
+    @property
+    def hidden_state(self) -> int:
+        """Bytes of one bf16 hidden state of one sample."""
+        return self.tokens * self.dim * 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The memory-relevant parts of a configuration."""
+
+    ac: str
+    micro: int
+    reshard: bool
+    reduce_every: bool
+    accumulation: int  # micro-batches per step
+    world: int
+    cpu_offload: bool = False
+    ac_blocks: int = -1  # blocks under `ac` (the rest under ac_others); -1 = all
+    ac_others: str = "none"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    state: int
+    gradients: int
+    gathered: int
+    activations: int
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.state + self.gradients + self.gathered + self.activations + self.overhead
+
+    @property
+    def gib(self) -> float:
+        return self.total / GIB
+
+
+def model_size(dit: DiTConfig, latents: tuple[int, int, int], lora: LoRAConfig | None = None) -> ModelSize:
+    """Parameter counts of `dit` (built on the meta device: no memory, no init cost worth naming) with `lora`, and
+    the tokens of one sample whose latents are (frames, height, width)."""
+    with torch.device("meta"):
+        model = CausalWanModel(dit)
+    if lora is not None:
+        apply_lora(model, lora)
+    count = lambda ps: sum(p.numel() for p in ps)  # noqa: E731
+    frames, h, w = latents
+    tokens = dit.layout(frames, (h // 2) * (w // 2)).seq_len
+    return ModelSize(count(model.parameters()), count(p for p in model.parameters() if p.requires_grad),
+                     count(model.blocks[0].parameters()), len(model.blocks), tokens, dit.dim)
+
+
+def recipe_size(name: str, lora: LoRAConfig | None = None, num_layers: int = 0) -> ModelSize | None:
+    """`model_size` of a recipe's DiT at its sample shape (configs/<name>.yaml, sections dit and synthetic)."""
+    shape = configs.recipe(name).get("synthetic", {}).get("latents")
+    dit = preset(name, **({"num_layers": num_layers} if num_layers else {}))
+    return None if shape is None else model_size(dit, tuple(shape[1:]), lora)
+
+
+def run_size(cfg) -> ModelSize | None:
+    """`recipe_size` of a trainer Config (its DiT, block count and LoRA)."""
+    return recipe_size(cfg.model.name, cfg.lora if cfg.lora.rank else None, cfg.model.num_layers)
+
+
+def estimate(size: ModelSize, plan: Plan) -> Estimate:
+    n, p, t = plan.world, size.params, size.trainable
+    state = 0 if plan.cpu_offload else 4 * p // n + 8 * t // n
+    accumulating = plan.accumulation > 1 and not plan.reduce_every and n > 1
+    if plan.cpu_offload:
+        gradients = 4 * size.block_params  # a block's unsharded fp32 gradients on their way to the host
+    else:
+        gradients = 4 * t if accumulating else 4 * t // n
+    gathered = 2 * p if not plan.reshard else 2 * 2 * size.block_params
+    ac_blocks = size.blocks if plan.ac_blocks < 0 else min(plan.ac_blocks, size.blocks)
+    kept = ac_blocks * KEPT_PER_BLOCK[plan.ac] + (size.blocks - ac_blocks) * KEPT_PER_BLOCK[plan.ac_others]
+    activations = int(plan.micro * size.hidden_state * (kept + WORKING_SET))
+    return Estimate(state, gradients, gathered, activations, OVERHEAD)
+
+
+def fits(size: ModelSize, plan: Plan, gpu_gib: float) -> bool:
+    return estimate(size, plan).gib <= FIT_FRACTION * gpu_gib
+
+
+def _plan(setting, cfg, world: int, offload: bool) -> Plan:
+    global_batch = cfg.parallel.global_batch_size or setting.micro * world
+    return Plan(setting.ac, setting.micro, setting.reshard, setting.reduce_every or offload,
+                max(1, global_batch // (setting.micro * world)), world, offload, setting.ac_blocks, setting.ac_others)
+
+
+def _candidates(setting, auto: dict, global_batch: int, world: int):
+    """`setting`, then what trades speed for memory among the auto parts: the per-micro-batch reduce, then smaller
+    micro-batches (each keeping the global batch a whole number of micro-batches per rank)."""
+    yield setting
+    if auto["reduce"]:
+        setting = replace(setting, reduce_every=True)
+        yield setting
+    if auto["micro"]:
+        for micro in range(setting.micro - 1, 0, -1):
+            if not global_batch or global_batch % (micro * world) == 0:
+                yield replace(setting, micro=micro)
+
+
+def _gib(size: ModelSize, plan: Plan) -> str:
+    return f"~{estimate(size, plan).gib:.0f} GiB"
+
+
+def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, world: int):
+    """The first of `_candidates` estimated to fit `world` GPUs of `gpu_gib`, with a line saying so; else
+    SystemExit with one line naming what would fit (LoRA, the host offload, more GPUs of this size)."""
+    p = cfg.parallel
+    given = {"ac": None if auto["ac"] else p.activation_checkpoint, "micro": None if auto["micro"] else cfg.data.micro_batch_size,
+             "reshard": None if auto["reshard"] else p.reshard_after_forward,
+             "reduce_every": None if auto["reduce"] else p.reduce_every_micro_batch}
+    setting = replace(setting, **{k: v for k, v in given.items() if v is not None})
+    for candidate in _candidates(setting, auto, p.global_batch_size, world):
+        plan = _plan(candidate, cfg, world, p.cpu_offload)
+        if fits(size, plan, gpu_gib):
+            return candidate, f"estimated to fit, {_gib(size, plan)} of {gpu_gib:.0f} (train/memory.py)"
+    plan = _plan(candidate, cfg, world, p.cpu_offload)
+    need = estimate(size, plan)
+    options = []
+    if not cfg.lora.rank:
+        lora = recipe_size(cfg.model.name, LoRAConfig(rank=16), cfg.model.num_layers)
+        if fits(lora, _plan(setting, cfg, world, p.cpu_offload), gpu_gib):
+            options.append(f"--lora.rank 16 ({_gib(lora, _plan(setting, cfg, world, p.cpu_offload))})")
+    if not p.cpu_offload and p.float8 == "none" and fits(size, _plan(setting, cfg, world, True), gpu_gib):
+        offloaded = _gib(size, _plan(setting, cfg, world, True))
+        options.append(f"--parallel.cpu-offload ({offloaded} per GPU, the fp32 state's {16 * size.params / 1e9:.0f} GB "
+                       f"and more in host memory)")
+    more = next((n for n in (2, 4, 8, 16, 32, 64) if n > world and fits(size, _plan(candidate, cfg, n, p.cpu_offload), gpu_gib)), None)
+    if more:
+        options.append(f"{more} GPUs of this size")
+    gpus = f"{world} GPU{'s' if world > 1 else ''} of {gpu_gib:.0f} GiB"
+    raise SystemExit(f"{cfg.preset} does not fit {gpus}: even {candidate.describe()} needs {_gib(size, plan)} per GPU "
+                     f"({(need.state + need.gradients) / GIB:.0f} GiB of fp32 state); "
+                     + (f"would fit: {', '.join(options)}" if options else "neither LoRA, the host offload nor up to 64 "
+                        "such GPUs would fit it"))
