@@ -153,10 +153,11 @@ def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_p
     # the offloaded setting is never chosen for a run without the offload, however large its GPUs
     cfg, _ = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4)
     assert _mix(cfg) == ("full", -1, "none", False, 1) and cfg.parallel.reshard_after_forward is True
-    # offloaded where nothing offloaded was measured (2 GPUs): the recipe, its gradients reduced every micro-batch
+    # offloaded where nothing offloaded was measured (2 GPUs): the recipe's recompute with the largest micro-batch
+    # estimated to fit (each micro-batch copies every gradient to the host), gradients reduced every micro-batch
     # (an unsharded accumulation would sit on the GPU)
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", preset="droid-14b"), H100, 2)
-    assert _mix(cfg) == ("full", -1, "none", True, 1)
+    assert _mix(cfg) == ("full", -1, "none", True, 4)
     assert "gradients reduced every micro-batch for --parallel.cpu-offload" in line
     # given, the reduction stays as given
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", "--parallel.no-reduce-every-micro-batch",

@@ -22,6 +22,8 @@ MEASURED_PEAKS = [
     ("droid-14b", 0, Plan("full", 1, True, True, 2, 4, cpu_offload=True), 18.3),  # 4 H100, state in host memory
     ("droid-14b", 0, Plan("full", 2, False, True, 1, 4, cpu_offload=True), 59.9),  # 4 H100, state in host memory
     ("libero-5b", 16, Plan("full", 32, True, False, 8, 1), 39.9),  # 1 H100, LoRA rank 16
+    ("libero-5b", 0, Plan("selective", 8, False, False, 16, 2), 86.4),  # 2 H200
+    ("libero-5b", 0, Plan("full", 32, True, True, 1, 1, cpu_offload=True), 17.2),  # 1 H100, state in host memory
 ]
 
 
@@ -83,3 +85,15 @@ def test_an_auto_part_trades_speed_for_memory_before_refusing(tmp_path):
     with pytest.raises(SystemExit, match="does not fit"):
         resolve_auto(_cfg(tmp_path, "libero-5b", "--data.micro-batch-size", "32", "--parallel.activation-checkpoint",
                           "none"), H100, 2)
+
+
+def test_a_host_offloaded_run_takes_the_largest_micro_batch_that_fits(tmp_path):
+    # every micro-batch copies all gradients to host memory and adds them there: libero-5b's one-H200 setting
+    # (micro-batch 8, 32 a step) logged no step in 8 minutes offloaded; one micro-batch of 32 took ~7 s
+    cfg, line = resolve_auto(_cfg(tmp_path, "libero-5b", "--parallel.cpu-offload"), H200, 1)
+    assert cfg.data.micro_batch_size == 256 and "nothing measured fits these GPUs: estimated to fit" in line
+    cfg, _ = resolve_auto(_cfg(tmp_path, "libero-5b", "--parallel.cpu-offload"), H100, 1)
+    assert cfg.data.micro_batch_size == 128 and cfg.parallel.reduce_every_micro_batch
+    # a setting measured offloaded still wins
+    cfg, line = resolve_auto(_cfg(tmp_path, "droid-14b", "--parallel.cpu-offload"), H100, 4)
+    assert cfg.data.micro_batch_size == 2 and "measured 0.13" in line

@@ -367,8 +367,11 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     on_gpus = [m for m in MEASURED if m.preset == cfg.preset and gpu_mem_gib is not None
                and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib and m.float8 in (p.float8, "none")]
     # an offloaded setting fits only offloaded runs; an offloaded run fits any, its own kind first
-    fits = [m for m in on_gpus if p.cpu_offload or not m.cpu_offload]
-    fits.sort(key=lambda m: (m.cpu_offload != p.cpu_offload, m.float8 != p.float8))  # stable: fastest first in each
+    fits = [m for m in on_gpus if m.cpu_offload == p.cpu_offload]
+    # an offloaded run takes only settings measured offloaded: the others' small micro-batches each copy every
+    # gradient to host memory (32 a step for libero-5b's one-H200 entry: no step within 8 minutes); without one,
+    # the memory model sizes it (largest micro-batch first)
+    fits.sort(key=lambda m: m.float8 != p.float8)  # stable: fastest first of each
     chosen = fits[0].setting if fits else RECIPES[cfg.preset]
     gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
     where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
@@ -378,8 +381,9 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     if size is not None:  # sized by the memory model instead: a setting estimated to fit, or a refusal now
         chosen, estimated = memory.fitting_setting(cfg, size, chosen, auto, gpu_mem_gib, world_size)
         why = f"nothing measured fits these GPUs: {estimated}"
-    if not fits and on_gpus and p.float8 == "none":  # only with the state in host memory (never with float8)
-        why += f"; with --parallel.cpu-offload: measured {on_gpus[0].evidence}"
+    offloaded = [m for m in on_gpus if m.cpu_offload]
+    if not fits and not p.cpu_offload and offloaded and p.float8 == "none":  # never with float8
+        why += f"; with --parallel.cpu-offload: measured {offloaded[0].evidence}"
     if auto["reduce"] and p.cpu_offload and not chosen.reduce_every:
         why += "; gradients reduced every micro-batch for --parallel.cpu-offload"
     out = copy.deepcopy(cfg)

@@ -134,16 +134,24 @@ def _plan(setting, cfg, world: int, offload: bool) -> Plan:
                 max(1, global_batch // (setting.micro * world)), world, offload, setting.ac_blocks, setting.ac_others)
 
 
-def _candidates(setting, auto: dict, global_batch: int, world: int):
+def _candidates(setting, auto: dict, global_batch: int, world: int, offload: bool):
     """`setting`, then what trades speed for memory among the auto parts: the per-micro-batch reduce, then smaller
-    micro-batches (each keeping the global batch a whole number of micro-batches per rank)."""
+    micro-batches (each keeping the global batch a whole number of micro-batches per rank). With the state in host
+    memory every micro-batch copies all gradients to the host and adds them there, so there the largest micro-batch
+    that fits comes first, from one micro-batch per step down."""
+    whole = lambda micro: not global_batch or global_batch % (micro * world) == 0  # noqa: E731
+    if offload and auto["micro"] and global_batch:
+        for micro in range(global_batch // world, 0, -1):
+            if whole(micro):
+                yield replace(setting, micro=micro)
+        return
     yield setting
     if auto["reduce"]:
         setting = replace(setting, reduce_every=True)
         yield setting
     if auto["micro"]:
         for micro in range(setting.micro - 1, 0, -1):
-            if not global_batch or global_batch % (micro * world) == 0:
+            if whole(micro):
                 yield replace(setting, micro=micro)
 
 
@@ -159,7 +167,7 @@ def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, w
              "reshard": None if auto["reshard"] else p.reshard_after_forward,
              "reduce_every": None if auto["reduce"] else p.reduce_every_micro_batch}
     setting = replace(setting, **{k: v for k, v in given.items() if v is not None})
-    for candidate in _candidates(setting, auto, p.global_batch_size, world):
+    for candidate in _candidates(setting, auto, p.global_batch_size, world, p.cpu_offload):
         plan = _plan(candidate, cfg, world, p.cpu_offload)
         if fits(size, plan, gpu_gib):
             return candidate, f"estimated to fit, {_gib(size, plan)} of {gpu_gib:.0f} (train/memory.py)"
