@@ -4,23 +4,27 @@ webdataset decoder and `preprocess check` must refuse each in one line naming th
 is read from outside the directory, written outside the cache, allocated from a crafted size or trained on."""
 
 import hashlib
+import io
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from preprocess.check import check
 from shardformat import webdataset_decoder
 from shardformat.manifest import ShardFormatError, write_sealed_json
+from shardformat.members import MAX_MEMBER_BYTES, checksum
 from shardformat.shard import ShardRecord
 from shardformat.storage import ShardStore, sync_up
 from train.config import DataConfig
-from train.data import ShardLoader, open_index
+from train.data import SampleReader, ShardIndex, ShardLoader, open_index
 from train.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,6 +160,37 @@ def test_a_tar_size_the_manifest_and_json_both_inflate_is_refused(copy):
     reseal(copy / "shard-000001.json", inflate)
     reseal(copy / "manifest.json", lambda m: m["shards"][1].update(bytes=2**41))
     assert refused(copy) == f"{copy / 'shard-000001.tar'}: {record.bytes} bytes, the manifest says {2**41}"
+
+
+def _npy_header(shape: tuple) -> bytes:
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return f.getvalue()
+
+
+HUGE = 2**40
+# A zstd frame header (magic, single segment, 8-byte content size) declaring HUGE bytes, then an empty raw block.
+ZSTD_HUGE = struct.pack("<IBQ", 0xFD2FB528, 0xE0, HUGE) + b"\x01\x00\x00"
+
+
+@pytest.mark.parametrize("member, crafted, why", [
+    ("action.npy", _npy_header((HUGE,)), f"its header declares {4 * HUGE} bytes of data, it holds"),
+    ("state.npy.zst", ZSTD_HUGE, f"zstd frame of content size {HUGE}, not between 0 and {MAX_MEMBER_BYTES}")])
+def test_a_member_declaring_a_huge_array_is_refused_without_allocating_it(copy, member, crafted, why):
+    """The member keeps its size (every offset holds) and gets its CRC-32 recorded: only its content lies."""
+    tar, side = copy / "shard-000000.tar", copy / "shard-000000.json"
+    sample = ShardRecord.read(side).samples[0]
+    i, ref = next((i, m) for i, m in enumerate(sample.members) if m.name == member)
+    data = bytearray(tar.read_bytes())
+    data[ref.offset : ref.offset + ref.size] = crafted.ljust(ref.size, b"\0")
+    tar.write_bytes(bytes(data))
+    reseal(side, lambda o: o["samples"][sample.key]["members"][i].__setitem__(
+        3, checksum(crafted.ljust(ref.size, b"\0"))))
+    reader = SampleReader(ShardIndex(copy), preset("tiny"))
+    with pytest.raises(ShardFormatError) as err:
+        reader.raw(0, sample.key)
+    assert str(err.value).startswith(f"{tar}: sample {sample.key}: member {member}: {why}")
+    assert any(p.startswith(f"shard-000000.tar: sample {sample.key}: member {member}: {why}") for p in check(copy))
 
 
 @pytest.mark.parametrize("name", ["../shard-000000.tar", "/etc/passwd", "shard-000000.tar/", "a//shard-000000.tar",
