@@ -11,8 +11,9 @@ every member decodes with its recorded shape and dtype and holds finite values, 
 anchor multiplicities agree with meta.json, every prompt id resolves in the text table, frame 0 is stored as the
 manifest's image_features says (CLIP features, or CLIP's input pixels in the encoders' dtype), the statistics file is
 present and matches its hash, the text table matches its hash and prompts.json its ids and token counts. Paths
-named by the manifest must lie inside the directory, and members inside their tar (shardformat.manifest). Every problem names the file and the sample. Each tar is read once, front to back
-(its hash, headers and members in one pass), through shardformat.storage.
+named by the manifest must lie inside the directory, and members inside their tar (shardformat.manifest). Every
+problem names the file and the sample. Each tar is read once, front to back (its hash, headers and members in one
+pass), through shardformat.storage.
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ def check_text_table(store: ShardStore, manifest: Manifest, files: set[str], pro
     try:
         check_json_size(entry["prompts"], text.prompts.stat().st_size)
         tokens = {pid: p["tokens"] for pid, p in json.loads(text.prompts.read_text()).items()}
-    except (ShardFormatError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError, KeyError) as err:
+    except ShardFormatError as err:
+        problems.append(str(err))
+        return set()
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError, KeyError) as err:
         problems.append(f"{entry['prompts']}: unreadable: {err}")
         return set()
     rows = {}

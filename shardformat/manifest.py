@@ -6,7 +6,7 @@ so an edited count, path or offset is caught on read, not trained on.
 
 The seal is a checksum, not a signature: anyone who edits a file can seal it again. So nothing a shard directory
 says is trusted beyond that: every path it names must lie inside it (`relative_path`), every number must be in
-range (`count`), and JSON files are refused above MAX_JSON_BYTES before they are parsed.
+range (`non_negative`), and JSON files are refused above MAX_JSON_BYTES before they are parsed.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def relative_path(name, where, field: str, pattern: re.Pattern | None = None) ->
     return name
 
 
-def count(value, where, field: str) -> int:
+def non_negative(value, where, field: str) -> int:
     """`value` if it is a non-negative int (a count, size or offset), else ShardFormatError naming the field."""
     if type(value) is not int or value < 0:
         raise ShardFormatError(f"{where}: {field} is {value!r}, not a count of bytes or samples")
@@ -160,8 +160,8 @@ class Manifest:
             raise ShardFormatError(f"{where}: bad shard entry: {err}") from None
         for i, s in enumerate(shards):
             relative_path(s.shard, where, f"shards[{i}].shard", SHARD_NAME)
-            count(s.count, where, f"shards[{i}].count")
-            count(s.bytes, where, f"shards[{i}].bytes")
+            non_negative(s.count, where, f"shards[{i}].count")
+            non_negative(s.bytes, where, f"shards[{i}].bytes")
         if len({s.shard for s in shards}) != len(shards):
             raise ShardFormatError(f"{where}: shards lists a shard twice")
         for block, field, pattern in SIDE_FILES:

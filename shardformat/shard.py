@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from shardformat.manifest import (FORMAT_VERSION, MANIFEST, SHARD_NAME, ShardEntry, ShardFormatError, count,
-                                  read_sealed_json, relative_path, write_sealed_json)
+from shardformat.manifest import (FORMAT_VERSION, MANIFEST, SHARD_NAME, ShardEntry, ShardFormatError,
+                                  non_negative, read_sealed_json, relative_path, write_sealed_json)
 from shardformat.members import checksum
 
 
@@ -69,7 +69,7 @@ class ShardRecord:
 
     def check_bounds(self, where: Path | str) -> None:
         """Every member lies inside the tar's recorded bytes, so no read is sized by a number the tar cannot hold."""
-        count(self.bytes, where, "bytes")
+        non_negative(self.bytes, where, "bytes")
         for sample in self.samples:
             if not sample.members:
                 raise ShardFormatError(f"{where}: sample {sample.key}: no members")
@@ -77,7 +77,8 @@ class ShardRecord:
                 field = f"sample {sample.key}: member {m.name}"
                 if not isinstance(m.name, str) or type(m.crc32) is not int:
                     raise ShardFormatError(f"{where}: {field}: malformed (name {m.name!r}, CRC-32 {m.crc32!r})")
-                if count(m.offset, where, f"{field} offset") + count(m.size, where, f"{field} size") > self.bytes:
+                end = non_negative(m.offset, where, f"{field} offset") + non_negative(m.size, where, f"{field} size")
+                if end > self.bytes:
                     raise ShardFormatError(f"{where}: {field}: {m.size} bytes at offset {m.offset} lie outside the "
                                            f"tar's {self.bytes} bytes (crafted or corrupt): rebuild the shards")
 

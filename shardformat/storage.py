@@ -126,25 +126,24 @@ class ShardStore:
     # ------------------------------------------------------------ reads
 
     def read_bytes(self, relpath: str) -> bytes:
-        """A small file whole (a JSON file); ShardFormatError when it holds more than MAX_JSON_BYTES, of which no more
-        than one byte beyond is read."""
-        try:
-            data = self.fs.cat_file(self.path(relpath), start=0, end=MAX_JSON_BYTES + 1)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{self.where(relpath)}: missing") from None
-        check_json_size(self.where(relpath), len(data))
-        return data
+        """A small file whole, as `read_many` reads it."""
+        return self.read_many([relpath])[0]
 
     def read_json(self, relpath: str):
         return json.loads(self.read_bytes(relpath))
 
     def read_many(self, relpaths: list[str]) -> list[bytes]:
-        """Small files whole, in order, read as `read_bytes` reads one; on an object store up to READ_MANY requests
-        are in flight together."""
+        """Small files (JSON) whole, in order, each refused (ShardFormatError) above MAX_JSON_BYTES before more is read:
+        a local file's size is looked up first, an object is read with a range ending one byte past the limit. On an
+        object store up to READ_MANY requests are in flight together."""
         out = []
         for i in range(0, len(relpaths), READ_MANY):
             chunk = relpaths[i : i + READ_MANY]
-            found = self.fs.cat_ranges([self.path(p) for p in chunk], 0, MAX_JSON_BYTES + 1, on_error="return")
+            if self.is_local:  # a local read up to the limit would reserve that much memory for every file
+                for relpath in chunk:
+                    check_json_size(self.where(relpath), self.size(relpath))
+            end = None if self.is_local else MAX_JSON_BYTES + 1
+            found = self.fs.cat_ranges([self.path(p) for p in chunk], 0, end, on_error="return")
             for relpath, data in zip(chunk, found):
                 if isinstance(data, FileNotFoundError):
                     raise FileNotFoundError(f"{self.where(relpath)}: missing")

@@ -23,7 +23,8 @@ def webdataset_decoder(root: Path | str) -> Callable[[dict], dict]:
     """A `map` function for samples of the shard directory `root`, as WebDataset or wids yield them.
 
     It checks the text table against the manifest's sha256 once, verifies every member against the shard's JSON
-    (CRC-32), restores the tensors (bf16 as torch bf16, `.zst` members decompressed) and joins the umT5 embedding of each prompt column from the text table. Returns
+    (CRC-32), restores the tensors (bf16 as torch bf16, `.zst` members decompressed) and joins the umT5 embedding of
+    each prompt column from the text table. Returns
     {"__key__", "__url__", "meta": meta.json, <tensor name>: tensor, "text": {column: bf16 [tokens, dim]}}.
     It pickles, so DataLoader workers of any start method can run it.
     """
