@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from shardformat.files import atomic_write_json, atomic_writer, sha256_file
-from shardformat.manifest import MANIFEST, SIDE_FILES, check_sha256, relative_path
+from shardformat.manifest import MANIFEST, SIDE_FILES, ShardFormatError, check_sha256, relative_path
 
 TABLE = "text/embeddings.safetensors"
 PROMPTS = "text/prompts.json"
@@ -52,11 +52,14 @@ class TextTable:
         return {**self.__dict__, "_file": None}  # an open handle does not pickle into loader workers
 
     def get(self, prompt_id: str) -> torch.Tensor:
-        if self._file is None:
-            from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
+        if self._file is None:
             self._file = safe_open(str(self.table), framework="pt")
-        return self._file.get_tensor(prompt_id)
+        try:
+            return self._file.get_tensor(prompt_id)
+        except (SafetensorError, TypeError) as err:  # an id a sample's meta.json names, but the table lacks
+            raise ShardFormatError(f"{self.table}: prompt id {prompt_id!r}: {err}") from None
 
     @property
     def longest_prompt(self) -> int:

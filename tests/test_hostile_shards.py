@@ -209,3 +209,11 @@ def test_the_store_refuses_a_path_out_of_its_directory(copy):
     for name in ("../outside", "/etc/passwd", "text/../../outside", "", "text\\x"):
         with pytest.raises(ShardFormatError, match="is not a relative path inside the shard directory"):
             store.read_bytes(name)
+
+
+def test_a_prompt_id_the_text_table_lacks_is_named_in_one_line(copy):
+    """A sample's meta.json (checked by CRC-32 only, which its author records) may name any prompt id."""
+    index = open_index(copy)
+    with pytest.raises(ShardFormatError, match=re.escape(f"{copy / 'text/embeddings.safetensors'}: prompt id 'nope': "
+                                                         f"File does not contain tensor nope")):
+        index.text.get("nope")
