@@ -10,8 +10,10 @@ lists exactly the tar's members at their offsets), byte counts and sha256, sampl
 every member decodes with its recorded shape and dtype and holds finite values, keys are unique and well formed,
 anchor multiplicities agree with meta.json, every prompt id resolves in the text table, frame 0 is stored as the
 manifest's image_features says (CLIP features, or CLIP's input pixels in the encoders' dtype), the statistics file is
-present and matches its hash. Every problem names the file and the sample. Each tar is read once, front to back
-(its hash, headers and members in one pass), through shardformat.storage.
+present and matches its hash, the text table matches its hash and prompts.json its ids and token counts. Paths
+named by the manifest must lie inside the directory, and members inside their tar (shardformat.manifest). Every
+problem names the file and the sample. Each tar is read once, front to back (its hash, headers and members in one
+pass), through shardformat.storage.
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ import tyro
 from tqdm import tqdm
 
 from shardformat.keys import IMAGE_MEMBER, parse_key
-from shardformat.manifest import MANIFEST, WIDS_INDEX, Manifest, ShardEntry, ShardFormatError
+from shardformat.files import sha256_file
+from shardformat.manifest import (MANIFEST, WIDS_INDEX, Manifest, ShardEntry, ShardFormatError, check_json_size,
+                                  check_sha256)
 from shardformat.members import decode_members, split_member_name
 from shardformat.shard import ShardRecord, json_path, verify_members
 from shardformat.storage import COPY_BLOCK, STORE_ERRORS, ShardStore
+from shardformat.text import TextTable
 
 
 @dataclass
@@ -93,8 +98,11 @@ def check_statistics(store: ShardStore, manifest: Manifest, files: set[str], pro
     stats = manifest.statistics
     if stats["file"] not in files:
         problems.append(f"{MANIFEST}: statistics file missing")
-    elif hashlib.sha256(store.read_bytes(stats["file"])).hexdigest() != stats["sha256"]:
-        problems.append(f"{stats['file']}: sha256 differs from the manifest")
+        return
+    try:
+        check_sha256(stats["file"], hashlib.sha256(store.read_bytes(stats["file"])).hexdigest(), stats["sha256"])
+    except ShardFormatError as err:
+        problems.append(str(err))
 
 
 def check_text_table(store: ShardStore, manifest: Manifest, files: set[str], problems: list[str]) -> set[str]:
@@ -105,29 +113,39 @@ def check_text_table(store: ShardStore, manifest: Manifest, files: set[str], pro
         if name not in files:
             problems.append(f"{name}: missing")
             return set()
-    local = store.local_root(entry["file"], entry["prompts"])  # safetensors opens files by name
-    table, prompts = local / entry["file"], local / entry["prompts"]
-    with open(table, "rb") as f:
-        if hashlib.file_digest(f, "sha256").hexdigest() != entry["sha256"]:
-            problems.append(f"{entry['file']}: sha256 differs from the manifest")
+    # safetensors opens files by name
+    text = TextTable(store.local_root(entry["file"], entry["prompts"]), entry)
     try:
-        ids = set(json.loads(prompts.read_text()))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        check_sha256(entry["file"], sha256_file(text.table), entry["sha256"])
+    except ShardFormatError as err:
+        problems.append(str(err))
+    try:
+        check_json_size(entry["prompts"], text.prompts.stat().st_size)
+        tokens = {pid: p["tokens"] for pid, p in json.loads(text.prompts.read_text()).items()}
+    except ShardFormatError as err:
+        problems.append(str(err))
+        return set()
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError, KeyError) as err:
         problems.append(f"{entry['prompts']}: unreadable: {err}")
         return set()
+    rows = {}
     try:
-        with safe_open(table, framework="pt") as f:
-            stored = set(f.keys())
-            for pid in sorted(stored):
+        with safe_open(text.table, framework="pt") as f:
+            for pid in sorted(f.keys()):
                 emb = f.get_tensor(pid)
+                rows[pid] = emb.shape[0]
                 if emb.ndim != 2 or not torch.isfinite(emb.float()).all():
                     problems.append(f"{entry['file']}: prompt {pid}: embedding is not a finite [tokens, dim] matrix")
     except Exception as err:  # safetensors raises several types for damaged files
         problems.append(f"{entry['file']}: unreadable: {err}")
         return set()
-    if ids != stored:
-        problems.append(f"{entry['file']}: prompt ids differ from {entry['prompts']} ({len(ids ^ stored)} differ)")
-    return stored
+    if tokens.keys() != rows.keys():
+        problems.append(f"{entry['file']}: prompt ids differ from {entry['prompts']} "
+                        f"({len(tokens.keys() ^ rows.keys())} differ)")
+    elif tokens != rows:
+        problems.append(f"{entry['file']}: token counts differ from {entry['prompts']} "
+                        f"({sum(tokens[p] != rows[p] for p in rows)} prompts)")
+    return set(rows)
 
 
 def check_shard_json(store: ShardStore, entry: ShardEntry, files: set[str], problems: list[str]) -> ShardRecord | None:
@@ -141,9 +159,10 @@ def check_shard_json(store: ShardStore, entry: ShardEntry, files: set[str], prob
     except ShardFormatError as err:
         problems.append(str(err))
         return None
-    if (record.shard, record.count, record.bytes, record.sha256) != (entry.shard, entry.count, entry.bytes,
-                                                                      entry.sha256):
-        problems.append(f"{side}: disagrees with {MANIFEST}")
+    try:
+        record.check_entry(entry, side)
+    except ShardFormatError as err:
+        problems.append(str(err))
     return record
 
 
@@ -194,7 +213,7 @@ def check(root: str | os.PathLike, decode: bool = True) -> list[str]:
     try:
         if store.read_json(WIDS_INDEX) != manifest.wids_index():
             problems.append(f"{WIDS_INDEX}: disagrees with {MANIFEST}")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:  # ValueError: bad JSON, or over the size limit (ShardFormatError)
         problems.append(f"{WIDS_INDEX}: unreadable: {err}")
 
     listed = {s.shard for s in manifest.shards}

@@ -3,12 +3,17 @@
 `manifest.json` is written last; its presence means the directory is complete. Every JSON file of the contract
 (manifest, shard JSONs) is *sealed*: `content_sha256` is the sha256 of the file's canonical JSON without that field,
 so an edited count, path or offset is caught on read, not trained on.
+
+The seal is a checksum, not a signature: anyone who edits a file can seal it again. So nothing a shard directory
+says is trusted beyond that: every path it names must lie inside it (`relative_path`), every number must be in
+range (`non_negative`), and JSON files are refused above MAX_JSON_BYTES before they are parsed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
@@ -19,10 +24,48 @@ FORMAT_VERSION = "wampipe-shards/2"  # 2: per-member offsets and CRC-32 in shard
 MANIFEST = "manifest.json"
 WIDS_INDEX = "wids.json"
 SEAL = "content_sha256"
+MAX_JSON_BYTES = 1 << 28  # 256 MiB: far above any manifest or shard JSON, far below what exhausts a reader's memory
+SHARD_NAME = re.compile(r"shard-\d{6,}\.tar")
+# (manifest block, field, pattern) of every file besides the shards that the manifest names
+SIDE_FILES = (("text_table", "file", re.compile(r".+\.safetensors")),
+              ("text_table", "prompts", re.compile(r".+\.json")),
+              ("statistics", "file", re.compile(r".+\.json")))
 
 
 class ShardFormatError(ValueError):
     """A shard directory this code cannot use; `str(err)` names the file (and sample) and the reason."""
+
+
+def relative_path(name, where, field: str, pattern: re.Pattern | None = None) -> str:
+    """`name` if it is a path inside the shard directory: relative, `/`-separated, no empty, `.` or `..` part, no
+    backslash or control character, and of `pattern` (matched whole) when given; else ShardFormatError naming the
+    file `where` and the field."""
+    parts = name.split("/") if isinstance(name, str) else [""]
+    if (any(p in ("", ".", "..") for p in parts) or any(c == "\\" or ord(c) < 32 for c in name)
+            or (pattern is not None and not pattern.fullmatch(name))):
+        shape = f" of the form {pattern.pattern}" if pattern is not None else ""
+        raise ShardFormatError(f"{where}: {field} {name!r} is not a relative path{shape} inside the shard directory "
+                               f"(crafted or corrupt): rebuild the shards")
+    return name
+
+
+def non_negative(value, where, field: str) -> int:
+    """`value` if it is a non-negative int (a count, size or offset), else ShardFormatError naming the field."""
+    if type(value) is not int or value < 0:
+        raise ShardFormatError(f"{where}: {field} is {value!r}, not a count of bytes or samples")
+    return value
+
+
+def check_sha256(where, digest: str, recorded) -> None:
+    """ShardFormatError unless a file's sha256 is the one the manifest records for it."""
+    if digest != recorded:
+        raise ShardFormatError(f"{where}: sha256 differs from the manifest")
+
+
+def check_json_size(where, size: int) -> None:
+    """Refuse a JSON file before it is read whole or parsed when it is larger than any file of the format."""
+    if size > MAX_JSON_BYTES:
+        raise ShardFormatError(f"{where}: {size} bytes, more than any JSON file of the format ({MAX_JSON_BYTES})")
 
 
 def content_sha256(obj: dict) -> str:
@@ -36,6 +79,7 @@ def write_sealed_json(path: Path, obj: dict) -> None:
 def read_sealed_json(path: Path) -> dict:
     """A sealed JSON file of this format version, seal removed; ShardFormatError names the file otherwise."""
     try:
+        check_json_size(path, Path(path).stat().st_size)
         data = Path(path).read_bytes()
     except OSError as err:
         raise ShardFormatError(f"{path}: unreadable: {err}") from None
@@ -44,6 +88,7 @@ def read_sealed_json(path: Path) -> dict:
 
 def parse_sealed_json(data: bytes, where: Path | str) -> dict:
     """`read_sealed_json` of bytes already read (from object storage); `where` names the file."""
+    check_json_size(where, len(data))
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -105,10 +150,22 @@ class Manifest:
         missing, unknown = sorted(required - d.keys()), sorted(d.keys() - names)
         if missing or unknown:
             raise ShardFormatError(f"{where}: missing fields {missing}, unknown fields {unknown}")
+        for f in fields(cls):
+            kind = {"dict": dict, "list": list, "str": str, "int": int}[f.type.partition("[")[0]]
+            if f.name in d and not isinstance(d[f.name], kind):
+                raise ShardFormatError(f"{where}: {f.name} is a {type(d[f.name]).__name__}, not a {kind.__name__}")
         try:
             shards = [ShardEntry(**s) for s in d["shards"]]
         except TypeError as err:
             raise ShardFormatError(f"{where}: bad shard entry: {err}") from None
+        for i, s in enumerate(shards):
+            relative_path(s.shard, where, f"shards[{i}].shard", SHARD_NAME)
+            non_negative(s.count, where, f"shards[{i}].count")
+            non_negative(s.bytes, where, f"shards[{i}].bytes")
+        if len({s.shard for s in shards}) != len(shards):
+            raise ShardFormatError(f"{where}: shards lists a shard twice")
+        for block, field, pattern in SIDE_FILES:
+            relative_path(d[block].get(field), where, f"{block}.{field}", pattern)
         if d.get("image_features", "encoded") not in IMAGE_MEMBER:
             raise ShardFormatError(f"{where}: image_features {d['image_features']!r} is none of {sorted(IMAGE_MEMBER)}")
         if set(d["modality_keys"]) != {"state", "action"}:

@@ -3,13 +3,16 @@
 Every tensor is an `.npy` member, bf16 stored as its uint16 bits; a member whose zstd frame is at least 10 % smaller
 is stored as `.npy.zst` (frames carry a content checksum); `meta.json` records every tensor's dtype, shape and
 compression so a reader can restore and verify it. Each member's CRC-32 is recorded in the shard's JSON
-(shardformat.shard) and checked on every read.
+(shardformat.shard) and checked on every read. A reader allocates no more than a member declares in ways its bytes
+bear out: a zstd frame's content size is capped (MAX_MEMBER_BYTES), and an `.npy` header must account for exactly
+the bytes that follow it.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import zlib
 from typing import Any
 
@@ -24,6 +27,7 @@ ZSTD_LEVEL = 3
 COMPRESS_MODES = ("auto", "none", "all")
 # zstd is kept only where it saves at least this fraction: bf16 latents are near-incompressible noise.
 MIN_SAVING = 0.10
+MAX_MEMBER_BYTES = 1 << 30  # 1 GiB: far above any tensor of a sample (the 14B latents are ~1 MiB)
 
 
 def checksum(data: bytes) -> int:
@@ -83,6 +87,34 @@ def split_member_name(name: str) -> tuple[str, str]:
     return key, suffix
 
 
+def load_npy(data: bytes, suffix: str) -> np.ndarray:
+    """`np.load` of a member's `.npy` bytes once its header's shape and dtype account for exactly the bytes stored:
+    numpy allocates the array the header declares before reading, so a crafted header would size the allocation."""
+    f = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(f)
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        shape, _, dtype = read_header[version](f)
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"member {suffix}: not an .npy array ({err})") from None
+    declared, stored = math.prod(shape) * dtype.itemsize, len(data) - f.tell()
+    if declared != stored:
+        raise ValueError(f"member {suffix}: its header declares {declared} bytes of data, it holds {stored}")
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def decompress(decompressor: zstandard.ZstdDecompressor, data: bytes, suffix: str) -> bytes:
+    """A member's zstd frame, whose content size (in its header, as every writer records it) is at most
+    MAX_MEMBER_BYTES: the output buffer is allocated at that size before decompressing."""
+    size = zstandard.frame_content_size(data) if data else -1
+    if not 0 <= size <= MAX_MEMBER_BYTES:
+        raise ValueError(f"member {suffix}: zstd frame of content size {size}, not between 0 and {MAX_MEMBER_BYTES}")
+    try:
+        return decompressor.decompress(data)
+    except zstandard.ZstdError as err:
+        raise ValueError(f"member {suffix}: {err}") from None
+
+
 def decode_members(members: dict[str, bytes]) -> tuple[dict, dict[str, np.ndarray | torch.Tensor]]:
     """{suffix: bytes} of one sample (suffixes as `split_member_name` gives) -> (meta, tensors).
 
@@ -91,7 +123,10 @@ def decode_members(members: dict[str, bytes]) -> tuple[dict, dict[str, np.ndarra
     if META not in members:
         raise ValueError(f"no {META} member")
     meta = json.loads(members[META])
-    records = meta.get("tensors", {})
+    records = meta.get("tensors", {}) if isinstance(meta, dict) else None
+    if not isinstance(records, dict) or not all(isinstance(r, dict) and {"dtype", "shape", "zstd"} <= r.keys()
+                                                for r in records.values()):
+        raise ValueError(f"{META}: tensors is not a record of dtype, shape and zstd per tensor")
     tensors = {}
     seen = {META}
     decompressor = zstandard.ZstdDecompressor()
@@ -101,12 +136,7 @@ def decode_members(members: dict[str, bytes]) -> tuple[dict, dict[str, np.ndarra
             raise ValueError(f"member {suffix} listed in {META} is missing")
         seen.add(suffix)
         data = members[suffix]
-        if record["zstd"]:
-            try:
-                data = decompressor.decompress(data)
-            except zstandard.ZstdError as err:
-                raise ValueError(f"member {suffix}: {err}") from None
-        array = np.load(io.BytesIO(data), allow_pickle=False)
+        array = load_npy(decompress(decompressor, data, suffix) if record["zstd"] else data, suffix)
         if list(array.shape) != record["shape"]:
             raise ValueError(f"member {suffix} has shape {list(array.shape)}, {META} says {record['shape']}")
         tensors[name] = from_numpy_bits(array, record["dtype"])

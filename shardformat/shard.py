@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from shardformat.manifest import FORMAT_VERSION, ShardFormatError, read_sealed_json, write_sealed_json
+from shardformat.manifest import (FORMAT_VERSION, MANIFEST, SHARD_NAME, ShardEntry, ShardFormatError,
+                                  non_negative, read_sealed_json, relative_path, write_sealed_json)
 from shardformat.members import checksum
 
 
@@ -62,7 +63,30 @@ class ShardRecord:
             raise ShardFormatError(f"{where}: malformed shard record ({type(err).__name__}: {err})") from None
         if record.count != d["count"] or len(d["samples"]) != record.count:
             raise ShardFormatError(f"{where}: count {d['count']}, {len(d['keys'])} keys, {len(d['samples'])} samples")
+        relative_path(record.shard, where, "shard", SHARD_NAME)
+        record.check_bounds(where)
         return record
+
+    def check_bounds(self, where: Path | str) -> None:
+        """Every member lies inside the tar's recorded bytes, so no read is sized by a number the tar cannot hold."""
+        non_negative(self.bytes, where, "bytes")
+        for sample in self.samples:
+            if not sample.members:
+                raise ShardFormatError(f"{where}: sample {sample.key}: no members")
+            for m in sample.members:
+                field = f"sample {sample.key}: member {m.name}"
+                if not isinstance(m.name, str) or type(m.crc32) is not int:
+                    raise ShardFormatError(f"{where}: {field}: malformed (name {m.name!r}, CRC-32 {m.crc32!r})")
+                end = non_negative(m.offset, where, f"{field} offset") + non_negative(m.size, where, f"{field} size")
+                if end > self.bytes:
+                    raise ShardFormatError(f"{where}: {field}: {m.size} bytes at offset {m.offset} lie outside the "
+                                           f"tar's {self.bytes} bytes (crafted or corrupt): rebuild the shards")
+
+    def check_entry(self, entry: ShardEntry, where: Path | str) -> None:
+        """ShardFormatError unless the JSON says what the manifest says of its shard (name, count, bytes, sha256)."""
+        differ = [f for f in ("shard", "count", "bytes", "sha256") if getattr(self, f) != getattr(entry, f)]
+        if differ:
+            raise ShardFormatError(f"{where}: disagrees with {MANIFEST} ({', '.join(differ)})")
 
     @classmethod
     def read(cls, path: Path | str) -> ShardRecord:

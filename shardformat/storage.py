@@ -22,7 +22,9 @@ must be opened by name (the text table, for safetensors) get the same copy from 
 without one, into a temporary directory of the process.
 
 Reads of the format: `manifest()` and `shard_records()` (the shard JSONs, READ_MANY requests in flight at a time)
-check the seals and name the file of any problem (ShardFormatError).
+check the seals and name the file of any problem (ShardFormatError). Every relative path, whether a caller's or a
+manifest's, must lie inside the directory, and every local copy inside its cache or temporary directory
+(shardformat.manifest.relative_path); JSON files are read up to MAX_JSON_BYTES and refused beyond.
 
 Uploads are atomic: an S3 PUT (or multipart upload) makes the object visible only complete, and records the
 file's sha256 as object metadata so a resumed `sync_up` skips it without reading it back; a local target is
@@ -45,7 +47,8 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from shardformat.files import atomic_writer, sha256_file
-from shardformat.manifest import MANIFEST, Manifest, ShardFormatError, parse_sealed_json
+from shardformat.manifest import (MANIFEST, MAX_JSON_BYTES, Manifest, ShardFormatError, check_json_size,
+                                  parse_sealed_json, relative_path)
 from shardformat.shard import ShardRecord, json_path
 
 WORK_DIR = "work"  # the preprocessor's unit spills, never part of a finished directory's copy
@@ -113,36 +116,40 @@ class ShardStore:
         return isinstance(self.fs, LocalFileSystem)
 
     def path(self, relpath: str) -> str:
-        """The filesystem path of a file of the directory."""
-        return f"{self._process().root}/{relpath}"
+        """The filesystem path of a file of the directory; ShardFormatError unless `relpath` lies inside it."""
+        return f"{self._process().root}/{relative_path(relpath, self.url, 'file')}"
 
     def where(self, relpath: str) -> str:
         """The file's URL, for messages."""
-        return f"{self.url}/{relpath}"
+        return f"{self.url}/{relative_path(relpath, self.url, 'file')}"
 
     # ------------------------------------------------------------ reads
 
     def read_bytes(self, relpath: str) -> bytes:
-        try:
-            return self.fs.cat_file(self.path(relpath))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{self.where(relpath)}: missing") from None
+        """A small file whole, as `read_many` reads it."""
+        return self.read_many([relpath])[0]
 
     def read_json(self, relpath: str):
         return json.loads(self.read_bytes(relpath))
 
     def read_many(self, relpaths: list[str]) -> list[bytes]:
-        """Whole files, in order; on an object store up to READ_MANY requests are in flight together."""
+        """Small files (JSON) whole, in order, each refused (ShardFormatError) above MAX_JSON_BYTES before more is read:
+        a local file's size is looked up first, an object is read with a range ending one byte past the limit. On an
+        object store up to READ_MANY requests are in flight together."""
         out = []
         for i in range(0, len(relpaths), READ_MANY):
             chunk = relpaths[i : i + READ_MANY]
-            found = self.fs.cat([self.path(p) for p in chunk], on_error="return")
-            for relpath in chunk:
-                data = found.get(self.path(relpath), FileNotFoundError())
+            if self.is_local:  # a local read up to the limit would reserve that much memory for every file
+                for relpath in chunk:
+                    check_json_size(self.where(relpath), self.size(relpath))
+            end = None if self.is_local else MAX_JSON_BYTES + 1
+            found = self.fs.cat_ranges([self.path(p) for p in chunk], 0, end, on_error="return")
+            for relpath, data in zip(chunk, found):
                 if isinstance(data, FileNotFoundError):
                     raise FileNotFoundError(f"{self.where(relpath)}: missing")
                 if isinstance(data, BaseException):
                     raise data
+                check_json_size(self.where(relpath), len(data))
                 out.append(data)
         return out
 
@@ -191,7 +198,13 @@ class ShardStore:
         base = self.cache_dir or _process_temp_dir()
         for relpath in relpaths:
             self._fetch_to_cache(relpath, base)
-        return base / self._process().root.lstrip("/")
+        return self._copy_path(base)
+
+    def _copy_path(self, base: Path, relpath: str = "") -> Path:
+        """Where the copy of the directory, or of its file `relpath`, lies under `base` (the cache or this process's
+        temporary directory): `<bucket>/<path>[/<relpath>]`, never outside `base`."""
+        inside = self._process().root.lstrip("/") + (f"/{relpath}" if relpath else "")
+        return base / relative_path(inside, self.where(relpath) if relpath else self.url, "local copy")
 
     def read_range(self, relpath: str, offset: int, size: int) -> bytes:
         """`size` bytes at `offset`: a pread of a local (or cached) file, else one ranged request."""
@@ -222,7 +235,7 @@ class ShardStore:
         return state.cached[relpath]
 
     def _fetch_to_cache(self, relpath: str, base: Path | None = None) -> Path:
-        target = (base or self.cache_dir) / self.path(relpath).lstrip("/")
+        target = self._copy_path(base or self.cache_dir, relpath)
         size = self.size(relpath)
         if target.is_file() and target.stat().st_size == size:
             return target
@@ -253,8 +266,12 @@ class ShardStore:
 
     def list(self) -> list[str]:
         """Every file under the directory, as sorted paths relative to it."""
+        return sorted(self.sizes())
+
+    def sizes(self) -> dict[str, int]:
+        """Every file under the directory, as its path relative to it -> its size in bytes (one listing)."""
         root = self._process().root
-        return sorted(p[len(root) + 1 :] for p in self.fs.find(root))
+        return {p[len(root) + 1 :]: info["size"] for p, info in self.fs.find(root, detail=True).items()}
 
     def sha256(self, relpath: str) -> str:
         """The file's sha256: the one recorded at upload on S3, else read through."""

@@ -6,12 +6,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from shardformat.files import atomic_write_json, atomic_writer, sha256_file
+from shardformat.manifest import MANIFEST, SIDE_FILES, ShardFormatError, check_sha256, relative_path
 
 TABLE = "text/embeddings.safetensors"
 PROMPTS = "text/prompts.json"
@@ -32,26 +32,42 @@ def write_text_table(out: Path, prompts: dict[str, str], embeddings: dict) -> di
 
 
 class TextTable:
-    """Read access to a shard directory's text table (opened lazily, once per process)."""
+    """Read access to a shard directory's text table (opened lazily, once per process). The embeddings file is the
+    one the manifest hashes: what the trainer needs of the table (rows, widths) is read from it, never from
+    prompts.json."""
 
     def __init__(self, root: Path | str, entry: dict):
-        self.table, self.prompts = Path(root) / entry["file"], Path(root) / entry["prompts"]
+        names = [relative_path(entry[field], MANIFEST, f"{block}.{field}", pattern)
+                 for block, field, pattern in SIDE_FILES if block == "text_table"]
+        self.table, self.prompts = (Path(root) / name for name in names)
+        self.sha256 = entry["sha256"]
         self._file = None
+
+    def verify(self) -> TextTable:
+        """Check the embeddings file against the manifest's sha256 (ShardFormatError naming it otherwise)."""
+        check_sha256(self.table, sha256_file(self.table), self.sha256)
+        return self
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_file": None}  # an open handle does not pickle into loader workers
 
     def get(self, prompt_id: str) -> torch.Tensor:
-        if self._file is None:
-            from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
+        if self._file is None:
             self._file = safe_open(str(self.table), framework="pt")
-        return self._file.get_tensor(prompt_id)
+        try:
+            return self._file.get_tensor(prompt_id)
+        except (SafetensorError, TypeError) as err:  # an id a sample's meta.json names, but the table lacks
+            raise ShardFormatError(f"{self.table}: prompt id {prompt_id!r}: {err}") from None
 
     @property
     def longest_prompt(self) -> int:
         """umT5 rows of the longest prompt."""
-        return max(p["tokens"] for p in json.loads(self.prompts.read_text()).values())
+        from safetensors import safe_open
+
+        with safe_open(str(self.table), framework="pt") as f:
+            return max(f.get_slice(k).get_shape()[0] for k in f.keys())
 
     @property
     def dim(self) -> int:

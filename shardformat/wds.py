@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from shardformat.manifest import Manifest, ShardFormatError
+from shardformat.manifest import SHARD_NAME, Manifest, ShardFormatError, relative_path
 from shardformat.members import decode_members
 from shardformat.shard import ShardRecord, json_path, verify_members
 from shardformat.text import TextTable
@@ -22,8 +22,9 @@ from shardformat.text import TextTable
 def webdataset_decoder(root: Path | str) -> Callable[[dict], dict]:
     """A `map` function for samples of the shard directory `root`, as WebDataset or wids yield them.
 
-    It verifies every member against the shard's JSON (CRC-32), restores the tensors (bf16 as torch bf16,
-    `.zst` members decompressed) and joins the umT5 embedding of each prompt column from the text table. Returns
+    It checks the text table against the manifest's sha256 once, verifies every member against the shard's JSON
+    (CRC-32), restores the tensors (bf16 as torch bf16, `.zst` members decompressed) and joins the umT5 embedding of
+    each prompt column from the text table. Returns
     {"__key__", "__url__", "meta": meta.json, <tensor name>: tensor, "text": {column: bf16 [tokens, dim]}}.
     It pickles, so DataLoader workers of any start method can run it.
     """
@@ -33,7 +34,7 @@ def webdataset_decoder(root: Path | str) -> Callable[[dict], dict]:
 class _Decoder:
     def __init__(self, root: Path):
         self.root = root
-        self.text = TextTable(root, Manifest.read(root).text_table)
+        self.text = TextTable(root, Manifest.read(root).text_table).verify()
         self.records: dict[str, dict] = {}  # shard name -> {key: SampleRecord}, read on first use
 
     def __call__(self, sample: dict) -> dict:
@@ -41,7 +42,7 @@ class _Decoder:
         key = sample["__key__"]
         if url is None:
             raise ShardFormatError(f"sample {key}: no __url__ or __shard__ names its shard")
-        shard = self.root / Path(str(url)).name
+        shard = self.root / relative_path(Path(str(url)).name, f"sample {key}", "__url__", SHARD_NAME)
         if shard.name not in self.records:
             self.records[shard.name] = {s.key: s for s in ShardRecord.read(json_path(shard)).samples}
         record = self.records[shard.name].get(key)

@@ -23,6 +23,7 @@ batch ended. This module imports no preprocessing code: the shard format lives i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -34,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from shardformat.keys import parse_key, window_name
-from shardformat.manifest import ShardFormatError
+from shardformat.manifest import ShardFormatError, check_sha256
 from shardformat.members import decode_members
 from shardformat.shard import json_path, read_members
 from shardformat.stats import normalize_q99, pad_with_mask, stat_vector
@@ -61,7 +62,10 @@ class ShardIndex:
     """The manifest's shards and windows, the statistics and the text table of one shard directory (a path or URL;
     `cache_dir`: whole-file copies of remote shards, shardformat.storage).
 
-    Raises ShardFormatError (naming the file) for a directory this code cannot read."""
+    Nothing is used before it is checked against the sealed manifest: each tar's size, each shard JSON (sealed, in
+    agreement, every member inside its tar), the statistics and text table files by sha256 (hashed once per process
+    here; the tars' members are checked by CRC-32 on every read). Raises ShardFormatError (naming the file) for a
+    directory this code cannot read or trust."""
 
     def __init__(self, root: str | os.PathLike, cache_dir: str | os.PathLike | None = None):
         self.store = ShardStore(root, cache_dir)
@@ -70,9 +74,9 @@ class ShardIndex:
         self.shards = [self.store.where(entry.shard) for entry in self.manifest.shards]  # for messages
         self.windows = self._read_windows()
         self.q01, self.q99 = self._read_statistics()
-        text = self.manifest.text_table  # small: a local copy, opened by name (safetensors)
+        text = self.manifest.text_table  # a local copy, opened by name (safetensors)
         try:
-            self.text = TextTable(self.store.local_root(text["file"], text["prompts"]), text)
+            self.text = TextTable(self.store.local_root(text["file"]), text).verify()
         except STORE_ERRORS as err:
             raise ShardFormatError(f"{self.store.where(text['file'])}: unreadable: {err}") from None
 
@@ -80,18 +84,20 @@ class ShardIndex:
         """Every sample key of the shard JSONs, grouped by window, sorted by name."""
         names = [entry.shard for entry in self.manifest.shards]
         try:
-            present = set(self.store.list())
+            sizes = self.store.sizes()
         except STORE_ERRORS as err:
             raise ShardFormatError(f"{self.root}: cannot list: {err}") from None
-        for name in names:
-            if name not in present or json_path(name).as_posix() not in present:
-                raise ShardFormatError(f"{self.store.where(name)}: listed in the manifest but missing (or its .json "
-                                       f"is)")
+        for entry in self.manifest.shards:
+            if entry.shard not in sizes or json_path(entry.shard).as_posix() not in sizes:
+                raise ShardFormatError(f"{self.store.where(entry.shard)}: listed in the manifest but missing (or its "
+                                       f".json is)")
+            if sizes[entry.shard] != entry.bytes:  # members are bounded by entry.bytes: it must be the tar's size
+                raise ShardFormatError(f"{self.store.where(entry.shard)}: {sizes[entry.shard]} bytes, the manifest "
+                                       f"says {entry.bytes}")
         grouped: dict[str, list[tuple[int, int, str, int]]] = {}
         for i, (entry, record) in enumerate(zip(self.manifest.shards, self.store.shard_records(names))):
             side = self.store.where(json_path(entry.shard).as_posix())
-            if record.count != entry.count:
-                raise ShardFormatError(f"{side}: {record.count} keys, the manifest says {entry.count}")
+            record.check_entry(entry, side)
             for sample in record.samples:
                 try:
                     variant = parse_key(sample.key).variant
@@ -106,14 +112,23 @@ class ShardIndex:
         tag, statistics = self.manifest.embodiment, self.manifest.statistics["file"]
         where = self.store.where(statistics)
         try:
-            metadata = json.loads(self.store.read_bytes(statistics))
-        except (*STORE_ERRORS, ValueError) as err:
+            data = self.store.read_bytes(statistics)
+        except STORE_ERRORS as err:
+            raise ShardFormatError(f"{where}: unreadable: {err}") from None
+        check_sha256(where, hashlib.sha256(data).hexdigest(), self.manifest.statistics["sha256"])
+        try:
+            metadata = json.loads(data)
+        except ValueError as err:
             raise ShardFormatError(f"{where}: unreadable: {err}") from None
         if tag not in metadata:
             raise ShardFormatError(f"{where}: no statistics for {tag!r} (has {sorted(metadata)})")
-        stats, keys = metadata[tag]["statistics"], self.manifest.modality_keys
-        return ({m: stat_vector(stats, m, keys[m], "q01") for m in ("state", "action")},
-                {m: stat_vector(stats, m, keys[m], "q99") for m in ("state", "action")})
+        keys = self.manifest.modality_keys
+        try:
+            stats = metadata[tag]["statistics"]
+            return ({m: stat_vector(stats, m, keys[m], "q01") for m in ("state", "action")},
+                    {m: stat_vector(stats, m, keys[m], "q99") for m in ("state", "action")})
+        except (KeyError, TypeError, ValueError) as err:
+            raise ShardFormatError(f"{where}: statistics of {tag!r} unusable: {err}") from None
 
     def _window(self, name: str, variants: list[tuple[int, int, str, int]]) -> Window:
         multiplicities = {m for *_, m in variants}

@@ -1,0 +1,219 @@
+"""Shard directories crafted to attack their reader: each file is sealed again with the project's own sealing, as
+anyone who edits a directory can do. The trainer's data entry (`open_index`, what train/main.py calls), the
+webdataset decoder and `preprocess check` must refuse each in one line naming the file and field, before anything
+is read from outside the directory, written outside the cache, allocated from a crafted size or trained on."""
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from preprocess.check import check
+from shardformat import webdataset_decoder
+from shardformat.manifest import ShardFormatError, write_sealed_json
+from shardformat.members import MAX_MEMBER_BYTES, checksum
+from shardformat.shard import ShardRecord
+from shardformat.storage import ShardStore, sync_up
+from train.config import DataConfig
+from train.data import SampleReader, ShardIndex, ShardLoader, open_index
+from train.model import preset
+
+ROOT = Path(__file__).resolve().parents[1]
+ESCAPE = "../../../../tmp/x"  # below <cache>/<bucket>/<prefix>/: <cache>/../../tmp/x
+
+
+@pytest.fixture
+def copy(small_shards, tmp_path) -> Path:
+    """A fresh copy of the session's small synthetic shards, at <tmp_path>/a/shards."""
+    return Path(shutil.copytree(small_shards, tmp_path / "a" / "shards"))
+
+
+def reseal(path: Path, edit) -> None:
+    """Apply `edit` to a sealed JSON file's content and seal it again."""
+    obj = json.loads(path.read_text())
+    obj.pop("content_sha256")
+    edit(obj)
+    write_sealed_json(path, obj)
+
+
+def refused(root, cache_dir=None) -> str:
+    """The one line the trainer's data entry stops with."""
+    with pytest.raises(SystemExit) as stop:
+        open_index(root, cache_dir)
+    message = str(stop.value)
+    assert "\n" not in message
+    return message
+
+
+def outside_path(manifest: Path | str, field: str, name: str) -> str:
+    """The refusal of the manifest at `manifest` whose `field` names `name`."""
+    pattern = r".+\.safetensors" if field == "text_table.file" else r".+\.json"
+    return (f"{manifest}: {field} {name!r} is not a relative path of the form {pattern} inside the shard directory "
+            f"(crafted or corrupt): rebuild the shards")
+
+
+def test_a_text_table_outside_the_directory_is_refused_locally(copy, tmp_path):
+    reseal(copy / "manifest.json", lambda m: m["text_table"].update(file=ESCAPE))
+    message = outside_path(copy / "manifest.json", "text_table.file", ESCAPE)
+    assert refused(copy) == message
+    assert check(copy) == [message]
+    with pytest.raises(ShardFormatError, match="is not a relative path"):
+        webdataset_decoder(copy)
+
+
+def test_a_text_table_outside_the_directory_is_never_fetched_from_s3(copy, s3_bucket, tmp_path):
+    """Trainer with a cache directory and `preprocess check` (a temporary directory per process): the crafted name
+    would put the attacker's object at <tmp_path>/tmp/x from either."""
+    reseal(copy / "manifest.json", lambda m: m["text_table"].update(file=ESCAPE))
+    url = f"{s3_bucket}/shards"
+    sync_up(copy, url)
+    ShardStore(url).fs.pipe_file(f"{url.removeprefix('s3://')}/{ESCAPE}", b"attacker")  # where the name points
+    landing = tmp_path / "tmp"
+    message = outside_path(f"{url}/manifest.json", "text_table.file", ESCAPE)
+
+    assert refused(url, tmp_path / "c" / "cache") == message
+    done = subprocess.run([sys.executable, "-m", "preprocess", "check", url], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp_path / "t")}, timeout=120)
+    assert (done.returncode, done.stdout.splitlines(), done.stderr) == (
+        1, [f"FAILED: 1 problem(s) in {url}", f"  {message}"], "")
+    assert not landing.exists()
+    assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file()]  # nothing fetched into the cache either
+
+
+def test_statistics_outside_the_directory_are_refused(copy, tmp_path):
+    outside = tmp_path / "a" / "outside_stats.json"
+    outside.write_bytes((copy / "metadata.json").read_bytes())
+    name = "../outside_stats.json"
+    reseal(copy / "manifest.json", lambda m: m["statistics"].update(
+        file=name, sha256=hashlib.sha256(outside.read_bytes()).hexdigest()))
+    message = outside_path(copy / "manifest.json", "statistics.file", name)
+    assert refused(copy) == message
+    assert check(copy) == [message]
+
+
+def test_edited_statistics_stop_the_trainer_at_start(copy, tmp_path):
+    """q99 x 100 squeezes every action into a hundredth of its range: trained on silently before."""
+    metadata = json.loads((copy / "metadata.json").read_text())
+    for stats in metadata.values():
+        for block in stats["statistics"].values():
+            for sub in block.values():
+                sub["q99"] = [q * 100 for q in sub["q99"]]
+    (copy / "metadata.json").write_text(json.dumps(metadata))
+    message = f"{copy / 'metadata.json'}: sha256 differs from the manifest"
+    assert refused(copy) == message
+    with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
+        ShardLoader(DataConfig(shards=copy, micro_batch_size=1), preset("tiny"), 0, 1, torch.device("cpu"))
+    assert check(copy) == ["metadata.json: sha256 differs from the manifest"]
+
+    # a real trainer start: one rank, stopped before any model is built, with the one line and no traceback
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                           str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(copy),
+                           "--checkpoint.dir", str(tmp_path / "run"), "--steps", "1", "--metrics.no-progress",
+                           "--metrics.no-tensorboard"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    assert message in done.stderr.splitlines()
+    assert "Traceback" not in done.stderr.split(message)[0]  # the rank's own report is the one line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_flipped_bits_in_the_text_table_are_refused(copy):
+    table = copy / "text" / "embeddings.safetensors"
+    data = bytearray(table.read_bytes())
+    data[-2] ^= 0x10  # a mantissa bit of the last embedding's last bf16 value
+    table.write_bytes(bytes(data))
+    message = f"{table}: sha256 differs from the manifest"
+    assert refused(copy) == message
+    with pytest.raises(ShardFormatError, match=f"^{re.escape(message)}$"):
+        webdataset_decoder(copy)
+    assert check(copy) == ["text/embeddings.safetensors: sha256 differs from the manifest"]
+
+
+def test_a_member_size_beyond_its_tar_is_refused_before_any_read(copy):
+    record = ShardRecord.read(copy / "shard-000000.json")
+    key, member = record.keys[0], record.samples[0].members[0]
+    reseal(copy / "shard-000000.json", lambda o: o["samples"][key]["members"][0].__setitem__(2, 2**40))
+    message = (f"{copy / 'shard-000000.json'}: sample {key}: member {member.name}: {2**40} bytes at offset "
+               f"{member.offset} lie outside the tar's {record.bytes} bytes (crafted or corrupt): rebuild the shards")
+    assert refused(copy) == message
+    assert message in check(copy, decode=False)
+
+
+def test_a_tar_size_the_manifest_and_json_both_inflate_is_refused(copy):
+    """Members are bounded by the shard's recorded size, so that size must be the tar's own."""
+    record = ShardRecord.read(copy / "shard-000001.json")
+    key = record.keys[0]
+
+    def inflate(o):
+        o["bytes"] = 2**41
+        o["samples"][key]["members"][0][2] = 2**40
+
+    reseal(copy / "shard-000001.json", inflate)
+    reseal(copy / "manifest.json", lambda m: m["shards"][1].update(bytes=2**41))
+    assert refused(copy) == f"{copy / 'shard-000001.tar'}: {record.bytes} bytes, the manifest says {2**41}"
+
+
+def _npy_header(shape: tuple) -> bytes:
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return f.getvalue()
+
+
+HUGE = 2**40
+# A zstd frame header (magic, single segment, 8-byte content size) declaring HUGE bytes, then an empty raw block.
+ZSTD_HUGE = struct.pack("<IBQ", 0xFD2FB528, 0xE0, HUGE) + b"\x01\x00\x00"
+
+
+@pytest.mark.parametrize("member, crafted, why", [
+    ("action.npy", _npy_header((HUGE,)), f"its header declares {4 * HUGE} bytes of data, it holds"),
+    ("state.npy.zst", ZSTD_HUGE, f"zstd frame of content size {HUGE}, not between 0 and {MAX_MEMBER_BYTES}")])
+def test_a_member_declaring_a_huge_array_is_refused_without_allocating_it(copy, member, crafted, why):
+    """The member keeps its size (every offset holds) and gets its CRC-32 recorded: only its content lies."""
+    tar, side = copy / "shard-000000.tar", copy / "shard-000000.json"
+    sample = ShardRecord.read(side).samples[0]
+    i, ref = next((i, m) for i, m in enumerate(sample.members) if m.name == member)
+    data = bytearray(tar.read_bytes())
+    data[ref.offset : ref.offset + ref.size] = crafted.ljust(ref.size, b"\0")
+    tar.write_bytes(bytes(data))
+    reseal(side, lambda o: o["samples"][sample.key]["members"][i].__setitem__(
+        3, checksum(crafted.ljust(ref.size, b"\0"))))
+    reader = SampleReader(ShardIndex(copy), preset("tiny"))
+    with pytest.raises(ShardFormatError) as err:
+        reader.raw(0, sample.key)
+    assert str(err.value).startswith(f"{tar}: sample {sample.key}: member {member}: {why}")
+    assert any(p.startswith(f"shard-000000.tar: sample {sample.key}: member {member}: {why}") for p in check(copy))
+
+
+@pytest.mark.parametrize("name", ["../shard-000000.tar", "/etc/passwd", "shard-000000.tar/", "a//shard-000000.tar",
+                                  "shard-000000.tar\x00", "..\\shard-000000.tar", "shard-0.tar", "manifest.json"])
+def test_shard_names_must_be_shards_of_the_directory(copy, name):
+    reseal(copy / "manifest.json", lambda m: m["shards"][0].update(shard=name))
+    message = (f"{copy / 'manifest.json'}: shards[0].shard {name!r} is not a relative path of the form "
+               f"shard-\\d{{6,}}\\.tar inside the shard directory (crafted or corrupt): rebuild the shards")
+    assert refused(copy) == message
+    assert check(copy) == [message]
+
+
+def test_the_store_refuses_a_path_out_of_its_directory(copy):
+    store = ShardStore(copy)
+    for name in ("../outside", "/etc/passwd", "text/../../outside", "", "text\\x"):
+        with pytest.raises(ShardFormatError, match="is not a relative path inside the shard directory"):
+            store.read_bytes(name)
+
+
+def test_a_prompt_id_the_text_table_lacks_is_named_in_one_line(copy):
+    """A sample's meta.json (checked by CRC-32 only, which its author records) may name any prompt id."""
+    index = open_index(copy)
+    with pytest.raises(ShardFormatError, match=re.escape(f"{copy / 'text/embeddings.safetensors'}: prompt id 'nope': "
+                                                         f"File does not contain tensor nope")):
+        index.text.get("nope")
