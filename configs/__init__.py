@@ -98,7 +98,7 @@ def read(path: Path, error: type[Exception] = SystemExit) -> dict:
         line = text.count("\n", 0, err.position) + 1
         raise error(f"{path}: line {line}: character {err.character:#x} is not allowed in YAML") from None
     if not isinstance(data, dict):
-        raise error(f"{path}: not a YAML mapping of sections")
+        raise error(f"{path}: not a YAML mapping")
     return data
 
 
@@ -219,7 +219,9 @@ def nonfinite(instance: Any, prefix: str = "--") -> list[str]:
         value, flag = getattr(instance, f.name), prefix + f.name.replace("_", "-")
         if dataclasses.is_dataclass(value):
             out += nonfinite(value, flag + ".")
-        elif any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,))):
+            continue
+        numbers = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
             out.append(f"{flag} {value}")
     return out
 

@@ -353,8 +353,8 @@ class LeRobotDataset:
             rows = _read_jsonl(path)
             try:
                 return {int(r["task_index"]): str(r["task"]) for r in rows}
-            except (KeyError, TypeError, ValueError) as err:
-                raise DatasetError(path, None, f"a row without an integer task_index and a task ({type(err).__name__})") from None
+            except (KeyError, TypeError, ValueError):
+                raise DatasetError(path, None, "a row without an integer task_index and a task string") from None
         table = _read_parquet(path, None, None)
         names = table.column_names
         if "task" in names:
