@@ -4,11 +4,18 @@ A recipe's sections: `preprocess` (fields of `python -m preprocess shards`), `tr
 Config), `dit` (the DiT's shape), `synthetic` (per-sample shapes of synthetic shards) and `throughput` (the
 measured auto settings). `--config` of either CLI takes a recipe name or a YAML file of the same layout, such as
 the config.yaml a training run saves in its run directory.
+
+Every YAML file the project reads goes through `read`, within bounds no real config comes near: at most MAX_BYTES
+of UTF-8, MAX_NODES values counted with every alias expanded (an alias bomb stops while being read, before anything
+is built), MAX_DEPTH levels of nesting. A file outside them, or not YAML, stops with one line: the file, the line
+and why; values shown in messages are cut to 80 characters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -25,15 +32,84 @@ def names() -> list[str]:
     return sorted(p.stem for p in DIR.glob("*.yaml") if p != DATASETS_FILE)
 
 
-def read(path: Path) -> dict:
-    """A YAML mapping, or one line naming the file and what is wrong."""
+MAX_BYTES = 1 << 20  # recipes are a few KiB, an official checkpoint's conf.yaml some tens
+MAX_NODES = 100_000  # values, aliases expanded
+MAX_DEPTH = 64  # nested mappings and sequences
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that counts the values it composes (an alias as all the values it repeats) and their nesting."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.nodes, self.depth, self.sizes = 0, 0, {}
+
+    def compose_node(self, parent, index):
+        mark = self.peek_event().start_mark
+        if self.check_event(yaml.AliasEvent):
+            node = super().compose_node(parent, index)
+            if id(node) not in self.sizes:  # not composed yet: the alias sits inside its own anchor
+                raise yaml.composer.ComposerError(None, None, "an alias inside its own anchor", mark)
+            self._count(self.sizes[id(node)], mark)
+            return node
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", mark)
+        before = self.nodes
+        self._count(1, mark)
+        node = super().compose_node(parent, index)
+        self.depth -= 1
+        self.sizes[id(node)] = self.nodes - before
+        return node
+
+    def _count(self, nodes: int, mark) -> None:
+        self.nodes += nodes
+        if self.nodes > MAX_NODES:
+            raise yaml.composer.ComposerError(None, None, f"more than {MAX_NODES} values with aliases expanded", mark)
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as err:  # e.g. an int of too many digits, a date that does not exist
+            raise yaml.constructor.ConstructorError(None, None, str(err), node.start_mark) from None
+
+
+def read(path: Path, error: type[Exception] = SystemExit) -> dict:
+    """The YAML mapping in `path`, read within the bounds above; anything else raises `error` with one line naming
+    the file (and the line) and what is wrong."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise SystemExit(f"{path}: unreadable config ({' '.join(str(err).split())})") from None
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as err:
+        raise error(f"{path}: unreadable config ({err.strerror})") from None
+    if len(raw) > MAX_BYTES:
+        raise error(f"{path}: larger than {MAX_BYTES >> 20} MiB, the most a config may be")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise error(f"{path}: not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})") from None
+    try:
+        data = yaml.load(text, _BoundedLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        line = f"line {mark.line + 1}: " if mark else ""
+        raise error(f"{path}: {line}{shown(err.problem or err.context, quote=False)}") from None
+    except yaml.reader.ReaderError as err:  # a character YAML does not allow
+        line = text.count("\n", 0, err.position) + 1
+        raise error(f"{path}: line {line}: character {err.character:#x} is not allowed in YAML") from None
     if not isinstance(data, dict):
-        raise SystemExit(f"{path}: not a mapping of sections")
+        raise error(f"{path}: not a YAML mapping")
     return data
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+
+
+def shown(value: Any, quote: bool = True) -> str:
+    """`value` for an error message: its repr (or, with quote=False, the string itself) cut to 80 characters."""
+    text = _SHORT.repr(value) if quote else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def path_of(name_or_file: str) -> Path:
@@ -87,12 +163,12 @@ def build(cls: type, values: dict, where: str) -> Any:
 
 def _fields(cls: type, values: dict, where: str, current: Any = None) -> dict:
     if not isinstance(values, dict):
-        raise SystemExit(f"{where}: expected a mapping, got {values!r}")
+        raise SystemExit(f"{where}: expected a mapping, got {shown(values)}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise SystemExit(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        raise SystemExit(f"{where}: unknown key {shown(unknown[0])} (known: {', '.join(sorted(known))})")
     out = {}
     for key, value in values.items():
         nested = getattr(current, key, None)
@@ -114,7 +190,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     elif origin is Literal:
         if value in args:
             return value
-        raise SystemExit(f"{where}: {value!r} is not one of {list(args)}")
+        raise SystemExit(f"{where}: {shown(value)} is not one of {list(args)}")
     elif origin in (tuple, list) and isinstance(value, (list, tuple)):
         items = args[:1] * len(value) if origin is list or (len(args) == 2 and args[1] is Ellipsis) else args
         if len(items) == len(value):
@@ -123,12 +199,31 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         return Path(value)
     elif tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:  # PyYAML reads 1e-5 (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
+            number = float(value)
+        except (ValueError, OverflowError):
+            number = None
+        if number is not None:
+            if not math.isfinite(number):
+                raise SystemExit(f"{where}: {shown(value)} is not a finite number")
+            return number
     elif tp is Any or (isinstance(tp, type) and isinstance(value, tp) and (tp is bool or not isinstance(value, bool))):
         return value
-    raise SystemExit(f"{where}: {value!r} is not of type {getattr(tp, '__name__', tp)}")
+    raise SystemExit(f"{where}: {shown(value)} is not of type {getattr(tp, '__name__', tp)}")
+
+
+def nonfinite(instance: Any, prefix: str = "--") -> list[str]:
+    """`--section.field value` of each float field of dataclass `instance` (nested ones and tuples included) that
+    holds inf or nan: flags parse them as floats, and no setting means them."""
+    out = []
+    for f in dataclasses.fields(instance):
+        value, flag = getattr(instance, f.name), prefix + f.name.replace("_", "-")
+        if dataclasses.is_dataclass(value):
+            out += nonfinite(value, flag + ".")
+            continue
+        numbers = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+            out.append(f"{flag} {value}")
+    return out
 
 
 def plain(instance: Any) -> dict:

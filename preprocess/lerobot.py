@@ -166,6 +166,7 @@ class Episode:
     columns: dict[str, np.ndarray]  # parquet column -> row-aligned array ([L] or [L, d])
     cameras: dict[str, FrameSource]  # short camera name (modality.json) -> frame source
     annotations: dict[str, np.ndarray]  # annotation column -> instruction string per row (object array)
+    annotation_files: dict[str, Path] = field(default_factory=dict)  # annotation column -> file its strings are in
 
     @property
     def instructions(self) -> dict[str, str]:
@@ -206,6 +207,8 @@ class LeRobotDataset:
         for short, key in self.modality.video.items():
             if key not in self.features:
                 raise DatasetError(modality_path, None, f"camera {short!r} maps to {key!r}, not a feature in info.json")
+        tasks = (self.root / "meta" / "tasks.jsonl", self.root / "meta" / "tasks.parquet")
+        self.tasks_file = next((path for path in tasks if path.is_file()), None)
         self.tasks = self._read_tasks()
         self._episodes = self._read_episodes()
         self._by_index = {e.index: e for e in self._episodes}
@@ -289,8 +292,9 @@ class LeRobotDataset:
                         raise DatasetError(path, episode_index, f"video span holds {n} frames, episode has {info.length} rows")
                 sources[short] = VideoFrames(path, episode_index, info.length, vfps, from_ts, timestamps)
 
-        annotations = {c: self._instructions(table, c, info) for c in annotation_cols}
-        return Episode(episode_index, info.length, cols, sources, annotations)
+        instructions = {c: self._instructions(table, c, info) for c in annotation_cols}
+        return Episode(episode_index, info.length, cols, sources, {c: v for c, (v, _) in instructions.items()},
+                       {c: file for c, (_, file) in instructions.items()})
 
     def episodes(self, columns: Sequence[str] = (), indices: Sequence[int] | None = None, cameras: bool = True) -> Iterator[Episode]:
         for i in self.episode_indices if indices is None else indices:
@@ -298,7 +302,9 @@ class LeRobotDataset:
 
     # -- internals
 
-    def _instructions(self, table: pa.Table, column: str, info: EpisodeInfo) -> np.ndarray:
+    def _instructions(self, table: pa.Table, column: str, info: EpisodeInfo) -> tuple[np.ndarray, Path | None]:
+        """The instruction of each row and the file holding them: the parquet's own strings, or meta/tasks.* for
+        task indices."""
         values = table.column(column).to_pylist()
         out = np.empty(len(values), dtype=object)
         for i, v in enumerate(values):
@@ -308,7 +314,7 @@ class LeRobotDataset:
                 raise DatasetError(info.data_path, info.index, f"{column}[{i}] = {v!r} is not a task index in meta/tasks")
             else:
                 out[i] = self.tasks[int(v)]
-        return out
+        return out, info.data_path if all(isinstance(v, str) for v in values) else self.tasks_file
 
     def _episode_table(self, info: EpisodeInfo, columns: list[str]) -> pa.Table:
         if not info.data_path.is_file():
@@ -340,20 +346,23 @@ class LeRobotDataset:
             raise DatasetError(path, None, f"unreadable parquet: {err}") from err
 
     def _read_tasks(self) -> dict[int, str]:
-        meta = self.root / "meta"
-        if (meta / "tasks.jsonl").is_file():
-            rows = _read_jsonl(meta / "tasks.jsonl")
-            return {int(r["task_index"]): str(r["task"]) for r in rows}
-        if (meta / "tasks.parquet").is_file():
-            table = pq.read_table(meta / "tasks.parquet")
-            names = table.column_names
-            if "task" in names:
-                tasks, idx = table.column("task").to_pylist(), table.column("task_index").to_pylist()
-            else:  # LeRobot writes the task string as the pandas index
-                idx = table.column("task_index").to_pylist()
-                tasks = table.column(names[-1] if names[-1] != "task_index" else names[0]).to_pylist()
-            return {int(i): str(t) for i, t in zip(idx, tasks)}
-        return {}
+        path = self.tasks_file
+        if path is None:
+            return {}
+        if path.suffix == ".jsonl":
+            rows = _read_jsonl(path)
+            try:
+                return {int(r["task_index"]): str(r["task"]) for r in rows}
+            except (KeyError, TypeError, ValueError):
+                raise DatasetError(path, None, "a row without an integer task_index and a task string") from None
+        table = _read_parquet(path, None, None)
+        names = table.column_names
+        if "task" in names:
+            tasks, idx = table.column("task").to_pylist(), table.column("task_index").to_pylist()
+        else:  # LeRobot writes the task string as the pandas index
+            idx = table.column("task_index").to_pylist()
+            tasks = table.column(names[-1] if names[-1] != "task_index" else names[0]).to_pylist()
+        return {int(i): str(t) for i, t in zip(idx, tasks)}
 
     def _read_episodes(self) -> list[EpisodeInfo]:
         return self._read_episodes_v3() if self.is_v3 else self._read_episodes_v2()
@@ -414,14 +423,14 @@ class LeRobotDataset:
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested too deep
         raise DatasetError(path, None, f"unreadable JSON: {err}") from err
 
 
 def _read_jsonl(path: Path) -> list[dict]:
     try:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested too deep
         raise DatasetError(path, None, f"unreadable JSON lines: {err}") from err
 
 

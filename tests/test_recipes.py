@@ -85,7 +85,7 @@ def test_preprocess_config_sets_the_defaults_of_its_flags(tmp_path):
     ("train:\n  steps: many\n", r"mine.yaml: train.steps: 'many' is not of type int$"),
     ("train:\n  model: {name: 5b-libero}\n", r"mine.yaml: train.model.name: '5b-libero' is not one of \["),
     ("preprocess: {dataset: droid}\n", r"mine.yaml: no train section$"),
-    ("train: [1, 2\n", r"mine.yaml: unreadable config \("),
+    ("train: [1, 2\n", r"mine.yaml: line 2: expected ',' or '\]', but got '<stream end>'$"),
 ])
 def test_bad_trainer_files_stop_with_one_line(tmp_path, text, error):
     (tmp_path / "mine.yaml").write_text(text)

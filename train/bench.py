@@ -15,8 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import yaml
 
+import configs
 from preprocess import synthetic
 from train.config import Config
 from train.parallel import computes_on_cuda
@@ -60,7 +60,7 @@ def trainer_device(cfg: Config) -> torch.device:
 def check_same_resolution(cfg: Config, run_dir: Path) -> None:
     """The trainer resolved the auto settings as this process did for the bound (its config.yaml says)."""
     path = run_dir / "config.yaml"
-    theirs, ours = yaml.safe_load(path.read_text())["train"], asdict(cfg)
+    theirs, ours = configs.read(path)["train"], asdict(cfg)
     parts = [("parallel", "activation_checkpoint"), ("data", "micro_batch_size"), ("parallel", "reshard_after_forward"),
              ("parallel", "ac_blocks"), ("parallel", "ac_others"), ("parallel", "reduce_every_micro_batch"),
              ("parallel", "gather_once_per_step")]

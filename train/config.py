@@ -429,6 +429,9 @@ def default_shards() -> Path:
 
 def validate(cfg: Config) -> None:
     """Refuse settings the trainer cannot run with, in one line, before anything starts."""
+    nonfinite = configs.nonfinite(cfg)
+    if nonfinite:
+        raise SystemExit("invalid settings: " + "; ".join(f"{flag} (must be a finite number)" for flag in nonfinite))
     d, o, p, c, m = cfg.data, cfg.optim, cfg.parallel, cfg.checkpoint, cfg.metrics
     rules = [
         ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"),
@@ -439,6 +442,8 @@ def validate(cfg: Config) -> None:
         ("--data.prefetch-factor", d.prefetch_factor, d.prefetch_factor >= 1, ">= 1"),
         ("--data.variant", d.variant, d.variant >= -1, ">= -1"),
         ("--model.num-layers", cfg.model.num_layers, cfg.model.num_layers >= 0, ">= 0"),
+        ("--loss.shift", cfg.loss.shift, cfg.loss.shift > 0, "> 0"),
+        ("--loss.num-train-timesteps", cfg.loss.num_train_timesteps, cfg.loss.num_train_timesteps >= 1, ">= 1"),
         ("--optim.lr", o.lr, o.lr > 0, "> 0"),
         ("--optim.betas", o.betas, all(0 <= b < 1 for b in o.betas), "in [0, 1)"),
         ("--optim.eps", o.eps, o.eps > 0, "> 0"),

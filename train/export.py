@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import configs
 from train.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
 from train.weights import (DREAMZERO_PREFIX, WeightsError, _allowed_absent, model_tensors, shard_file_names,
                            shard_groups, write_index)
@@ -94,12 +95,10 @@ def _read_config(root: Path) -> dict:
 
 
 def _check_conf(root: Path, tag: str) -> None:
-    import yaml
-
     path = root / "experiment_cfg" / "conf.yaml"
     if not path.is_file():
         raise WeightsError(f"{root}: no experiment_cfg/conf.yaml (the official loader reads its transforms)")
-    conf = yaml.safe_load(path.read_text()) or {}
+    conf = configs.read(path, WeightsError)
     if conf.get("save_lora_only"):
         raise WeightsError(f"{path}: save_lora_only is true (a LoRA checkpoint; the export writes full weights)")
     for section in ("transforms", "modality_configs"):
@@ -352,7 +351,7 @@ def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None 
 
         (tmp / "config.json").write_text(json.dumps(lora_config(layout.config, model), indent=2) + "\n")
         (tmp / "experiment_cfg").mkdir()
-        conf = yaml.safe_load((layout.root / "experiment_cfg" / "conf.yaml").read_text()) | {"save_lora_only": True}
+        conf = configs.read(layout.root / "experiment_cfg" / "conf.yaml", WeightsError) | {"save_lora_only": True}
         (tmp / "experiment_cfg" / "conf.yaml").write_text(yaml.safe_dump(conf, sort_keys=False))
         shutil.copyfile(statistics, tmp / "experiment_cfg" / "metadata.json")
     if tmp is not None:

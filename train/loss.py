@@ -50,9 +50,11 @@ class LossConfig:
 
 
 def sample_timestep_ids(batch: int, num_frames: int, num_frame_per_block: int,
-                        generator: torch.Generator | None = None, device=None) -> torch.Tensor:
-    """ids [B, F] ~ U{0..999}; frames of a block share the id of its first frame, frame 0 keeps its own."""
-    ids = torch.randint(0, 1000, (batch, num_frames), generator=generator, device=device)
+                        generator: torch.Generator | None = None, device=None,
+                        num_timesteps: int = 1000) -> torch.Tensor:
+    """ids [B, F] ~ U{0..num_timesteps - 1} (the scheduler's length); frames of a block share the id of its first
+    frame, frame 0 keeps its own."""
+    ids = torch.randint(0, num_timesteps, (batch, num_frames), generator=generator, device=device)
     first = ids[:, 1::num_frame_per_block]  # first frame of each block
     ids[:, 1:] = first.repeat_interleave(num_frame_per_block, dim=1)[:, : num_frames - 1]
     return ids
@@ -72,7 +74,7 @@ def flow_matching_loss(model: CausalWanModel, batch: DiTBatch, scheduler: FlowMa
     B, nf = z.shape[0], z.shape[2]
     dev = z.device
     if frame_ids is None:
-        frame_ids = sample_timestep_ids(B, nf, mcfg.num_frame_per_block, generator, dev)
+        frame_ids = sample_timestep_ids(B, nf, mcfg.num_frame_per_block, generator, dev, len(scheduler.sigmas))
     a_ids = action_ids(frame_ids, mcfg.num_frame_per_block, mcfg.num_action_per_block)
     if a_ids.shape[1] != a.shape[1]:
         raise ValueError(f"{nf} latent frames imply {a_ids.shape[1]} action tokens, batch has {a.shape[1]}")
