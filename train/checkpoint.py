@@ -79,9 +79,10 @@ def _stop_if_any(error: str | None, remove: Path | None = None, describe=lambda 
     first = next((e for e in errors if e), None)
     if first is None:
         return
+    message = describe(first) if dist.get_rank() == 0 else ""  # before the removal: the free space it names
     if remove is not None and dist.get_rank() == 0:
         shutil.rmtree(remove, ignore_errors=True)
-    raise RunError(describe(first) if dist.get_rank() == 0 else "")
+    raise RunError(message)
 
 
 def claim_run_dir(cfg: CheckpointConfig) -> None:
@@ -269,7 +270,9 @@ def save(cfg: CheckpointConfig, step: int, model: nn.Module, optimizer: torch.op
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))  # .metadata last, after a gather
     except CheckpointException as e:  # raised on every rank, whichever failed
-        error = _first_line(next(iter(e.failures.values()), (e,))[0])
+        causes = [cause for cause, _ in e.failures.values()] or [e]
+        # a full disk can surface as torch's own write error ("unexpected pos") on one rank, an OSError on another
+        error = _first_line(next((c for c in causes if isinstance(c, OSError)), causes[0]))
     _stop_if_any(error, remove=path, describe=failed)
     if rank == 0:
         for _, old in complete_checkpoints(cfg.dir)[: -cfg.keep_last]:
@@ -287,9 +290,18 @@ def _first_error(write, *args, **kwargs) -> str | None:
     return None
 
 
+def free_space(path: Path) -> str:
+    """How much its file system has left, for the line of a failed write."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return "free space unknown"
+    return f"{fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB free there"
+
+
 def _save_failed(path: Path, cause: str) -> str:
     kept = complete_checkpoints(path.parent)
-    return (f"{path}: saving the checkpoint failed ({cause}); "
+    return (f"{path}: saving the checkpoint failed ({cause}; {free_space(path.parent)}); "
             + (f"the last checkpoint {kept[-1][1]} is as it was" if kept else "no earlier checkpoint exists")
             + ": free space (or fix the cause) and run again to resume")
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from safetensors import SafetensorError
 
-from train.checkpoint import RunError
+from train.checkpoint import RunError, free_space
 from train.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
 from train.weights import (DREAMZERO_PREFIX, WeightsError, _allowed_absent, model_tensors, shard_file_names,
                            shard_groups, write_index)
@@ -305,7 +305,8 @@ class _Staging:
         if dist.is_initialized():
             dist.broadcast_object_list(error, src=0)
         if error[0] is not None:
-            raise RunError(f"{self.out}: export failed ({error[0]}); the previous export there is as it was")
+            raise RunError(f"{self.out}: export failed ({error[0]}; {free_space(self.out.parent)}); the previous "
+                           f"export there is as it was")
         return self.out
 
 
