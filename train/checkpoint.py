@@ -31,9 +31,9 @@ import os
 import pickle
 import re
 import shutil
+from dataclasses import asdict
 from fnmatch import fnmatch
 from functools import partial
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -132,6 +132,7 @@ def _claim(root: Path, export: bool) -> int:
 
 
 def release_run_dir() -> None:
+    """Unlock the run directory (a process that ends releases it anyway)."""
     while _held_locks:
         os.close(_held_locks.pop())
 
@@ -164,7 +165,8 @@ def resumable(root: Path) -> list[tuple[int, Path]]:
             if not problems:
                 break
             print(f"{path} skipped, not a complete checkpoint: {'; '.join(problems)}", flush=True)
-            damaged = damaged or ((path / ".metadata").is_file() and path)
+            if damaged is None and (path / ".metadata").is_file():
+                damaged = path
         shared = [complete_checkpoints(root)]
         if damaged and not shared[0]:
             error = (f"{damaged}: not a complete checkpoint and none before it: restore its files, or pass "
@@ -185,7 +187,7 @@ def step_problems(path: Path, step: int) -> list[str]:
         needed: dict[str, int] = {}
         for info in storage.values():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    except Exception as e:  # noqa: BLE001 -- any damage to a pickle reads as some exception; none runs code
+    except Exception as e:  # damage to a pickle shows as any of many errors (none runs code: the unpickler admits none)
         return [f".metadata unreadable ({_first_line(e)})"]
     for name, size in sorted(needed.items()):
         if not (path / name).is_file():
