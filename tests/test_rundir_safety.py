@@ -1,7 +1,8 @@
 """The trainer's run directory (--checkpoint.dir) is its own: files it did not write stay as they are, a second
 trainer on it refuses in one line, a checkpoint that lost or truncated a rank's files is named and the last complete
-one resumes, and a full disk during a save stops the run in one line with the last checkpoint whole. Real torchrun
-(2 gloo ranks, tiny preset), real signals, a real tmpfs."""
+one resumes (or, with none, the run is refused), and a full disk during a save or the export stops the run in one
+line with the last checkpoint and the previous export whole. Real torchrun (2 gloo ranks, tiny preset), real
+signals, a real tmpfs."""
 
 import json
 import os
@@ -15,6 +16,7 @@ import pytest
 from tests.test_train_main import ROOT, _command, _descendants, _env, _rows
 from train.checkpoint import LOCK, MARKER, complete_checkpoints, step_dir
 
+pytestmark = pytest.mark.slow
 STEPS = 8
 
 
