@@ -7,8 +7,16 @@
     <dir>/export/        model.safetensors (+ index when sharded), official key names; with --checkpoint.export-base
                          an eval-ready DreamZero checkpoint folder (train/export.py)
 
-A run resumes from the newest complete step directory; incomplete ones (killed mid-save) are ignored and the
-oldest complete ones beyond `keep_last` are deleted after each save. Weights with a NaN or Inf are never saved.
+A step directory is complete when it holds `.metadata`, every file the metadata names (at least as long as the data it
+places there), and for each of the world size its rank-00000.json records a rank JSON of that step and a sound
+safetensors file. A run resumes from the newest complete step directory; rank 0 names each newer one it skips and
+what it lacks (a save killed midway, a lost rank's files, a truncated file), and a damaged one with none complete
+before it is refused. The oldest complete ones beyond `keep_last` are deleted after each save. Weights with a NaN or
+Inf are never saved; a save that fails (a full disk) removes its step directory and stops every rank with one line.
+
+The run directory (`--checkpoint.dir`) is the run's: rank 0 holds an exclusive flock on `.lock` for the process's
+life, and the trainer writes and deletes only the names in RUN_FILES there. A directory without the `.wampipe-run`
+marker is taken only when it holds none of those names (files of other names are left alone).
 Loading runs no code from the checkpoint: the per-rank state is JSON and safetensors, DCP's pickled .metadata is
 read by an unpickler that admits only DCP's metadata classes, and its pickled optimizer values (lr, betas, ...)
 load as plain data (torch.load weights_only).
@@ -16,6 +24,7 @@ load as plain data (torch.load weights_only).
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
@@ -23,12 +32,15 @@ import pickle
 import re
 import shutil
 from dataclasses import asdict
+from fnmatch import fnmatch
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save as safetensors_bytes
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -36,13 +48,20 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from shardformat.files import atomic_write_bytes
 from train.config import CheckpointConfig
 from train.lora import lora_fields
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+MARKER = ".wampipe-run"
+LOCK = ".lock"
+# Everything the trainer writes at the top of a run directory (glob patterns); it touches nothing else there.
+RUN_FILES = (MARKER, LOCK, "config.yaml", "metrics.jsonl", "tb", "export", "step-*", "summary-rank*.json",
+             "profile-rank*.txt", "trace-rank*.json.gz", ".*.tmp", ".export.old")
 # Frozen parameters (a LoRA run's base DiT) are not saved: the run rebuilds them from its seed or --model.init-from.
 # Loading is then not strict about them; dcp.load itself still requires every saved (trainable) key.
 TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+_held_locks: list[int] = []  # the run directory's lock, open (held) until the process exits
 
 
 class RunError(SystemExit):
@@ -52,17 +71,165 @@ class RunError(SystemExit):
         super().__init__(message if not dist.is_initialized() or dist.get_rank() == 0 else 1)
 
 
+def _stop_if_any(error: str | None, remove: Path | None = None, describe=lambda first: first) -> None:
+    """Collective: when any rank reports an error, rank 0 deletes `remove` (what the failed step had begun to write)
+    and every rank stops; rank 0 prints `describe(first error)`, one line for the run."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first is None:
+        return
+    message = describe(first) if dist.get_rank() == 0 else ""  # before the removal: the free space it names
+    if remove is not None and dist.get_rank() == 0:
+        shutil.rmtree(remove, ignore_errors=True)
+    raise RunError(message)
+
+
+def claim_run_dir(cfg: CheckpointConfig) -> None:
+    """Collective, before any work: rank 0 makes `cfg.dir` this run's directory (module docstring) and locks it for
+    the process's life; a directory in use by another run, or holding files the trainer did not write, stops every
+    rank with one line."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            _held_locks.append(_claim(Path(cfg.dir), cfg.export))
+        except RunError as e:
+            error = str(e.code)
+        except OSError as e:
+            error = f"{cfg.dir}: cannot claim the run directory ({e}): pass another --checkpoint.dir"
+    _stop_if_any(error)
+
+
+def _claim(root: Path, export: bool) -> int:
+    from train.export import foreign_files
+
+    root.mkdir(parents=True, exist_ok=True)
+    marked = (root / MARKER).is_file()
+    if not marked:
+        ours = sorted(p.name for p in root.iterdir() if p.name != LOCK and any(fnmatch(p.name, f) for f in RUN_FILES))
+        if ours:
+            raise RunError(f"{root} holds {', '.join(ours[:5])} but is not a wampipe run directory (no {MARKER}): "
+                           f"pass a new or empty --checkpoint.dir (one written by a wampipe trainer older than the "
+                           f"marker resumes after `touch {root / MARKER}`)")
+    foreign = foreign_files(root / "export") if export else []
+    if foreign:
+        raise RunError(f"{root / 'export'} holds {', '.join(foreign[:5])}, which no export writes: the export would "
+                       f"replace the folder, so move them out of it (or pass --checkpoint.no-export)")
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise RunError(f"{root} is in use by another training run (pid {holder}): wait for it to end, or pass another "
+                       f"--checkpoint.dir") from None
+    os.ftruncate(fd, 0)  # every holder names itself: the pid shown is a run that holds the directory now
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    if not marked:
+        atomic_write_bytes(root / MARKER, b"a wampipe training run directory: the trainer writes and deletes only "
+                                          b"the files it names here (docs/TRAINING.md)\n")
+    return fd
+
+
+def release_run_dir() -> None:
+    """Unlock the run directory (a process that ends releases it anyway)."""
+    while _held_locks:
+        os.close(_held_locks.pop())
+
+
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every complete checkpoint, oldest first."""
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted((s, p) for s, p in found if (p / ".metadata").is_file())
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every complete checkpoint, oldest first."""
+    return [(s, p) for s, p in _step_dirs(root) if not step_problems(p, s)]
+
+
+def resumable(root: Path) -> list[tuple[int, Path]]:
+    """Collective: `complete_checkpoints` as rank 0 finds them, on every rank. Rank 0 names each step directory newer
+    than the newest complete one and what it lacks; a damaged one (it has .metadata) with no complete one before it
+    stops the run."""
+    shared, error = [None], None
+    if dist.get_rank() == 0:
+        damaged = None
+        for step, path in reversed(_step_dirs(root)):
+            problems = step_problems(path, step)
+            if not problems:
+                break
+            print(f"{path} skipped, not a complete checkpoint: {'; '.join(problems)}", flush=True)
+            if damaged is None and (path / ".metadata").is_file():
+                damaged = path
+        shared = [complete_checkpoints(root)]
+        if damaged and not shared[0]:
+            error = (f"{damaged}: not a complete checkpoint and none before it: restore its files, or pass "
+                     f"--checkpoint.no-resume to start over (overwriting its step directories)")
+    _stop_if_any(error)
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def step_problems(path: Path, step: int) -> list[str]:
+    """What keeps step directory `path` from being a complete checkpoint of `step` (module docstring); [] = none."""
+    if not (path / ".metadata").is_file():
+        return ["no .metadata (a save that did not finish)"]
+    problems, missing = [], []
+    try:
+        with open(path / ".metadata", "rb") as f:
+            storage = _MetadataUnpickler(f).load().storage_data
+        needed: dict[str, int] = {}
+        for info in storage.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as e:  # damage to a pickle shows as any of many errors (none runs code: the unpickler admits none)
+        return [f".metadata unreadable ({_first_line(e)})"]
+    for name, size in sorted(needed.items()):
+        if not (path / name).is_file():
+            missing.append(name)
+        elif (path / name).stat().st_size < size:
+            problems.append(f"{name} truncated ({(path / name).stat().st_size} of {size} bytes)")
+    world = _recorded_world(path)
+    if world is None:
+        problems.append("no readable rank-NNNNN.json recording the world size")
+    for rank in range(world or 0):
+        state, tensors = path / f"rank-{rank:05d}.json", path / f"rank-{rank:05d}.safetensors"
+        for file, read in ((state, _read_state), (tensors, lambda p: safe_open(str(p), "pt").keys())):
+            if not file.is_file():
+                missing.append(file.name)
+                continue
+            try:
+                got = read(file)
+            except (OSError, ValueError, SafetensorError) as e:
+                problems.append(f"{file.name} unreadable ({_first_line(e)})")
+                continue
+            if file is state and (got.get("step"), got.get("world_size")) != (step, world):
+                problems.append(f"{file.name} records step {got.get('step')} of {got.get('world_size')} ranks")
+    return ([f"missing {', '.join(missing)} of its {world} ranks"] if missing else []) + problems
+
+
+def _read_state(path: Path) -> dict:
+    state = json.loads(path.read_text())
+    if not isinstance(state, dict):
+        raise ValueError("not a JSON object")
+    return state
+
+
+def _recorded_world(path: Path) -> int | None:
+    """The world size the step's rank JSONs record (rank 0's, else any readable one's)."""
+    for state in sorted(path.glob("rank-*.json")):
+        try:
+            world = _read_state(state).get("world_size")
+        except (OSError, ValueError):
+            continue
+        if isinstance(world, int) and world > 0:
+            return world
+    return None
 
 
 def require_finite(model: nn.Module, action: str) -> None:
@@ -77,15 +244,6 @@ def require_finite(model: nn.Module, action: str) -> None:
         raise RunError(f"refusing to {action}: non-finite weights in {', '.join(names[:3])}{more}")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def model_fields(model: nn.Module) -> dict:
     """The model config and its LoRA settings as JSON data (what a checkpoint records and a resume must match)."""
     return json.loads(json.dumps(asdict(model.cfg) | lora_fields(model), default=str))
@@ -93,25 +251,61 @@ def model_fields(model: nn.Module) -> dict:
 
 def save(cfg: CheckpointConfig, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
     """Collective: every rank writes its `extra` (host state: JSON data, plus top-level tensors as safetensors) and
-    its model/optimizer shards; refused when any weight is non-finite."""
+    its model/optimizer shards; refused when any weight is non-finite. A write that fails on any rank (a full disk)
+    removes the step directory and stops every rank with one line; the earlier checkpoints stay as they were."""
     require_finite(model, f"save step {step}")
     path = step_dir(cfg.dir, step)
     rank = dist.get_rank()
+    failed = partial(_save_failed, path)
+    error = None
     if rank == 0 and path.exists():  # an incomplete save of the same step from a killed run
-        shutil.rmtree(path)
-    dist.barrier()
-    path.mkdir(parents=True, exist_ok=True)
+        error = _first_error(shutil.rmtree, path)
+    _stop_if_any(error, describe=failed)  # also the barrier: no rank writes before the old files are gone
     tensors = {k: v.detach().cpu().contiguous() for k, v in extra.items() if isinstance(v, torch.Tensor)}
-    data = {k: v for k, v in extra.items() if k not in tensors} | {"model": model_fields(model)}
-    _atomic_write(path / f"rank-{rank:05d}.safetensors", safetensors_bytes(tensors))
-    _atomic_write(path / f"rank-{rank:05d}.json", (json.dumps(data, indent=1) + "\n").encode())
+    data = ({k: v for k, v in extra.items() if k not in tensors} |
+            {"step": step, "world_size": dist.get_world_size(), "model": model_fields(model)})
+    error = _first_error(path.mkdir, parents=True, exist_ok=True) or _first_error(
+        atomic_write_bytes, path / f"rank-{rank:05d}.safetensors", safetensors_bytes(tensors)) or _first_error(
+        atomic_write_bytes, path / f"rank-{rank:05d}.json", (json.dumps(data, indent=1) + "\n").encode())
+    _stop_if_any(error, remove=path, describe=failed)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))  # .metadata last, after a gather
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))  # .metadata last, after a gather
+    except CheckpointException as e:  # raised on every rank, whichever failed
+        causes = [cause for cause, _ in e.failures.values()] or [e]
+        # a full disk can surface as torch's own write error ("unexpected pos") on one rank, an OSError on another
+        error = _first_line(next((c for c in causes if isinstance(c, OSError)), causes[0]))
+    _stop_if_any(error, remove=path, describe=failed)
     if rank == 0:
         for _, old in complete_checkpoints(cfg.dir)[: -cfg.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return path
+
+
+def _first_error(write, *args, **kwargs) -> str | None:
+    """None once `write(*args, **kwargs)` is done, or the OS error it raised as one line (a full disk)."""
+    try:
+        write(*args, **kwargs)
+    except OSError as e:
+        return _first_line(e)
+    return None
+
+
+def free_space(path: Path) -> str:
+    """How much its file system has left, for the line of a failed write."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return "free space unknown"
+    return f"{fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB free there"
+
+
+def _save_failed(path: Path, cause: str) -> str:
+    kept = complete_checkpoints(path.parent)
+    return (f"{path}: saving the checkpoint failed ({cause}; {free_space(path.parent)}); "
+            + (f"the last checkpoint {kept[-1][1]} is as it was" if kept else "no earlier checkpoint exists")
+            + ": free space (or fix the cause) and run again to resume")
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

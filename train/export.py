@@ -22,7 +22,9 @@ gathering); `export_lora_only` writes its trained tensors under PEFT names inste
 
 Both are collective: parameters are all-gathered one at a time and rank 0 writes one file at a time, so no rank
 holds more than one output file. The folder is built under a hidden name and renamed when complete: `out` is
-always either the previous complete export or the new one.
+always either the previous complete export or the new one. A previous `out` holding a file no export writes
+(EXPORT_FILES), and any error writing the new one (a full disk), stop every rank with one line instead; nothing of the
+previous export is lost.
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from safetensors import SafetensorError
 
 import configs
+from train.checkpoint import RunError, free_space
 from train.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
 from train.weights import (DREAMZERO_PREFIX, WeightsError, _allowed_absent, model_tensors, shard_file_names,
                            shard_groups, write_index)
@@ -53,6 +58,9 @@ HEAD_FIELDS = {"action_dim": "action_dim", "max_action_dim": "action_dim", "max_
                "num_frame_per_block": "num_frame_per_block"}
 # the DiT comes from the checkpoint, fully fine-tuned (no PEFT wrapping, no base Wan weights read first)
 FULL_WEIGHTS = {"skip_component_loading": True, "defer_lora_injection": False, "train_architecture": "full"}
+# every name an export folder can hold: replacing a folder with any other file in it is refused, not done
+EXPORT_FILES = ("model.safetensors", "model-?????-of-?????.safetensors", "model.safetensors.index.json", "config.json",
+                "experiment_cfg", "experiment_cfg/conf.yaml", "experiment_cfg/metadata.json")
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
@@ -204,7 +212,7 @@ def _nbytes(sd: dict[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in sd.values())
 
 
-def _write_plain(tensors: dict, folder: Path | None, prefix: str, dtype: torch.dtype, metadata: dict,
+def _write_plain(tensors: dict, stage: "_Staging", prefix: str, dtype: torch.dtype, metadata: dict,
                  max_shard_bytes: int) -> None:
     """Collective: every model tensor as `prefix + key`, cut into transformers-named shard files (rank 0 writes)."""
     from safetensors.torch import save_file
@@ -213,42 +221,97 @@ def _write_plain(tensors: dict, folder: Path | None, prefix: str, dtype: torch.d
     names = shard_file_names(len(groups))
     weight_map, total = {}, 0
     for name, group in zip(names, groups):
-        got = _gather(tensors, [(k, dtype) for k in group], folder is not None)
-        if folder is not None:
-            save_file({prefix + k: v for k, v in got.items()}, str(folder / name), metadata=metadata)
-            weight_map.update({prefix + k: name for k in group})
-            total += _nbytes(got)
-    if folder is not None and len(groups) > 1:
-        write_index(folder, weight_map, total)
+        got = _gather(tensors, [(k, dtype) for k in group], stage.folder is not None)
+        stage.write(lambda folder: save_file({prefix + k: v for k, v in got.items()}, str(folder / name),
+                                             metadata=metadata))
+        weight_map.update({prefix + k: name for k in group})
+        total += _nbytes(got)
+    if len(groups) > 1:
+        stage.write(lambda folder: write_index(folder, weight_map, total))
 
 
-def _write_from_base(tensors: dict, folder: Path | None, base: Base, metadata: dict) -> None:
+def _write_from_base(tensors: dict, stage: "_Staging", base: Base, metadata: dict) -> None:
     """Collective: the base's files with the DiT tensors replaced (rank 0 writes)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     total = 0
-    for name, keys in base.files:
-        dit = [(k[len(DREAMZERO_PREFIX):], base.dit_dtypes[k[len(DREAMZERO_PREFIX):]]) for k in keys
-               if k.startswith(DREAMZERO_PREFIX)]
-        trained = _gather(tensors, dit, folder is not None)
-        if folder is None:
-            continue
+
+    def replaced(folder: Path, name: str, keys: list[str], trained: dict) -> None:
+        nonlocal total
         handle = safe_open(str(base.root / name), framework="pt")
         sd = {k: trained[k[len(DREAMZERO_PREFIX):]] if k.startswith(DREAMZERO_PREFIX) else handle.get_tensor(k)
               for k in keys}
         save_file(sd, str(folder / name), metadata={**(handle.metadata() or {}), **metadata, "format": "pt"})
         total += _nbytes(sd)
-    if folder is not None and base.index is not None:
+
+    for name, keys in base.files:
+        dit = [(k[len(DREAMZERO_PREFIX):], base.dit_dtypes[k[len(DREAMZERO_PREFIX):]]) for k in keys
+               if k.startswith(DREAMZERO_PREFIX)]
+        trained = _gather(tensors, dit, stage.folder is not None)
+        stage.write(replaced, name, keys, trained)
+    if base.index is not None:
         extra = {k: v for k, v in (base.index.get("metadata") or {}).items() if k != "total_size"}
-        write_index(folder, base.index["weight_map"], total, extra)
+        stage.write(lambda folder: write_index(folder, base.index["weight_map"], total, extra))
 
 
-def _staging(out: Path) -> Path:
-    tmp = out.with_name(f".{out.name}.tmp")
+def foreign_files(out: Path) -> list[str]:
+    """What folder `out` holds that no export writes (EXPORT_FILES), which replacing it would delete."""
+    out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        return [out.name]
+    found = (p.relative_to(out).as_posix() for p in out.rglob("*")) if out.is_dir() else ()
+    return sorted(rel for rel in found if not any(fnmatch(rel, pattern) for pattern in EXPORT_FILES))
+
+
+class _Staging:
+    """Rank 0's new export folder, built under a hidden name beside `out` and swapped in when complete. The first
+    error (a full disk, a previous folder holding files no export writes) ends rank 0's writing but not the
+    collectives the other ranks are in; `finish` then stops every rank with one line, the previous export intact."""
+
+    def __init__(self, out: Path):
+        self.out, self.tmp, self.error = out, None, None
+        if not _is_rank0():
+            return
+        foreign = foreign_files(out)
+        if foreign:
+            self.error = f"it holds {', '.join(foreign[:5])}, which no export writes: move them out of it"
+            return
+        self.tmp = out.with_name(f".{out.name}.tmp")
+        self.write(_fresh_folder, folder=self.tmp)
+
+    @property
+    def folder(self) -> Path | None:
+        """Where rank 0 writes; None on the other ranks and after an error."""
+        return self.tmp if self.error is None else None
+
+    def write(self, write, *args, folder: Path | None = None) -> None:
+        """Rank 0: `write(folder, *args)`, its OS error kept as the export's error."""
+        folder = folder or self.folder
+        if folder is None or self.error is not None:
+            return
+        try:
+            write(folder, *args)
+        except (OSError, SafetensorError) as e:
+            self.error = " ".join(str(e).split())
+
+    def finish(self) -> Path:
+        """Collective: swap the folder in, or stop every rank with rank 0's error."""
+        self.write(_publish, self.out)
+        if self.error is not None and self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        error = [self.error]
+        if dist.is_initialized():
+            dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise RunError(f"{self.out}: export failed ({error[0]}; {free_space(self.out.parent)}); the previous "
+                           f"export there is as it was")
+        return self.out
+
+
+def _fresh_folder(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
     tmp.mkdir(parents=True)
-    return tmp
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -270,23 +333,14 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _done() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 @torch.no_grad()
 def export_weights(model: nn.Module, out: str | Path, prefix: str = "", dtype: torch.dtype = torch.bfloat16,
                    metadata: dict | None = None, max_shard_bytes: int = 5 << 30) -> Path:
     """Collective: the plain DiT (keys `prefix + name`) as `out/model.safetensors`, or shards + index."""
-    out = Path(out)
-    tmp = _staging(out) if _is_rank0() else None
+    stage = _Staging(Path(out))
     meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
-    _write_plain(merged_tensors(model), tmp, prefix, dtype, meta, max_shard_bytes)
-    if tmp is not None:
-        _publish(tmp, out)
-    _done()
-    return out
+    _write_plain(merged_tensors(model), stage, prefix, dtype, meta, max_shard_bytes)
+    return stage.finish()
 
 
 @torch.no_grad()
@@ -298,22 +352,25 @@ def export_official(model: nn.Module, out: str | Path, base: str | Path, shards:
     out = Path(out)
     statistics, tag = shard_statistics(shards)
     layout = check_base(base, model, tag)  # on every rank: all ranks agree on the files, or all stop here
-    tmp = _staging(out) if _is_rank0() else None
+    stage = _Staging(out)
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     tensors = merged_tensors(model)
     if layout.files:
-        _write_from_base(tensors, tmp, layout, meta)
+        _write_from_base(tensors, stage, layout, meta)
     else:
-        _write_plain(tensors, tmp, DREAMZERO_PREFIX, dtype, {"format": "pt", **meta}, max_shard_bytes)
-    if tmp is not None:
-        (tmp / "config.json").write_text(json.dumps(eval_config(layout.config, model.cfg), indent=2) + "\n")
-        (tmp / "experiment_cfg").mkdir()
-        shutil.copyfile(layout.root / "experiment_cfg" / "conf.yaml", tmp / "experiment_cfg" / "conf.yaml")
-        shutil.copyfile(statistics, tmp / "experiment_cfg" / "metadata.json")
-        _publish(tmp, out)
+        _write_plain(tensors, stage, DREAMZERO_PREFIX, dtype, {"format": "pt", **meta}, max_shard_bytes)
+
+    def eval_files(folder: Path) -> None:
+        (folder / "config.json").write_text(json.dumps(eval_config(layout.config, model.cfg), indent=2) + "\n")
+        (folder / "experiment_cfg").mkdir()
+        shutil.copyfile(layout.root / "experiment_cfg" / "conf.yaml", folder / "experiment_cfg" / "conf.yaml")
+        shutil.copyfile(statistics, folder / "experiment_cfg" / "metadata.json")
+
+    stage.write(eval_files)
+    stage.finish()
+    if _is_rank0():
         log.info("%s: eval-ready export (%s, base %s)", out, "DiT replaced in the base's weights" if layout.files
                  else "DiT only; encoders from the config's *_pretrained_path files", layout.root)
-    _done()
     return out
 
 
@@ -342,19 +399,20 @@ def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None 
     if base is not None:
         statistics, tag = shard_statistics(shards)
         layout = check_base(base, model, tag)
-    tmp = _staging(out) if _is_rank0() else None
+    stage = _Staging(out)
     absent = tuple(k for k in model_tensors(model) if _allowed_absent(model, k))
     meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
-    _write_plain(lora_only_tensors(model, also=absent), tmp, PEFT_PREFIX, dtype, meta, 5 << 30)
-    if tmp is not None and layout is not None:
+    _write_plain(lora_only_tensors(model, also=absent), stage, PEFT_PREFIX, dtype, meta, 5 << 30)
+
+    def load_lora_files(folder: Path) -> None:
         import yaml
 
-        (tmp / "config.json").write_text(json.dumps(lora_config(layout.config, model), indent=2) + "\n")
-        (tmp / "experiment_cfg").mkdir()
+        (folder / "config.json").write_text(json.dumps(lora_config(layout.config, model), indent=2) + "\n")
+        (folder / "experiment_cfg").mkdir()
         conf = configs.read(layout.root / "experiment_cfg" / "conf.yaml", WeightsError) | {"save_lora_only": True}
-        (tmp / "experiment_cfg" / "conf.yaml").write_text(yaml.safe_dump(conf, sort_keys=False))
-        shutil.copyfile(statistics, tmp / "experiment_cfg" / "metadata.json")
-    if tmp is not None:
-        _publish(tmp, out)
-    _done()
-    return out
+        (folder / "experiment_cfg" / "conf.yaml").write_text(yaml.safe_dump(conf, sort_keys=False))
+        shutil.copyfile(statistics, folder / "experiment_cfg" / "metadata.json")
+
+    if layout is not None:
+        stage.write(load_lora_files)
+    return stage.finish()

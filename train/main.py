@@ -302,10 +302,11 @@ def train(cfg: Config) -> dict:
         raise checkpoint.RunError(f"global batch {global_batch} is not a multiple of micro-batch {micro} x {world} "
                                   f"ranks")
     run_dir = Path(cfg.checkpoint.dir)
+    checkpoint.claim_run_dir(cfg.checkpoint)  # before any work: another run's directory stops every rank here
 
     image_encoder = frozen_image_encoder(cfg, device)
     index = open_index(cfg.data.shards, cfg.data.cache_dir)  # once: the model's widths and the loader both read it
-    found = checkpoint.complete_checkpoints(run_dir) if cfg.checkpoint.resume else []
+    found = checkpoint.resumable(run_dir) if cfg.checkpoint.resume else []
     holds_all = bool(found) and cfg.lora.rank == 0  # a LoRA checkpoint holds the adapters only: the base is re-read
     if holds_all and cfg.model.init_from is not None and rank == 0:
         print(f"resuming from {found[-1][1]}, which holds every weight: --model.init-from is not read", flush=True)
@@ -450,6 +451,7 @@ def main(argv: list[str] | None = None) -> None:
             leave_now(failure)
         raise
     finally:
+        checkpoint.release_run_dir()
         if dist.is_initialized():
             dist.destroy_process_group()
 
