@@ -29,7 +29,7 @@ import torch
 from preprocess.image_encoder import VIT_H_14, hf_clip_to_wan
 from preprocess.sample_data import DROID_TASKS, LIBERO_TASKS
 from preprocess.text_encoder import TIED, UMT5_XXL, wan_umt5_key
-from preprocess.vae import VARIANTS, wan_vae_key
+from preprocess.vae import VARIANTS, diffusers_vae_class, wan_vae_key
 
 DROID_TEMPLATE = ("A multi-view video shows that a robot {i} The video is split into three views: The top view shows "
                   "the camera view from the robot's wrist, the bottom-left view shows the camera view from the left "
@@ -57,8 +57,7 @@ def randomize(module: torch.nn.Module, seed: int) -> None:
 
 
 def write_vae(out: Path, variant: str, seed: int, full: bool = False) -> None:
-    from diffusers import AutoencoderKLWan
-
+    AutoencoderKLWan = diffusers_vae_class()  # noqa: N806
     dims = {} if full else dict(base_dim=8) if variant == "wan2.1" else dict(base_dim=8, decoder_base_dim=12)
     model = AutoencoderKLWan(**{**VARIANTS[variant], **dims})
     randomize(model, seed)

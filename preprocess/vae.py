@@ -11,6 +11,7 @@ Loads the original Wan `.pth` files (keys renamed here) and Diffusers `vae/` fol
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,12 +167,28 @@ class WanVAE:
         return torch.cat([mask, y], dim=1)
 
 
+def diffusers_vae_class():
+    """diffusers' AutoencoderKLWan, imported with torchao out of sight. Why: diffusers imports torchao whenever it is
+    installed (the trainer's fp8 extra), and a torchao built for another torch prints library-load failures and
+    deprecation warnings in every process that loads a VAE; the farm never quantizes. A later `import torchao` in the
+    same process still works."""
+    hidden = "torchao" not in sys.modules
+    if hidden:
+        sys.modules["torchao"] = None  # importlib.util.find_spec reports it missing
+    try:
+        from diffusers import AutoencoderKLWan
+    finally:
+        if hidden:
+            del sys.modules["torchao"]
+    return AutoencoderKLWan
+
+
 def load_vae(path: str | Path, variant: str | None = None, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.bfloat16, keep_decoder: bool = False) -> WanVAE:
     """Load `Wan2.1_VAE.pth` / `Wan2.2_VAE.pth` (or `.safetensors`) or a Diffusers `vae/` folder, strictly.
     `variant` ("wan2.1" | "wan2.2") is checked against the file when given. The decoder is checked, then dropped
     unless `keep_decoder` (offline encoding never decodes)."""
-    from diffusers import AutoencoderKLWan
+    AutoencoderKLWan = diffusers_vae_class()  # noqa: N806
 
     path = Path(path)
     if variant not in (None, "wan2.1", "wan2.2"):

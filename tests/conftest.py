@@ -94,6 +94,7 @@ def droid_shards(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
     out = tmp_path_factory.mktemp("shards") / "droid"
     done = build(droid_root, out, "droid", tiny_checkpoints)
     (out.parent / "build-stdout.txt").write_text(done.stdout)  # beside the shards, not in them
+    (out.parent / "build-stderr.txt").write_text(done.stderr)
     return out
 
 
