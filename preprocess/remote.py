@@ -85,7 +85,7 @@ def failures(url: str, operation: str, advice: str = RESUME) -> Iterator[None]:
     try:
         yield
     except FAILURES as err:
-        reason = " ".join(str(err).split()) or type(err).__name__
+        reason = " ".join(str(err).split()).rstrip(".") or type(err).__name__
         raise SystemExit(f"{url}: {operation} failed: {reason}; {advice}") from None
 
 

@@ -7,8 +7,10 @@
 
 S3: the endpoint and credentials come from the standard AWS variables (AWS_ENDPOINT_URL or AWS_ENDPOINT_URL_S3,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION); endpoint and region are passed to s3fs explicitly, since
-botocore reads neither AWS_REGION nor, in every version, AWS_ENDPOINT_URL. Keyword arguments of ShardStore go to
-the filesystem and win over the environment.
+botocore reads neither AWS_REGION nor, in every version, AWS_ENDPOINT_URL. Each request gives up after
+S3_CONNECT_TIMEOUT seconds without a connection or S3_READ_TIMEOUT seconds without an answer (variables
+WAMPIPE_S3_CONNECT_TIMEOUT, WAMPIPE_S3_READ_TIMEOUT), so a stalled endpoint fails within a minute (s3_options_from_env).
+Keyword arguments of ShardStore go to the filesystem and win over the environment.
 
 Processes: the filesystem object (and its connection pool) is made lazily by the process that reads and is never
 pickled, so one store can be handed to DataLoader workers, forked or spawned; each worker opens its own
