@@ -51,6 +51,14 @@ def test_a_planted_lock_link_is_refused_and_its_target_untouched(droid_root, tin
     line = failed_at_start(shards_cmd(droid_root, out, "droid", tiny_checkpoints))
     assert line == f"{out / outdir.LOCK}: cannot be the lock file (a symbolic link): remove it, or use another --out"
     assert victim.read_text() == "someone's file\n" and sorted(p.name for p in out.iterdir()) == [outdir.LOCK]
+    for plant in (lambda lock: os.link(victim, lock), os.mkfifo):  # a second name of the file, a pipe
+        (out / outdir.LOCK).unlink()
+        plant(out / outdir.LOCK)
+        with pytest.raises(SystemExit) as exc, outdir.hold(out):
+            pass
+        assert str(exc.value) == (f"{out / outdir.LOCK}: not a plain file of its own (a device, pipe or hard link): "
+                                  f"remove it, or use another --out")
+    assert victim.read_text() == "someone's file\n"
 
 
 def test_the_default_staging_folder_is_private_to_the_user_and_a_planted_one_is_refused(tmp_path, monkeypatch):
