@@ -6,6 +6,15 @@ every argument that changes output bytes, the encoders' sha256) is recorded in O
 and in every unit's JSON. A run whose inputs differ from those recorded refuses to start, naming each difference,
 instead of mixing two builds in one directory; `--overwrite` deletes the old build (its units only where they
 differ) first.
+
+A run deletes or replaces only files of a build, never a file someone else put in OUT (`ownership`). The names a
+build writes are inputs.json, manifest.json, wids.json, metadata.json, text/embeddings.safetensors,
+text/prompts.json, shard-NNNNNN.tar/.json and work/unit-NNNNNN.tar/.json. A directory whose inputs.json is a
+build's record owns every file at those names. Without one, only what a record names is a build's: a sealed
+manifest.json (an older wampipe's) with wids.json and the files it lists, and the units whose JSON records their
+inputs. Any other file at those names is foreign: the run refuses to start, naming it, with or without
+`--overwrite`, and deletes nothing. Of the hidden files, only the temporaries of shardformat.files (marked
+`.*.wampipe-<pid>-<hex>.tmp`) are ever removed.
 """
 
 from __future__ import annotations
@@ -15,23 +24,26 @@ import hashlib
 import json
 import os
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
-from preprocess.write import SHARD_PATTERN, UNIT_PATTERN, WORK_DIR
-from shardformat.files import atomic_write_json, fsync_dir, sha256_file, temporary_path
-from shardformat.manifest import MANIFEST, WIDS_INDEX
+from preprocess.write import WORK_DIR
+from shardformat.files import atomic_write_json, fsync_dir, is_temporary, sha256_file, temporary_path
+from shardformat.manifest import MANIFEST, WIDS_INDEX, ShardFormatError, parse_sealed_json
+from shardformat.storage import INPUTS
 from shardformat.text import PROMPTS, TABLE
 
 LOCK = ".lock"
-INPUTS = "inputs.json"
 STATISTICS = "metadata.json"
 # Inputs that change only the finalize stage (shards, text table, statistics); the rest change the units too.
 FINALIZE_INPUTS = ("samples_per_shard", "text_encoder", "tokenizer", "metadata")
 # Inputs added after builds were recorded without them, with the value those builds were made with: they resume.
 ADDED_INPUTS = {"image_features": "encoded", "vae_compile": False}
+FIXED_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TABLE, PROMPTS)  # the finalize outputs, manifest first
+NUMBERED = re.compile(rf"(shard|{WORK_DIR}/unit)-\d{{6,}}\.(tar|json)")  # SHARD_PATTERN, UNIT_PATTERN, their JSONs
 
 
 # ---------------------------------------------------------------- one run per directory
@@ -39,9 +51,19 @@ ADDED_INPUTS = {"image_features": "encoded", "vae_compile": False}
 
 @contextmanager
 def hold(out: Path, shared: bool = False) -> Iterator[None]:
-    """Lock OUT for the block; exit with a clear message if another run holds it."""
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    """Lock OUT for the block; exit with a clear message if another run holds it. The lock file is never a link
+    (a planted one would make this truncate the file it points to) nor anything but a plain file of its own."""
+    lock = out / LOCK
     try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        why = "a symbolic link" if os.path.islink(lock) else err.strerror
+        raise SystemExit(f"{lock}: cannot be the lock file ({why}): remove it, or use another --out") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise SystemExit(f"{lock}: not a plain file of its own (a device, pipe or hard link): remove it, or use "
+                             f"another --out")
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -56,10 +78,60 @@ def hold(out: Path, shared: bool = False) -> Iterator[None]:
 
 
 def remove_temporaries(out: Path) -> None:
-    """Delete the hidden temporaries of writes a killed run left behind (only while holding OUT exclusively)."""
+    """Delete the temporaries of writes a killed run left behind (only while holding OUT exclusively); a user's
+    own hidden files stay."""
     for folder in (out, out / WORK_DIR, out / Path(TABLE).parent):
         for tmp in folder.glob(".*.tmp"):
-            tmp.unlink()
+            if is_temporary(tmp):
+                tmp.unlink()
+
+
+# ---------------------------------------------------------------- which files are a build's
+
+
+def ownership(names: Iterable[str], read: Callable[[str], bytes]) -> tuple[list[str], list[str]]:
+    """(a build's own, foreign): the files among `names` (paths relative to a shard directory, local or remote)
+    at the names a build writes, split by the rule of the module docstring. `read(name)` gives a file's bytes."""
+    written = sorted(n for n in names if n == INPUTS or n in FIXED_NAMES or NUMBERED.fullmatch(n))
+    if INPUTS in written and isinstance(_json(read, INPUTS), dict):
+        return written, []
+    own = set()
+    try:
+        manifest = parse_sealed_json(read(MANIFEST), MANIFEST) if MANIFEST in written else None
+    except ShardFormatError:
+        manifest = None
+    if manifest is not None:
+        listed = [s.get("shard", "") for s in manifest.get("shards", [])]
+        own |= {MANIFEST, WIDS_INDEX, *listed, *(n.replace(".tar", ".json") for n in listed),
+                manifest.get("text_table", {}).get("file"), manifest.get("text_table", {}).get("prompts"),
+                manifest.get("statistics", {}).get("file")}
+    for name in written:
+        if name.startswith(f"{WORK_DIR}/") and name.endswith(".json"):
+            unit = _json(read, name)
+            if isinstance(unit, dict) and "inputs" in unit:
+                own |= {name, name.replace(".json", ".tar")}
+    return [n for n in written if n in own], [n for n in written if n not in own]
+
+
+def _json(read: Callable[[str], bytes], name: str):
+    try:
+        return json.loads(read(name))
+    except ValueError:
+        return None
+
+
+def local_ownership(out: Path) -> tuple[list[str], list[str]]:
+    """`ownership` of the local directory OUT."""
+    names = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and not p.is_symlink()]
+    return ownership(names, lambda name: (out / name).read_bytes())
+
+
+def refuse_foreign(where: str, foreign: list[str]) -> None:
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise SystemExit(f"{where} holds files that no wampipe build recorded, at names a build writes: {shown}. "
+                         f"Nothing was deleted; move them away or use another --out (--overwrite deletes only a "
+                         f"build's own files)")
 
 
 # ---------------------------------------------------------------- what a build is made from
@@ -141,7 +213,9 @@ def conflicts(out: Path, inputs: dict) -> tuple[list[str], bool]:
 
 def claim(out: Path, inputs: dict, overwrite: bool) -> None:
     """Make OUT the place of the build of `inputs`: resume the build there if it has the same inputs, delete it
-    with `overwrite`, refuse otherwise. Then record `inputs` (if not yet)."""
+    with `overwrite`, refuse otherwise; refuse a foreign file at a name the build writes either way. Then record
+    `inputs` (if not yet)."""
+    refuse_foreign(str(out), local_ownership(out)[1])
     problems, units_differ = conflicts(out, inputs)
     if problems and overwrite:
         delete_build(out, units=units_differ)
@@ -167,15 +241,10 @@ def _write_once(path: Path, obj: dict) -> None:
 
 
 def delete_build(out: Path, units: bool) -> None:
-    """Delete what a build wrote to OUT: the finalize outputs (manifest first, so the directory stops claiming to be
-    complete), with `units` the unit spills too, then the recorded inputs."""
-    for name in (MANIFEST, WIDS_INDEX, STATISTICS, TABLE, PROMPTS):
-        (out / name).unlink(missing_ok=True)
-    for path in _tars_and_jsons(out, SHARD_PATTERN) + (_tars_and_jsons(out / WORK_DIR, UNIT_PATTERN) if units else []):
-        path.unlink()
-    (out / INPUTS).unlink(missing_ok=True)
-
-
-def _tars_and_jsons(folder: Path, pattern: str) -> list[Path]:
-    glob = pattern.replace("{:06d}", "[0-9]" * 6)
-    return [*folder.glob(glob), *folder.glob(glob.replace(".tar", ".json"))]
+    """Delete the build's own files (`ownership`) from OUT: the finalize outputs (manifest first, so the directory
+    stops claiming to be complete), with `units` the unit spills too, then the recorded inputs."""
+    own = local_ownership(out)[0]
+    first = [n for n in FIXED_NAMES if n in own]
+    numbered = [n for n in own if NUMBERED.fullmatch(n) and (units or not n.startswith(f"{WORK_DIR}/"))]
+    for name in first + numbered + [n for n in own if n == INPUTS]:
+        (out / name).unlink()

@@ -1,34 +1,52 @@
 """`preprocess shards --out s3://bucket/prefix`: build in a local staging directory, then upload the finished files.
 
     url = remote_url(args.out)                        # None: --out is a local directory, built in place
-    staging = staging_dir(url, args.staging_dir)      # a local folder named after the URL, kept for resuming
+    staging = staging_dir(url, args.staging_dir)      # a private local folder named after the URL, kept for resuming
+    check_access(url)                                 # credentials, bucket, write and delete rights: before any unit
     prefetch_remote_state(url, staging, overwrite)    # the remote build's inputs.json, so other inputs are refused
     ... the build claims and writes `staging` as any local --out ...
     if published(url, staging): ...                   # the remote already holds this very build: nothing to do
-    publish(staging, url)                             # tars, their JSONs, the rest, manifest.json last
+    publish(staging, url, overwrite=overwrite)        # inputs.json, tars, their JSONs, the rest, manifest.json last
 
 What marks a finished unit (`work/unit-N.tar` + `.json`) stays in the staging directory: object storage receives
 only the finished shard directory. An interrupted remote build therefore resumes from the same staging directory:
-rerun with the same --out (the default staging folder is derived from the URL) or the same --staging-dir. An
-interrupted upload resumes by itself: `publish` skips files already remote with the same size and sha256.
+rerun with the same --out (the default staging folder is derived from the URL and the user) or the same
+--staging-dir. An interrupted upload resumes by itself: `publish` skips files already remote with the same size and
+sha256. The remote prefix follows the local directory's ownership rule (preprocess.outdir.ownership): a foreign
+file at a name the build writes is refused at start, another build is replaced only with --overwrite, and only its
+own files are deleted. Every storage failure ends the run with one line: the URL, the operation, the reason and
+what to do.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import secrets
+import stat
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from tqdm import tqdm
 
+from preprocess import outdir
 from preprocess.outdir import INPUTS
 from shardformat.files import atomic_write_bytes
 from shardformat.manifest import MANIFEST
-from shardformat.storage import ShardStore, SyncReport, sync_up, upload_order
+from shardformat.storage import S3_PROTOCOLS, STORE_ERRORS, ShardStore, SyncReport, sync_up, upload_order
 
-SHARD_FILE = re.compile(r"shard-\d{6,}\.(tar|json)")  # preprocess.write.SHARD_PATTERN and its JSON
+try:  # a connection dropped mid-transfer, after s3fs's retries
+    from aiohttp import ClientError
+
+    FAILURES: tuple[type[BaseException], ...] = (*STORE_ERRORS, ClientError)
+except ImportError:
+    FAILURES = STORE_ERRORS
+PROBE = ".wampipe-probe"  # the object check_access writes and deletes again
+AT_START = "check the URL, the bucket, the AWS_* variables and the network, then run again"
+RESUME = "run the same command again to resume (finished units and uploaded files are kept)"
 
 
 def remote_url(out: str | Path) -> str | None:
@@ -38,30 +56,85 @@ def remote_url(out: str | Path) -> str | None:
 
 
 def staging_dir(url: str, staging: Path | None = None) -> Path:
-    """Where the build for `url` is made: `staging` if given, else a folder under the system temporary directory
-    named after the URL, so a rerun with the same --out finds its finished units again."""
+    """Where the build for `url` is made: `staging` if given, else a folder named after the URL in this user's
+    private folder of the system temporary directory, so a rerun with the same --out finds its finished units."""
     if staging is not None:
         return Path(staging)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", url.split("://", 1)[1]).strip("-")[-60:]
-    return Path(tempfile.gettempdir()) / "wampipe-staging" / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+    private = _private_dir(Path(tempfile.gettempdir()) / f"wampipe-staging-{os.getuid()}")
+    return private / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+
+
+def _private_dir(path: Path) -> Path:
+    """`path` as a folder only this user can enter: made with mode 0700, or refused when it exists as anything else
+    (a link, another user's, or open to others), since other users can create names in a shared temporary folder."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise SystemExit(f"{path}: not a private folder of this user (a link, another user's, or open to others), so "
+                         f"the default staging folder cannot be used: remove it, or pass --staging-dir")
+    return path
+
+
+@contextmanager
+def failures(url: str, operation: str, advice: str = RESUME) -> Iterator[None]:
+    """Turn a storage failure of the block into one line: URL, operation, reason, advice."""
+    try:
+        yield
+    except FAILURES as err:
+        reason = " ".join(str(err).split()).rstrip(".") or type(err).__name__
+        raise SystemExit(f"{url}: {operation} failed: {reason}; {advice}") from None
+
+
+def check_access(url: str) -> None:
+    """Before any unit is built: on S3 the credentials and the bucket (one listing), then the right to write and to
+    delete there (a small private probe object, written and deleted again)."""
+    store = ShardStore(url)
+    try:
+        if store.is_local:  # makes the filesystem, reading the WAMPIPE_S3_* timeouts
+            return
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    if store.protocol in S3_PROTOCOLS:
+        bucket, _, prefix = url.split("://", 1)[1].partition("/")
+        with failures(url, f"list bucket {bucket}", AT_START):
+            store.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
+    probe = f"{PROBE}-{os.getpid()}-{secrets.token_hex(4)}"
+    with failures(url, f"write and delete {probe}", AT_START):
+        store.fs.pipe_file(store.path(probe), b"")
+        store.remove(probe)
+
+
+def _remote_state(store: ShardStore) -> tuple[list[str], bytes | None]:
+    """(the remote build's own files, its inputs.json or None); refuses a foreign file at a name a build writes."""
+    own, foreign = outdir.ownership(store.list(), store.read_bytes)
+    outdir.refuse_foreign(store.url, foreign)
+    return own, store.read_bytes(INPUTS) if INPUTS in own else None
 
 
 def prefetch_remote_state(url: str, staging: Path, overwrite: bool = False) -> None:
     """Bring the remote build's `inputs.json` into the staging directory (when it has none), so the run's usual
     check (preprocess.outdir.claim) refuses other inputs than the remote was built from. A staging directory that
-    records other inputs than the remote refuses to start. With `overwrite` the remote build is replaced whatever
-    it was made from: nothing is brought."""
-    store = ShardStore(url)
-    if overwrite or not store.exists(INPUTS):
+    records other inputs than the remote refuses to start, and so does a remote that holds a build without a record
+    of its inputs. With `overwrite` the remote build is replaced whatever it was made from: nothing is brought. A
+    foreign file at a name the build writes is refused either way."""
+    with failures(url, "read the remote build's record"):
+        own, remote = _remote_state(ShardStore(url))
+    if overwrite or not own:
         return
-    remote = store.read_bytes(INPUTS)
+    if remote is None:
+        raise SystemExit(f"{url} holds a build without {INPUTS} (an older wampipe wrote it): pass --overwrite to "
+                         f"replace it, or use another --out")
     staging.mkdir(parents=True, exist_ok=True)
     local = staging / INPUTS
     if not local.is_file():
         atomic_write_bytes(local, remote)
     elif local.read_bytes() != remote:
-        raise SystemExit(f"{store.where(INPUTS)} differs from {local}: the staging directory holds another build "
-                         f"than {url}; pass --overwrite to replace the remote build, or use another --staging-dir")
+        raise SystemExit(f"{url}/{INPUTS} differs from {local}: the staging directory holds another build than "
+                         f"{url}; pass --overwrite to replace the remote build, or use another --staging-dir")
 
 
 def published(url: str, staging: Path) -> bool:
@@ -69,28 +142,38 @@ def published(url: str, staging: Path) -> bool:
     inputs.json), so there is nothing to build or upload."""
     store = ShardStore(url)
     local = staging / INPUTS
-    if not (local.is_file() and store.exists(MANIFEST) and store.exists(INPUTS)):
-        return False
-    return store.read_bytes(INPUTS) == local.read_bytes()
+    with failures(url, "read the remote build's record"):
+        if not (local.is_file() and store.exists(MANIFEST) and store.exists(INPUTS)):
+            return False
+        return store.read_bytes(INPUTS) == local.read_bytes()
 
 
-def publish(staging: Path, url: str, progress: Callable[[str, str], None] | None = None) -> SyncReport:
-    """Upload the finished staging directory to `url`. A different build there first loses its manifest (the remote
-    reads as unfinished from then on) and its shards beyond this build's; then shardformat.storage.sync_up uploads
-    tars, their JSONs, the rest and manifest.json last, skipping files already there with the same size and sha256.
-    `progress(relpath, action)` replaces the progress bar."""
+def publish(staging: Path, url: str, progress: Callable[[str, str], None] | None = None,
+            overwrite: bool = False) -> SyncReport:
+    """Upload the finished staging directory to `url`. Another build there is refused without `overwrite`, and with
+    it first loses its manifest (the remote reads as unfinished from then on) and its own files beyond this build's;
+    a foreign file at a name the build writes is refused either way. Then shardformat.storage.sync_up uploads
+    inputs.json, tars, their JSONs, the rest and manifest.json last, skipping files already there with the same size
+    and sha256. `progress(relpath, action)` replaces the progress bar."""
     files = upload_order(staging)
     store = ShardStore(url)
-    if store.exists(MANIFEST) and store.read_bytes(MANIFEST) != (staging / MANIFEST).read_bytes():
-        store.remove(MANIFEST)
-    for stale in sorted(set(filter(SHARD_FILE.fullmatch, store.list())) - set(files)):
-        store.remove(stale)
+    local = (staging / INPUTS).read_bytes() if (staging / INPUTS).is_file() else None
     bar = tqdm(total=len(files), desc=f"upload {url}", unit="file", disable=progress is not None)
 
     def advance(relpath: str, action: str) -> None:
         bar.update(1)
         bar.set_postfix_str(f"{action} {relpath}")
 
-    report = sync_up(staging, url, progress or advance)
-    bar.close()
-    return report
+    try:
+        with failures(url, "upload"):
+            own, remote = _remote_state(store)
+            if own and remote != local and not overwrite:
+                raise SystemExit(f"{url} holds another build (its {INPUTS} differs from {staging / INPUTS}); nothing "
+                                 f"was uploaded or deleted: pass --overwrite to replace it, or use another --out")
+            if MANIFEST in own and store.read_bytes(MANIFEST) != (staging / MANIFEST).read_bytes():
+                store.remove(MANIFEST)
+            for stale in sorted(set(own) - set(files) - {MANIFEST}):
+                store.remove(stale)
+            return sync_up(staging, url, progress or advance)
+    finally:
+        bar.close()  # before an error's one line, so that line is the last one printed

@@ -74,8 +74,8 @@ class Args:
     """Output shard directory (default shards/<dataset>), or a URL (s3://bucket/prefix): built in --staging-dir, then
     uploaded, manifest.json last (docs/FORMAT.md, Object storage)."""
     staging_dir: Path | None = None
-    """With a URL --out: the local folder the build is made in and resumed from (default: one under the system
-    temporary directory, named after the URL)."""
+    """With a URL --out: the local folder the build is made in and resumed from (default: one named after the URL
+    in this user's private folder of the system temporary directory, wampipe-staging-<uid>)."""
     model: str | None = None
     """Size preset of the embodiment: 5b (Wan2.2 VAE, 160/176x320), 5b-wan22 (DROID 160x320) or 14b (Wan2.1 VAE
     352x640, adds y). Default: --config's, else the dataset preset's."""
@@ -271,6 +271,8 @@ def run(args: Args) -> None:
     args = prepare_defaults(args)
     url = remote.remote_url(str(args.out))
     args.out = remote.staging_dir(url, args.staging_dir) if url else Path(args.out)
+    if url:
+        remote.check_access(url)  # a missing bucket or wrong credentials stop the run before any unit
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     emb = get_embodiment(DATASETS[args.dataset].embodiment)
@@ -315,7 +317,7 @@ def run(args: Args) -> None:
             return
         manifest = finalize(job, units)
         if url:
-            remote.publish(args.out, url)
+            remote.publish(args.out, url, overwrite=args.overwrite)
     t = manifest["totals"]
     print(f"done: {t['samples']} samples in {t['shards']} shards ({t['bytes'] / 2**20:.1f} MiB); episodes: "
           f"{t['episodes_encoded']} encoded, {t['episodes_skipped']} shorter than a window, {t['episodes_failed']} failed")

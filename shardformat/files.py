@@ -1,8 +1,9 @@
 """Durable file writes and hashing: a file becomes visible only complete, under its final name.
 
-Every write goes to a hidden temporary name unique to the writing process (`.<name>.<pid>.<random>.tmp`, so two
-processes racing on one path never share a temporary file), is fsynced, renamed over the target, and the rename is
-made durable by fsyncing the directory.
+Every write goes to a hidden temporary name unique to the writing process (`.<name>.wampipe-<pid>-<random>.tmp`,
+so two processes racing on one path never share a temporary file), is fsynced, renamed over the target, and the
+rename is made durable by fsyncing the directory. The `wampipe-` marker tells these temporaries apart from a user's
+own hidden files: cleanups delete only names that `is_temporary` accepts.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,9 +34,17 @@ def fsync_dir(path: Path | str) -> None:
         os.close(fd)
 
 
+TEMPORARY = re.compile(r"\..+\.wampipe-\d+-[0-9a-f]{8}\.tmp")
+
+
 def temporary_path(path: Path) -> Path:
-    """A hidden sibling name no other process (or earlier call) uses."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    """A hidden sibling name no other process (or earlier call) uses, marked as this package's (`is_temporary`)."""
+    return path.with_name(f".{path.name}.wampipe-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def is_temporary(path: Path) -> bool:
+    """Whether `path` is named as a temporary of `temporary_path` (only those are ever cleaned up)."""
+    return TEMPORARY.fullmatch(path.name) is not None
 
 
 @contextmanager

@@ -7,8 +7,10 @@
 
 S3: the endpoint and credentials come from the standard AWS variables (AWS_ENDPOINT_URL or AWS_ENDPOINT_URL_S3,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION); endpoint and region are passed to s3fs explicitly, since
-botocore reads neither AWS_REGION nor, in every version, AWS_ENDPOINT_URL. Keyword arguments of ShardStore go to
-the filesystem and win over the environment.
+botocore reads neither AWS_REGION nor, in every version, AWS_ENDPOINT_URL. Each request gives up after
+S3_CONNECT_TIMEOUT seconds without a connection or S3_READ_TIMEOUT seconds without an answer (variables
+WAMPIPE_S3_CONNECT_TIMEOUT, WAMPIPE_S3_READ_TIMEOUT), so a stalled endpoint fails within a minute (s3_options_from_env).
+Keyword arguments of ShardStore go to the filesystem and win over the environment.
 
 Processes: the filesystem object (and its connection pool) is made lazily by the process that reads and is never
 pickled, so one store can be handed to DataLoader workers, forked or spawned; each worker opens its own
@@ -54,6 +56,7 @@ from shardformat.shard import ShardRecord, json_path
 WORK_DIR = "work"  # the preprocessor's unit spills, never part of a finished directory's copy
 COPY_BLOCK = 1 << 23  # 8 MiB per read when streaming a whole file
 S3_PROTOCOLS = ("s3", "s3a")
+INPUTS = "inputs.json"  # the preprocessor's record of a build (preprocess.outdir): uploaded first
 READ_MANY = 64  # files in flight together when reading many small ones (the index's shard JSONs)
 try:  # what a failed request raises: OSError, or botocore's own errors (no connection, no credentials)
     from botocore.exceptions import BotoCoreError
@@ -63,9 +66,18 @@ except ImportError:
     STORE_ERRORS = (OSError,)
 
 
+S3_CONNECT_TIMEOUT = 5.0  # seconds to open a connection (WAMPIPE_S3_CONNECT_TIMEOUT)
+S3_READ_TIMEOUT = 10.0  # seconds of silence while waiting for a response (WAMPIPE_S3_READ_TIMEOUT)
+# s3fs tries a request that timed out S3FileSystem.retries (5) times with short pauses (1.9 s in all): a stalled
+# endpoint fails after about 5 x 10 + 2 = 52 s. botocore's own retries would multiply that, so it tries once.
+
+
 def s3_options_from_env() -> dict:
-    """The endpoint and region of the standard AWS variables, as s3fs keyword arguments."""
-    options: dict = {}
+    """The endpoint and region of the standard AWS variables, and bounded connect and read timeouts, as s3fs
+    keyword arguments."""
+    options: dict = {"config_kwargs": {"connect_timeout": _seconds("WAMPIPE_S3_CONNECT_TIMEOUT", S3_CONNECT_TIMEOUT),
+                                       "read_timeout": _seconds("WAMPIPE_S3_READ_TIMEOUT", S3_READ_TIMEOUT),
+                                       "retries": {"total_max_attempts": 1}}}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         options["endpoint_url"] = endpoint
@@ -73,6 +85,17 @@ def s3_options_from_env() -> dict:
     if region:
         options["client_kwargs"] = {"region_name": region}
     return options
+
+
+def _seconds(variable: str, default: float) -> float:
+    value = os.environ.get(variable)
+    try:
+        seconds = default if value is None else float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"{variable}={value}: not a positive number of seconds")
+    return seconds
 
 
 @dataclass
@@ -321,8 +344,9 @@ def _remove_temp_dir(pid: int) -> None:
 
 def upload_order(local_dir: Path) -> list[str]:
     """The files of a finished shard directory in the order that keeps the remote copy consistent at every moment:
-    tars, then their JSONs, then everything else (text table, statistics), manifest.json last. Leaves out the
-    work/ spills and hidden (temporary) and lock files."""
+    the build's record (inputs.json: a remote holding any file of a build holds it), tars, then their JSONs, then
+    everything else (text table, statistics), manifest.json last. Leaves out the work/ spills and hidden
+    (temporary) and lock files."""
     files = {
         p.relative_to(local_dir).as_posix()
         for p in local_dir.rglob("*")
@@ -330,6 +354,8 @@ def upload_order(local_dir: Path) -> list[str]:
     }
 
     def rank(name: str) -> int:
+        if name == INPUTS:
+            return -1
         if name == MANIFEST:
             return 3
         if name.endswith(".tar"):
@@ -356,7 +382,8 @@ def sync_up(local_dir: str | os.PathLike, url: str | os.PathLike,
     size and sha256, so a rerun after an interruption resumes. `progress(relpath, "uploaded" | "skipped")` is called
     after each file. A different manifest.json already at `url` is removed first: the remote directory then counts
     as unfinished until the new manifest lands (readers that loaded the old one see its files change: give each
-    run its own URL). Remote files the local directory lacks are left alone."""
+    run its own URL). Remote files the local directory lacks are left alone; a remote file at one of its names is
+    replaced, so a caller that must not replace another build's files checks first (preprocess.remote.publish)."""
     local_dir = Path(local_dir)
     if not (local_dir / MANIFEST).is_file():
         raise FileNotFoundError(f"{local_dir / MANIFEST}: missing (an unfinished run; only finished shard "

@@ -154,7 +154,7 @@ def test_publish_killed_midway_resumes_refuses_other_inputs_and_replaces_a_build
     with pytest.raises(SystemExit, match="pass --overwrite to replace the remote build"):
         prefetch_remote_state(url, small)
     prefetch_remote_state(url, small, overwrite=True)
-    publish(small, url, lambda path, action: None)
+    publish(small, url, lambda path, action: None, overwrite=True)
     assert check(url) == [] and store.list() == sorted(upload_order(small)) and len(upload_order(small)) < len(order)
     assert json.loads(store.read_bytes(MANIFEST))["totals"]["samples"] == 6
 
