@@ -26,7 +26,9 @@ from shardformat.shard import ShardRecord
 from shardformat.storage import ShardStore, sync_up
 from train.config import DataConfig
 from train.data import SampleReader, ShardIndex, ShardLoader, open_index
+from train.export import shard_statistics
 from train.model import preset
+from train.weights import WeightsError
 
 ROOT = Path(__file__).resolve().parents[1]
 ESCAPE = "../../../../tmp/x"  # below <cache>/<bucket>/<prefix>/: <cache>/../../tmp/x
@@ -114,6 +116,8 @@ def test_edited_statistics_stop_the_trainer_at_start(copy, tmp_path):
     with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
         ShardLoader(DataConfig(shards=copy, micro_batch_size=1), preset("tiny"), 0, 1, torch.device("cpu"))
     assert check(copy) == ["metadata.json: sha256 differs from the manifest"]
+    with pytest.raises(WeightsError, match=f"^{re.escape(message)}$"):  # nor copied into an export or a tiny base
+        shard_statistics(copy)
 
     # a real trainer start: one rank, stopped before any model is built, with the one line and no traceback
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",

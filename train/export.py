@@ -80,12 +80,18 @@ class Base:
 
 def shard_statistics(shards: str | Path) -> tuple[Path, str]:
     """(statistics file, embodiment tag) of a shard directory (a path or URL: the file is then a local copy)."""
+    from shardformat.files import sha256_file
+    from shardformat.manifest import ShardFormatError, check_sha256
     from shardformat.storage import ShardStore
 
     store = ShardStore(shards)
     manifest = store.manifest()
     name, tag = manifest.statistics["file"], manifest.embodiment
     path = store.local_root(name) / name
+    try:  # copied into the export as the statistics the policy normalizes with: the sealed ones only
+        check_sha256(path, sha256_file(path), manifest.statistics["sha256"])
+    except ShardFormatError as err:
+        raise WeightsError(str(err)) from None
     if tag not in json.loads(path.read_text()):
         raise WeightsError(f"{path}: no statistics for {tag!r}, the shards' embodiment")
     return path, tag
