@@ -17,12 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from preprocess import synthetic
 from shardformat.manifest import Manifest
 from shardformat.stats import normalize_q99, pad_with_mask
 from tests.conftest import build
 from train.config import DataConfig, ShardSet, file_config, parse_args, save_config
+from train.curves import plot
 from train.data import SampleReader, ShardLoader, SetDraws, open_sets
 from train.main import model_config
 
@@ -172,13 +174,13 @@ def test_sets_of_another_dit_recipe_or_empty_sets_are_refused_naming_the_set(dro
     assert str(refused.value) == f"{empty}: no windows (an empty shard set)"
 
 
-def _command(droid, libero, run_dir: Path, base: Path) -> list[str]:
+def _command(droid, libero, run_dir: Path, base: Path, tensorboard: bool = False) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.mixture", f"{droid}=2", f"{libero}=1",
             "--data.micro-batch-size", "1", "--parallel.global-batch-size", "4", "--checkpoint.dir", str(run_dir),
             "--steps", "12", "--checkpoint.interval", "4", "--metrics.interval", "1", "--metrics.no-progress",
-            "--metrics.no-tensorboard", "--parallel.deterministic", "--model.init-from", str(base),
-            "--checkpoint.export-base", str(base)]
+            f"--metrics.{'' if tensorboard else 'no-'}tensorboard", "--parallel.deterministic",
+            "--model.init-from", str(base), "--checkpoint.export-base", str(base)]
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -199,8 +201,8 @@ def test_sigkilled_mixture_run_resumes_to_the_same_losses_and_samples(droid_shar
     base = tiny_base.write_base(tiny_base.Args(out=tmp_path / "base", shards=droid_shards, also=("libero_sim",)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     full = tmp_path / "full"
-    subprocess.run(_command(droid_shards, libero_shards, full, base), check=True, env=env, cwd=ROOT,
-                   capture_output=True, timeout=600)
+    subprocess.run(_command(droid_shards, libero_shards, full, base, tensorboard=True), check=True, env=env,
+                   cwd=ROOT, capture_output=True, timeout=600)
 
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(_command(droid_shards, libero_shards, run_dir, base), env=env, cwd=ROOT,
@@ -222,6 +224,17 @@ def test_sigkilled_mixture_run_resumes_to_the_same_losses_and_samples(droid_shar
     assert [[r.get(k) for k in keys] for r in got] == [[r.get(k) for k in keys] for r in want]
     seen = [want[-1][f"samples_seen/{name}"] for name in ("droid", "libero")]
     assert sum(seen) == 12 * 4 and min(seen) > 0  # every sample of the run, counted in its set
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(full / "tb"))
+    events.Reload()
+    assert {f"loss/{n}" for n in ("droid", "libero")} | {"samples_seen/droid"} <= set(events.Tags()["scalars"])
+    assert events.Scalars("samples_seen/droid")[-1].value == seen[0]
+    with_sets = Image.open(plot(want, tmp_path / "sets.png", "mixture")).size
+    without = Image.open(plot([{k: v for k, v in r.items() if "/" not in k} for r in want], tmp_path / "one.png",
+                              "one set")).size
+    assert with_sets[1] > without[1]  # a third row of panels: loss and samples seen per set
 
     metadata = json.loads((run_dir / "export" / "experiment_cfg" / "metadata.json").read_text())
     assert sorted(metadata) == ["libero_sim", "oxe_droid"]
