@@ -114,6 +114,21 @@ def test_draws_do_not_depend_on_workers_and_a_resumed_loader_continues_them(droi
                                       for g in range(10)]
 
 
+def test_a_set_on_s3_gives_the_batches_of_its_local_copy(droid_shards, libero_shards, s3_bucket):
+    from shardformat.storage import sync_up
+
+    url = f"{s3_bucket}/libero"
+    sync_up(libero_shards, url)
+    local = _data(droid_shards, libero_shards)
+    model = _model(local)
+    remote = DataConfig(**{**local.__dict__, "mixture": (local.mixture[0], ShardSet(url, 1.0))})
+    want = [next(it) for it in [iter(ShardLoader(local, model, 0, 2, CPU))] for _ in range(8)]
+    got = [next(it) for it in [iter(ShardLoader(remote, model, 0, 2, CPU))] for _ in range(8)]
+    assert {int(b["set"]) for b in want} == {0, 1}
+    for a, b in zip(want, got, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_another_mixture_is_refused_at_resume_unless_changed_on_purpose(droid_shards, libero_shards):
     data = _data(droid_shards, libero_shards)
     model = _model(data)
