@@ -232,7 +232,7 @@ def open_sets(cfg: DataConfig) -> list[ShardIndex]:
 
 
 def mixture_dims(indexes: Sequence[ShardIndex]) -> dict:
-    """`data_dims` of a mixture: the first set's, text_len the longest prompt of all. A set built for another DiT
+    """`data_dims` of the run's sets: the first set's, text_len the longest prompt of all. A set built for another DiT
     recipe (encoders, latent channels, text or CLIP width, CLIP features or pixels) stops the run in one line naming
     the set and the field."""
     first, dims = indexes[0], data_dims(indexes[0])

@@ -32,7 +32,7 @@ from shardformat.manifest import ShardFormatError
 from shardformat.storage import ShardStore
 from train import checkpoint
 from train.config import Config, device_memory_gib, parse_args, resolve_auto, save_config, validate
-from train.data import ShardIndex, ShardLoader, data_dims, mixture_dims, open_sets
+from train.data import ShardIndex, ShardLoader, mixture_dims, open_sets
 from train.export import check_base, mixture_statistics
 from train.flops import dit_flops
 from train.lora import apply_lora, init_lora
@@ -109,7 +109,7 @@ def model_config(cfg: Config, image_encoder=None, indexes: list[ShardIndex] | No
     index if already open. In a mixture each batch brings its latent grid and action horizon, so those two are
     checked for the first set only."""
     indexes = indexes or open_sets(cfg.data)
-    dims = mixture_dims(indexes) if len(indexes) > 1 else data_dims(indexes[0])
+    dims = mixture_dims(indexes)
     shards = cfg.data.sets()[0].shards
     if image_encoder is not None:
         dims |= dict(zip(("image_len", "image_dim"), image_encoder.feature_shape))
