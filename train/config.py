@@ -67,7 +67,8 @@ class DataConfig:
     weight (docs/TRAINING.md, Mixtures). Instead of --data.shards."""
     mixture_weighting: Literal["set", "size"] = "set"
     """How a mixture's weights become the probability of drawing a set per micro-batch: set = the weight, normalised
-    (RLinf); size = the weight x the set's visits per epoch, normalised (the official mixture's length balancing)."""
+    (RLinf, the official recipes); size = the weight x the set's visits per epoch, normalised (the official generic
+    mixture's length balancing)."""
     mixture_changed: bool = False
     """Resume a checkpoint written with another mixture (other sets or weights) on purpose: the data position is
     kept, the draws follow the new mixture."""
