@@ -425,7 +425,8 @@ def train(cfg: Config) -> dict:
     if step == cfg.steps and cfg.checkpoint.export and not stop:  # after a SIGTERM, the next run exports
         checkpoint.require_finite(model, "export")
         path = checkpoint.export(cfg.checkpoint, model, metadata={"step": step, "preset": cfg.preset,
-                                                                  "model": cfg.model.name}, shards=[st.shards for st in cfg.data.sets()])
+                                                                  "model": cfg.model.name},
+                                 shards=[s.shards for s in cfg.data.sets()])
         if rank == 0:
             print(f"exported {path}", flush=True)
     return summary
