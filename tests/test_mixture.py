@@ -57,6 +57,7 @@ def test_sets_are_visited_as_often_as_their_weights_say(droid_shards, libero_sha
     loader = ShardLoader(data, _model(data), 0, 2, CPU)
     want = np.array([3.0, 1.0]) * (np.array(loader.epoch_lengths) if weighting == "size" else 1)
     p = want[0] / want.sum()
+    assert loader.probs.tolist() == pytest.approx([p, 1 - p])  # 0.75, or 84 / 104 weighted by size
     it = iter(loader)
     sets = [int(next(it)["set"]) for _ in range(400)]
     drawn = sets.count(0)
