@@ -39,14 +39,16 @@ sample-data: $(STAMP)  ## write the three sample LeRobot datasets into $(SAMPLE)
 	$(PY) scripts/make_sample_dataset.py --layout libero --out $(SAMPLE)/libero --episodes 4 --seed 0
 	$(PY) scripts/make_sample_dataset.py --layout libero-v3 --out $(SAMPLE)/libero-v3 --episodes 4 --seed 0
 
-demo: $(STAMP)  ## sample DROID dataset -> shards (tiny encoders) -> integrity check -> 2-process CPU training from a tiny official base -> eval-ready export + curves
-	$(PY) -m preprocess shards --dataset droid --out build/demo/shards --anchor-stride 4 --samples-per-shard 16
-	$(PY) -m preprocess check build/demo/shards
-	$(PY) scripts/make_tiny_base.py --out build/demo/base --shards build/demo/shards
+demo: $(STAMP)  ## sample DROID + LIBERO datasets -> shards (tiny encoders) -> integrity checks -> 2-process CPU training on their weighted mixture from a tiny official base -> eval-ready export + curves
+	$(PY) -m preprocess shards --dataset droid --out build/demo/droid --anchor-stride 4 --samples-per-shard 16
+	$(PY) -m preprocess shards --dataset libero --out build/demo/libero --anchor-stride 4 --samples-per-shard 16
+	$(PY) -m preprocess check build/demo/droid
+	$(PY) -m preprocess check build/demo/libero
+	$(PY) scripts/make_tiny_base.py --out build/demo/base --shards build/demo/droid --also libero_sim
 	rm -rf build/demo/run
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 train/main.py --preset tiny \
-	  --data.shards build/demo/shards --checkpoint.dir build/demo/run --steps 30 --metrics.interval 5 \
-	  --model.init-from build/demo/base --checkpoint.export-base build/demo/base
+	  --data.mixture build/demo/droid=0.7 build/demo/libero=0.3 --checkpoint.dir build/demo/run --steps 30 \
+	  --metrics.interval 5 --model.init-from build/demo/base --checkpoint.export-base build/demo/base
 	$(PY) scripts/plot_metrics.py build/demo/run
 
 shards: $(STAMP)  ## build shards: make shards DATASET={droid,libero,franka_pnp} [SRC=lerobot_root] [OUT=dir] [ARGS="..."]

@@ -195,6 +195,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         items = args[:1] * len(value) if origin is list or (len(args) == 2 and args[1] is Ellipsis) else args
         if len(items) == len(value):
             return origin(_convert(t, v, f"{where}[{i}]") for i, (t, v) in enumerate(zip(items, value)))
+    elif dataclasses.is_dataclass(tp) and isinstance(value, dict):  # e.g. a mixture's {shards, weight}
+        return build(tp, value, where)
     elif tp is Path and isinstance(value, str):
         return Path(value)
     elif tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):

@@ -197,11 +197,15 @@ def test_text_longer_than_text_len_is_rejected():
 
 
 def test_bad_action_count_is_rejected():
+    """4 blocks take any whole number of actions per block (a mixture's embodiments differ: DROID 24, LIBERO 16)."""
     model = build_model("tiny")
     batch = random_batch(model.cfg, 1, (9, 4, 4))
     with pytest.raises(ValueError, match="actions"):
-        _run(model, batch, noisy_actions=torch.randn(1, 12, model.cfg.action_dim),
-             t_actions=torch.zeros(1, 12))
+        _run(model, batch, noisy_actions=torch.randn(1, 13, model.cfg.action_dim),
+             t_actions=torch.zeros(1, 13))
+    _, actions = _run(model, batch, noisy_actions=torch.randn(1, 12, model.cfg.action_dim),
+                      t_actions=torch.zeros(1, 12))
+    assert actions.shape == (1, 12, model.cfg.action_dim)
 
 
 def test_bf16_autocast_and_bf16_params():

@@ -14,7 +14,7 @@ import copy
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
@@ -28,6 +28,33 @@ from train.model import RENAMED
 RecipeName = Literal[tuple(configs.names())]  # type: ignore[valid-type]
 
 
+@dataclass(frozen=True)
+class ShardSet:
+    """One shard set of a mixture and its sampling weight."""
+
+    shards: str
+    """Shard directory or URL, as --data.shards."""
+    weight: float = 1.0
+    """Sampling weight (> 0), normalised over the mixture (--data.mixture-weighting)."""
+
+
+def _parse_sets(args: list[str]) -> tuple[ShardSet, ...]:
+    sets = []
+    for arg in args:
+        shards, sep, weight = arg.rpartition("=")
+        try:
+            sets.append(ShardSet(shards, float(weight)) if sep else ShardSet(arg))
+        except ValueError:
+            raise ValueError(f"--data.mixture {arg}: the weight after the last '=' is not a number") from None
+    return tuple(sets)
+
+
+MIXTURE_FLAG = tyro.constructors.PrimitiveConstructorSpec(
+    nargs="*", metavar="DIR[=WEIGHT] ...", instance_from_str=_parse_sets,
+    is_instance=lambda v: isinstance(v, tuple) and all(isinstance(s, ShardSet) for s in v),
+    str_from_instance=lambda sets: [f"{s.shards}={s.weight:g}" for s in sets])
+
+
 @dataclass
 class DataConfig:
     """Shard loading (train/data.py)."""
@@ -35,6 +62,17 @@ class DataConfig:
     shards: str | None = None
     """Shard directory holding manifest.json (python -m preprocess shards / scripts/make_synthetic_shards.py): a
     path or a URL (s3://bucket/prefix; endpoint and credentials from the AWS_* variables, docs/FORMAT.md)."""
+    mixture: Annotated[tuple[ShardSet, ...], MIXTURE_FLAG] = ()
+    """Several shard sets in one run, each `DIR=WEIGHT` (a path or URL; weight 1 without `=`); in a config file
+    `mixture: [{shards: DIR, weight: W}, ...]`. Every micro-batch comes from one set, drawn per micro-batch by
+    weight (docs/TRAINING.md, Mixtures). Instead of --data.shards."""
+    mixture_weighting: Literal["set", "size"] = "set"
+    """How a mixture's weights become the probability of drawing a set per micro-batch: set = the weight, normalised
+    (RLinf, the official recipes); size = the weight x the set's visits per epoch, normalised (the official generic
+    mixture's length balancing)."""
+    mixture_changed: bool = False
+    """Resume a checkpoint written with another mixture (other sets or weights) on purpose: the data position is
+    kept, the draws follow the new mixture."""
     cache_dir: Path | None = None
     """Local folder for whole-file copies of remote shards: each shard is downloaded whole on its first read and
     read from disk after, so it needs room for the dataset (and the text table lands here). None = one ranged
@@ -62,6 +100,10 @@ class DataConfig:
     compact_text: bool = True
     """Send each prompt's umT5 rows plus a few zero rows that the model weights to stand for all text_len - n
     (exact: same attention and gradients, 4-8x fewer text rows); False pads every prompt to text_len rows."""
+
+    def sets(self) -> tuple[ShardSet, ...]:
+        """The mixture, or --data.shards as a set of weight 1."""
+        return self.mixture or (ShardSet(str(self.shards)),)
 
 
 @dataclass
@@ -427,12 +469,29 @@ def default_shards() -> Path:
                      f"directory written by `python -m preprocess shards` or `make shards`)")
 
 
+def mixture_problem(d: DataConfig) -> str | None:
+    """What is wrong with --data.mixture, or None."""
+    if d.mixture and d.shards is not None:
+        return f"--data.shards {d.shards} and --data.mixture: give one (a single set is --data.shards)"
+    seen = set()
+    for s in d.mixture:
+        if not s.weight > 0:  # also NaN
+            return f"--data.mixture {s.shards}: weight {s.weight} (must be > 0)"
+        where = str(s.shards).rstrip("/")
+        if where in seen:
+            return f"--data.mixture {s.shards}: listed twice (one weight per set)"
+        seen.add(where)
+    return None
+
+
 def validate(cfg: Config) -> None:
     """Refuse settings the trainer cannot run with, in one line, before anything starts."""
     nonfinite = configs.nonfinite(cfg)
     if nonfinite:
         raise SystemExit("invalid settings: " + "; ".join(f"{flag} (must be a finite number)" for flag in nonfinite))
     d, o, p, c, m = cfg.data, cfg.optim, cfg.parallel, cfg.checkpoint, cfg.metrics
+    if problem := mixture_problem(d):
+        raise SystemExit(f"invalid settings: {problem}")
     rules = [
         ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"),
         ("--stop-after", cfg.stop_after, cfg.stop_after >= 0, ">= 0"),
@@ -492,7 +551,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     preset, file = configs.flag_value(argv, "--preset"), configs.flag_value(argv, "--config")
     default = file_config(file, preset) if file else preset_config(preset or "tiny")
     cfg = tyro.cli(Config, default=default, args=argv, description=__doc__)
-    if cfg.data.shards is None:
+    if cfg.data.shards is None and not cfg.data.mixture:
         cfg.data.shards = default_shards()
     validate(cfg)
     return cfg

@@ -1,5 +1,6 @@
-"""A training run's curves from its metrics.jsonl: loss terms, learning rate, throughput and data wait, as one PNG
-(CLI: scripts/plot_metrics.py). Where a resumed run logged a step again, the later row wins."""
+"""A training run's curves from its metrics.jsonl: loss terms, learning rate, throughput and data wait, and for a
+mixture each set's loss and samples seen, as one PNG (CLI: scripts/plot_metrics.py). Where a resumed run logged a
+step again, the later row wins."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ PANELS = (  # (title, metrics.jsonl fields, y scale)
     ("samples/s per GPU", ("samples_per_s_per_gpu",), "linear"),
     ("data wait (% of time)", ("data_wait_pct",), "linear"),
 )
+SET_PANELS = (("loss per set", "loss/", "log"), ("samples seen per set", "samples_seen/", "linear"))  # a mixture's
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -34,8 +36,11 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    for ax, (name, fields, scale) in zip(axes.flat, PANELS):
+    per_set = [(name, tuple(sorted({f for r in rows for f in r if f.startswith(prefix)})), scale)
+               for name, prefix, scale in SET_PANELS]
+    panels = PANELS + (tuple(per_set) if per_set[0][1] else ())
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(11, 3.5 * (len(panels) // 2)), sharex=True)
+    for ax, (name, fields, scale) in zip(axes.flat, panels):
         for field in fields:
             points = [(r["step"], r[field]) for r in rows if field in r]
             if points:

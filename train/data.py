@@ -16,6 +16,10 @@ Samples are read by random access (one pread, or one ranged request to an object
 offsets the shard JSONs record, each member checked against its CRC-32), so the permutation is an exact shuffle over
 the whole dataset; a streaming shuffle buffer, which only mixes neighbours, is not needed. `--data.shards` is a path
 or an fsspec URL (s3://...), read through shardformat.storage; the order never depends on where the shards lie.
+A mixture (`--data.mixture`) holds several shard sets, each with its own index, statistics and text table. Batch g
+of a rank comes from one set, drawn with the mixture's probabilities from (seed, rank, g) (`SetDraws`); it is that
+set's k-th batch on the rank, k = the rank's earlier batches of the set, taken from the set's own epoch order as
+above. Every micro-batch thus holds one set's shapes, and everything stays a pure function of the batch number.
 The state is the next batch number: `state_dict()` / `load_state_dict()` resume exactly where the last consumed
 batch ended. This module imports no preprocessing code: the shard format lives in
 `shardformat`.
@@ -28,6 +32,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -41,7 +46,7 @@ from shardformat.shard import json_path, read_members
 from shardformat.stats import normalize_q99, pad_with_mask, stat_vector
 from shardformat.storage import STORE_ERRORS, ShardStore
 from shardformat.text import TextTable
-from train.config import DataConfig
+from train.config import DataConfig, ShardSet
 from train.model import DiTConfig, compact_text, compact_text_rows, pad_text
 
 # + text_lengths; clip_pixels in place of clip when the shards hold CLIP's input (the trainer runs CLIP on it)
@@ -160,9 +165,58 @@ def open_index(root: str | os.PathLike, cache_dir: str | os.PathLike | None = No
         raise SystemExit(str(err)) from None
 
 
-def epoch_order(weights: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-    """Window at each position of `epoch`: window i `weights[i]` times, in a permutation seeded by (seed, epoch)."""
-    return np.random.default_rng([seed, epoch]).permutation(np.repeat(np.arange(len(weights)), weights))
+def epoch_order(weights: np.ndarray, seed: int, epoch: int, stream: int = 0) -> np.ndarray:
+    """Window at each position of `epoch`: window i `weights[i]` times, in a permutation seeded by (seed, epoch) and,
+    for a mixture's set after the first, its position `stream`."""
+    return np.random.default_rng(_seed(seed, epoch, stream)).permutation(np.repeat(np.arange(len(weights)), weights))
+
+
+def _seed(*parts: int) -> list[int]:
+    """An RNG seed of `parts` whose last part is a mixture's set; set 0 adds nothing, so a single set draws as
+    before mixtures existed."""
+    return list(parts[:-1]) + ([parts[-1]] if parts[-1] else [])
+
+
+class SetDraws:
+    """The set of every batch g of one rank, drawn with probabilities `probs` in blocks seeded by (seed, rank, block):
+    a pure function of (seed, rank, g), the same in every loader worker and after a resume."""
+
+    BLOCK = 4096
+
+    def __init__(self, probs: Sequence[float], seed: int, rank: int):
+        self.probs, self.seed, self.rank = np.asarray(probs, np.float64), seed, rank
+        self.block = lru_cache(maxsize=4)(self._draw)
+
+    def _draw(self, block: int) -> np.ndarray:
+        if len(self.probs) == 1:
+            return np.zeros(self.BLOCK, np.int64)
+        rng = np.random.default_rng([self.seed, self.rank, block, 2])
+        return rng.choice(len(self.probs), self.BLOCK, p=self.probs)
+
+    def __getitem__(self, g: int) -> int:
+        return int(self.block(g // self.BLOCK)[g % self.BLOCK])
+
+    def counts(self, stop: int) -> np.ndarray:
+        """Batches of each set among g < stop."""
+        full, rest = divmod(stop, self.BLOCK)
+        n = len(self.probs)
+        total = sum((np.bincount(self._draw(b), minlength=n) for b in range(full)), np.zeros(n, np.int64))
+        return total + np.bincount(self.block(full)[:rest], minlength=n)
+
+
+def set_names(sets: Sequence[ShardSet]) -> list[str]:
+    """Short names of a mixture's sets for metrics: the folder name, with its position where two share one."""
+    base = [str(s.shards).rstrip("/").rsplit("/", 1)[-1] or f"set{i}" for i, s in enumerate(sets)]
+    return [b if base.count(b) == 1 else f"{b}-{i}" for i, b in enumerate(base)]
+
+
+def set_probabilities(sets: Sequence[ShardSet], epoch_lengths: Sequence[int], weighting: str) -> np.ndarray:
+    """Probability of drawing each set for a batch: its weight (`set`) or weight x visits per epoch (`size`),
+    normalised."""
+    w = np.array([s.weight for s in sets], np.float64)
+    if weighting == "size":
+        w = w * np.asarray(epoch_lengths, np.float64)
+    return w / w.sum()
 
 
 def batches_per_epoch(epoch_length: int, world_size: int, micro_batch_size: int) -> int:
@@ -173,6 +227,42 @@ def batch_positions(epoch_length: int, g: int, rank: int, world_size: int, micro
     """(epoch, positions in the epoch order) of global batch `g` on `rank`: every world-th position, from `rank`."""
     epoch, b = divmod(g, batches_per_epoch(epoch_length, world_size, micro))
     return epoch, rank + world_size * np.arange(b * micro, (b + 1) * micro)
+
+
+# DiTConfig fields every set of a mixture must share (a batch carries its own latent grid and action horizon)
+SHARED_DIMS = ("model_type", "in_dim", "out_dim", "text_dim", "image_dim", "image_len")
+# encoders whose outputs the DiT reads: another file means another DiT recipe
+SHARED_ENCODERS = {"vae": "VAE", "text_encoder": "text encoder", "image_encoder": "image encoder"}
+
+
+def open_sets(cfg: DataConfig) -> list[ShardIndex]:
+    """The index of every set of the run (`--data.shards` or `--data.mixture`), checked to share one DiT recipe."""
+    indexes = [open_index(s.shards, cfg.cache_dir) for s in cfg.sets()]
+    for s, index in zip(cfg.sets(), indexes):
+        if not len(index):
+            raise SystemExit(f"{s.shards}: no windows (an empty shard set)")
+    if len(indexes) > 1:
+        mixture_dims(indexes)
+    return indexes
+
+
+def mixture_dims(indexes: Sequence[ShardIndex]) -> dict:
+    """`data_dims` of the run's sets: the first set's, text_len the longest prompt of all. A set built for another DiT
+    recipe (encoders, latent channels, text or CLIP width, CLIP features or pixels) stops the run in one line naming
+    the set and the field."""
+    first, dims = indexes[0], data_dims(indexes[0])
+    for index in indexes[1:]:
+        own = data_dims(index)
+        fields = [(k, dims.get(k), own.get(k)) for k in SHARED_DIMS]
+        fields.append(("image_features", first.manifest.image_features, index.manifest.image_features))
+        fields += [(name, first.manifest.encoders.get(k, {}).get("sha256"), index.manifest.encoders.get(k, {}).get(
+            "sha256")) for k, name in SHARED_ENCODERS.items()]
+        for field, want, got in fields:
+            if want != got:
+                raise SystemExit(f"{index.root}: built for another DiT recipe than {first.root}: {field} {got} vs "
+                                 f"{want}; the sets of a mixture share the encoders and the DiT's widths")
+        dims["text_len"] = max(dims["text_len"], own["text_len"])
+    return dims
 
 
 def data_dims(source: str | os.PathLike | ShardIndex) -> dict:
@@ -284,43 +374,55 @@ def collate(samples: list[dict], text_len: int, compact_rows: int | None = None)
 
 
 class BatchStream(IterableDataset):
-    """Infinite stream of one rank's batches from global batch `start` on, split over loader workers.
+    """Infinite stream of one rank's batches from global batch `start` on, split over loader workers; each batch from
+    the set `SetDraws` gives it (one set: always that one).
 
     A corrupt or unreadable sample ends the stream with {"error": message} in place of its batch."""
 
-    def __init__(self, index: ShardIndex, model: DiTConfig, cfg: DataConfig, rank: int, world_size: int, start: int):
-        self.index, self.model, self.cfg = index, model, cfg
+    def __init__(self, indexes: Sequence[ShardIndex], probs: np.ndarray, model: DiTConfig, cfg: DataConfig,
+                 rank: int, world_size: int, start: int):
+        self.indexes, self.probs, self.model, self.cfg = indexes, probs, model, cfg
         self.rank, self.world_size, self.start = rank, world_size, start
 
     def __iter__(self):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        index, cfg = self.index, self.cfg
-        reader = SampleReader(index, self.model)
-        weights = index.weights(cfg.sampling)
-        epoch_length, order, order_epoch = int(weights.sum()), None, None
-        # one text width for the whole run (the longest prompt's): compiled blocks see a single shape
-        rows = compact_text_rows(index.longest_prompt, self.model.text_len) if cfg.compact_text else None
+        cfg, micro = self.cfg, self.cfg.micro_batch_size
+        readers = [SampleReader(index, self.model) for index in self.indexes]
+        weights = [index.weights(cfg.sampling) for index in self.indexes]
+        lengths = [int(w.sum()) for w in weights]
+        orders: dict[int, tuple[int, np.ndarray]] = {}  # set -> (epoch, its order)
+        draws = SetDraws(self.probs, cfg.seed, self.rank)
+        # one text width for the whole run (the longest prompt of all sets): compiled blocks see a single text shape
+        longest = max(index.longest_prompt for index in self.indexes)
+        rows = compact_text_rows(longest, self.model.text_len) if cfg.compact_text else None
         try:
             g = self.start + wid
+            seen = draws.counts(g)  # batches of each set before g on this rank
             while True:
-                epoch, positions = batch_positions(epoch_length, g, self.rank, self.world_size, cfg.micro_batch_size)
-                if epoch != order_epoch:
-                    order, order_epoch = epoch_order(weights, cfg.seed, epoch), epoch
-                windows = order[positions]
+                s = draws[g]
+                epoch, positions = batch_positions(lengths[s], int(seen[s]), self.rank, self.world_size, micro)
+                if orders.get(s, (None,))[0] != epoch:
+                    orders[s] = (epoch, epoch_order(weights[s], cfg.seed, epoch, s))
+                windows = orders[s][1][positions]
                 try:
-                    samples = [reader.sample(index.windows[w], np.random.default_rng([cfg.seed, epoch, int(p), 1]),
-                                             cfg.variant, cfg.text_column) for w, p in zip(windows, positions)]
+                    samples = [readers[s].sample(self.indexes[s].windows[w],
+                                                 np.random.default_rng(_seed(cfg.seed, epoch, int(p), 1, s)),
+                                                 cfg.variant, cfg.text_column) for w, p in zip(windows, positions)]
                 except ShardFormatError as err:
                     yield {"error": str(err)}  # the trainer stops with this one line when the batch is due
                     return
                 batch = collate(samples, self.model.text_len, rows)
                 batch["window"] = torch.as_tensor(windows, dtype=torch.int64)
+                batch["set"] = torch.tensor(s)
                 batch["batch"] = torch.tensor(g)
                 yield batch
+                for later in range(g, g + nw):
+                    seen[draws[later]] += 1
                 g += nw
         finally:
-            reader.close()
+            for reader in readers:
+                reader.close()
 
 
 class ShardLoader:
@@ -330,19 +432,28 @@ class ShardLoader:
     """
 
     def __init__(self, cfg: DataConfig, model: DiTConfig, rank: int, world_size: int, device: torch.device,
-                 index: ShardIndex | None = None):
-        """`index`: the shard directory's index when the caller has opened it already (reading every shard JSON once
-        per rank, not twice); else it is opened here from cfg.shards and cfg.cache_dir."""
-        if cfg.shards is None:
+                 index: ShardIndex | Sequence[ShardIndex] | None = None):
+        """`index`: the index of each set (`open_sets`) when the caller has opened them already (reading every shard
+        JSON once per rank, not twice); else they are opened here from cfg."""
+        if cfg.shards is None and not cfg.mixture:
             raise SystemExit("--data.shards is required (a directory or URL with manifest.json)")
         self.cfg, self.model, self.rank, self.world_size, self.device = cfg, model, rank, world_size, device
-        self.index = index or open_index(cfg.shards, cfg.cache_dir)
-        self.num_windows = len(self.index)
-        self.epoch_length = int(self.index.weights(cfg.sampling).sum())
+        self.indexes = [index] if isinstance(index, ShardIndex) else list(index or open_sets(cfg))
+        self.index = self.indexes[0]
+        self.sets, self.names = cfg.sets(), set_names(cfg.sets())
+        self.num_windows = sum(len(index) for index in self.indexes)
+        self.epoch_lengths = [int(index.weights(cfg.sampling).sum()) for index in self.indexes]
+        self.epoch_length = sum(self.epoch_lengths)
+        for s, index, length in zip(self.sets, self.indexes, self.epoch_lengths):
+            if batches_per_epoch(length, world_size, cfg.micro_batch_size) == 0:
+                raise SystemExit(f"{s.shards}: {length} window visits per epoch cannot fill one micro-batch of "
+                                 f"{cfg.micro_batch_size} on each of {world_size} ranks")
+            for name, width in (("state", model.max_state_dim), ("action", model.action_dim)):
+                if index.q01[name].size > width:
+                    raise SystemExit(f"{s.shards}: {name} has {index.q01[name].size} dims, more than the model's "
+                                     f"{width} ({'max_state_dim' if name == 'state' else 'action_dim'})")
+        self.probs = set_probabilities(self.sets, self.epoch_lengths, cfg.mixture_weighting)
         self.batches_per_epoch = batches_per_epoch(self.epoch_length, world_size, cfg.micro_batch_size)
-        if self.batches_per_epoch == 0:
-            raise SystemExit(f"{cfg.shards}: {self.epoch_length} window visits per epoch cannot fill one micro-batch "
-                             f"of {cfg.micro_batch_size} on each of {world_size} ranks")
         self.next_batch = 0
         self.wait_s = 0.0
 
@@ -350,17 +461,34 @@ class ShardLoader:
     def epoch(self) -> int:
         return self.next_batch // self.batches_per_epoch
 
+    def samples_seen(self) -> np.ndarray:
+        """Samples this rank has taken from each set: a function of the batch position, so exact after a resume."""
+        return SetDraws(self.probs, self.cfg.seed, self.rank).counts(self.next_batch) * self.cfg.micro_batch_size
+
+    def mixture(self) -> list | None:
+        """[shards, weight, windows, visits per epoch] of each set, with the weighting; None without --data.mixture."""
+        if not self.cfg.mixture:
+            return None
+        return [[str(s.shards), s.weight, len(index), length]
+                for s, index, length in zip(self.sets, self.indexes, self.epoch_lengths)] + [self.cfg.mixture_weighting]
+
     def state_dict(self) -> dict:
         return {"next_batch": self.next_batch, "world_size": self.world_size, "seed": self.cfg.seed,
                 "micro_batch_size": self.cfg.micro_batch_size, "num_windows": self.num_windows,
-                "sampling": self.cfg.sampling, "epoch_length": self.epoch_length}
+                "sampling": self.cfg.sampling, "epoch_length": self.epoch_length, "mixture": self.mixture()}
 
     def load_state_dict(self, state: dict) -> None:
         # states saved before weighted sampling existed were uniform: one visit per window and epoch
-        state = {"sampling": "uniform", "epoch_length": state["num_windows"], **state}
+        state = {"sampling": "uniform", "epoch_length": state["num_windows"], "mixture": None, **state}
+        mine = self.state_dict()
+        if state["mixture"] != mine["mixture"]:
+            if not self.cfg.mixture_changed:
+                raise SystemExit(f"checkpoint data ({_describe_mixture(state['mixture'])}) differs from this run's "
+                                 f"({_describe_mixture(mine['mixture'])}); pass --data.mixture-changed to continue "
+                                 f"with this run's data")
+            state = {**state, "num_windows": mine["num_windows"], "epoch_length": mine["epoch_length"]}
         layout = ("world_size", "micro_batch_size", "num_windows", "seed", "sampling", "epoch_length")
-        mine = {k: v for k, v in self.state_dict().items() if k in layout}
-        if {k: state[k] for k in layout} == mine:
+        if {k: state[k] for k in layout} == {k: mine[k] for k in layout}:
             self.next_batch = state["next_batch"]
             return
         if not self.cfg.reshuffle_on_resize:
@@ -373,7 +501,7 @@ class ShardLoader:
 
     def _loader(self) -> DataLoader:
         cfg = self.cfg
-        stream = BatchStream(self.index, self.model, cfg, self.rank, self.world_size, self.next_batch)
+        stream = BatchStream(self.indexes, self.probs, self.model, cfg, self.rank, self.world_size, self.next_batch)
         pin = cfg.pin_memory and self.device.type == "cuda"
         kwargs = {"prefetch_factor": cfg.prefetch_factor} if cfg.num_workers else {}
         return DataLoader(stream, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin, **kwargs)
@@ -382,8 +510,8 @@ class ShardLoader:
         if self.device.type != "cuda":
             return batch
         with torch.cuda.stream(stream):
-            # bookkeeping ("batch", "window") stays on the host: reading it must not sync the GPU
-            return {k: v if k in ("batch", "window") else v.to(self.device, non_blocking=True)
+            # bookkeeping ("batch", "window", "set") stays on the host: reading it must not sync the GPU
+            return {k: v if k in ("batch", "window", "set") else v.to(self.device, non_blocking=True)
                     for k, v in batch.items()}
 
     def __iter__(self):
@@ -417,3 +545,11 @@ class ShardLoader:
 def _describe(state: dict) -> str:
     return (f"world size {state['world_size']}, micro-batch {state['micro_batch_size']}, {state['num_windows']} "
             f"windows, seed {state['seed']}, {state['sampling']} sampling of {state['epoch_length']} visits")
+
+
+def _describe_mixture(mixture: list | None) -> str:
+    if mixture is None:
+        return "one set, --data.shards"
+    *sets, weighting = mixture
+    return f"mixture by {weighting} of " + ", ".join(f"{shards}={weight:g} ({windows} windows)"
+                                                      for shards, weight, windows, _ in sets)

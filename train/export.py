@@ -7,7 +7,8 @@
     out/model.safetensors.index.json       `action_head.model.*` tensor is the trained one in the base's dtype,
                                            every other tensor (frozen encoders) is byte-identical to the base
     out/experiment_cfg/conf.yaml           the base's
-    out/experiment_cfg/metadata.json       the shards' statistics (the normalization the run trained with)
+    out/experiment_cfg/metadata.json       the shards' statistics (the normalization the run trained with); for a
+                                           mixture, every set's embodiment in the one file
 
 `base` is the official checkpoint folder the run started from. For a run started from a Wan base it may hold only
 an official `config.json` and `experiment_cfg/conf.yaml`: the weights are then the DiT alone, and both loaders
@@ -97,6 +98,21 @@ def shard_statistics(shards: str | Path) -> tuple[Path, str]:
     return path, tag
 
 
+def mixture_statistics(shards: str | Path | list) -> dict:
+    """metadata.json of the run's sets (one shard directory or a mixture's list): each set's embodiment entry under
+    its tag, as the official file holds several embodiments. Two sets of one embodiment must agree on it."""
+    merged, source = {}, {}
+    for one in shards if isinstance(shards, (list, tuple)) else [shards]:
+        path, tag = shard_statistics(one)
+        entry = json.loads(path.read_text())[tag]
+        if tag in merged and merged[tag] != entry:
+            raise WeightsError(f"{one}: embodiment {tag} with other statistics than {source[tag]}: the eval-ready "
+                               f"metadata.json holds one entry per embodiment (merge their statistics when building, "
+                               f"python -m preprocess stats)")
+        merged[tag], source[tag] = entry, one
+    return merged
+
+
 def _read_config(root: Path) -> dict:
     """config.json of an official checkpoint folder, or an error naming what it lacks."""
     path = root / "config.json"
@@ -151,11 +167,13 @@ def _weight_files(root: Path) -> tuple[list[tuple[str, list[str]]], dict | None,
     return files, index, shapes, dtypes
 
 
-def check_base(base: str | Path, model: nn.Module, tag: str) -> Base:
-    """Check an official checkpoint folder against `model` and the shards' embodiment `tag`; header reads only."""
+def check_base(base: str | Path, model: nn.Module, tag: str | list[str]) -> Base:
+    """Check an official checkpoint folder against `model` and the shards' embodiment `tag` (a mixture: each of its
+    tags); header reads only."""
     root = Path(base)
     config = _read_config(root)
-    _check_conf(root, tag)
+    for one in [tag] if isinstance(tag, str) else tag:
+        _check_conf(root, one)
     files, index, shapes, dtypes = _weight_files(root)
     expected = {k: tuple(t.shape) for k, (t, _) in model_tensors(model).items()}
     dit_dtypes = {}
@@ -356,8 +374,8 @@ def export_official(model: nn.Module, out: str | Path, base: str | Path, shards:
     """Collective: the eval-ready folder (module docstring). `dtype` and `max_shard_bytes` apply only to a base
     without weights; otherwise the base's dtypes and files are kept."""
     out = Path(out)
-    statistics, tag = shard_statistics(shards)
-    layout = check_base(base, model, tag)  # on every rank: all ranks agree on the files, or all stop here
+    metadata_json = mixture_statistics(shards)
+    layout = check_base(base, model, list(metadata_json))  # on every rank: all agree on the files, or all stop here
     stage = _Staging(out)
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     tensors = merged_tensors(model)
@@ -370,7 +388,7 @@ def export_official(model: nn.Module, out: str | Path, base: str | Path, shards:
         (folder / "config.json").write_text(json.dumps(eval_config(layout.config, model.cfg), indent=2) + "\n")
         (folder / "experiment_cfg").mkdir()
         shutil.copyfile(layout.root / "experiment_cfg" / "conf.yaml", folder / "experiment_cfg" / "conf.yaml")
-        shutil.copyfile(statistics, folder / "experiment_cfg" / "metadata.json")
+        _write_statistics(shards, metadata_json, folder / "experiment_cfg" / "metadata.json")
 
     stage.write(eval_files)
     stage.finish()
@@ -378,6 +396,14 @@ def export_official(model: nn.Module, out: str | Path, base: str | Path, shards:
         log.info("%s: eval-ready export (%s, base %s)", out, "DiT replaced in the base's weights" if layout.files
                  else "DiT only; encoders from the config's *_pretrained_path files", layout.root)
     return out
+
+
+def _write_statistics(shards, metadata_json: dict, out: Path) -> None:
+    """One set's statistics file as it is; a mixture's embodiments in one file (`mixture_statistics`)."""
+    if isinstance(shards, (list, tuple)) and len(shards) > 1:
+        out.write_text(json.dumps(metadata_json, indent=2) + "\n")
+    else:
+        shutil.copyfile(shard_statistics(shards[0] if isinstance(shards, (list, tuple)) else shards)[0], out)
 
 
 def lora_config(config: dict, model: nn.Module) -> dict:
@@ -401,10 +427,10 @@ def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None 
     branch, which the official loader would otherwise draw afresh). With `base`, also the base's config.json for
     `load_lora` (`lora_config`), its conf.yaml with save_lora_only: true and the shards' statistics."""
     out = Path(out)
-    layout = statistics = None
+    layout = metadata_json = None
     if base is not None:
-        statistics, tag = shard_statistics(shards)
-        layout = check_base(base, model, tag)
+        metadata_json = mixture_statistics(shards)
+        layout = check_base(base, model, list(metadata_json))
     stage = _Staging(out)
     absent = tuple(k for k in model_tensors(model) if _allowed_absent(model, k))
     meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
@@ -417,7 +443,7 @@ def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None 
         (folder / "experiment_cfg").mkdir()
         conf = configs.read(layout.root / "experiment_cfg" / "conf.yaml", WeightsError) | {"save_lora_only": True}
         (folder / "experiment_cfg" / "conf.yaml").write_text(yaml.safe_dump(conf, sort_keys=False))
-        shutil.copyfile(statistics, folder / "experiment_cfg" / "metadata.json")
+        _write_statistics(shards, metadata_json, folder / "experiment_cfg" / "metadata.json")
 
     if layout is not None:
         stage.write(load_lora_files)

@@ -75,9 +75,10 @@ def flow_matching_loss(model: CausalWanModel, batch: DiTBatch, scheduler: FlowMa
     dev = z.device
     if frame_ids is None:
         frame_ids = sample_timestep_ids(B, nf, mcfg.num_frame_per_block, generator, dev, len(scheduler.sigmas))
-    a_ids = action_ids(frame_ids, mcfg.num_frame_per_block, mcfg.num_action_per_block)
+    blocks = (nf - 1) // mcfg.num_frame_per_block
+    a_ids = action_ids(frame_ids, mcfg.num_frame_per_block, max(1, a.shape[1] // max(1, blocks)))  # the batch's horizon
     if a_ids.shape[1] != a.shape[1]:
-        raise ValueError(f"{nf} latent frames imply {a_ids.shape[1]} action tokens, batch has {a.shape[1]}")
+        raise ValueError(f"{nf} latent frames = {blocks} blocks, batch has {a.shape[1]} action tokens (not a multiple)")
 
     sig = scheduler.sigmas.to(dev)
     sigma_f = sig[frame_ids].to(z.dtype)[:, None, :, None, None]

@@ -32,8 +32,8 @@ from shardformat.manifest import ShardFormatError
 from shardformat.storage import ShardStore
 from train import checkpoint
 from train.config import Config, device_memory_gib, parse_args, resolve_auto, save_config, validate
-from train.data import ShardIndex, ShardLoader, data_dims, open_index
-from train.export import check_base, shard_statistics
+from train.data import ShardIndex, ShardLoader, mixture_dims, open_sets
+from train.export import check_base, mixture_statistics
 from train.flops import dit_flops
 from train.lora import apply_lora, init_lora
 from train.loss import FlowMatchScheduler, flow_matching_loss
@@ -81,36 +81,40 @@ def frozen_image_encoder(cfg: Config, device: torch.device):
     """The frozen CLIP tower when the shards hold its input pixels (preprocess --image-features pixels), else None.
     Every rank holds all of it (small; never sharded, never trained) in the encoders' dtype the shards record, so it
     gives the features preprocessing would have stored. Refuses missing weights, or others than the shards' own."""
+    shards = cfg.data.sets()[0].shards  # the sets of a mixture agree on it (train/data.py mixture_dims)
     try:
-        manifest = ShardStore(cfg.data.shards).manifest()
+        manifest = ShardStore(shards).manifest()
     except ShardFormatError as err:
         raise SystemExit(str(err)) from None
     if manifest.image_features == "encoded":
         return None
     built_with, path = manifest.encoders["image_encoder"], cfg.model.image_encoder
     if path is None:
-        raise SystemExit(NEEDS_CLIP.format(shards=cfg.data.shards, path=built_with["path"]))
+        raise SystemExit(NEEDS_CLIP.format(shards=shards, path=built_with["path"]))
     from preprocess.image_encoder import load_image_encoder  # preprocessing code only for these shards
     from preprocess.outdir import weights_sha256
 
     if not path.exists():
         raise SystemExit(f"--model.image-encoder {path}: not found")
     if weights_sha256(path)[0] != built_with["sha256"]:
-        raise SystemExit(f"--model.image-encoder {path}: not the CLIP weights {cfg.data.shards} was built with "
+        raise SystemExit(f"--model.image-encoder {path}: not the CLIP weights {shards} was built with "
                          f"({built_with['path']}, sha256 {built_with['sha256'][:12]}): its features would differ")
     return load_image_encoder(path, device=device, dtype=getattr(torch, manifest.encoders["dtype"]))
 
 
-def model_config(cfg: Config, image_encoder=None, index: ShardIndex | None = None):
+def model_config(cfg: Config, image_encoder=None, indexes: list[ShardIndex] | None = None):
     """The preset's DiT config, matched to the shards: the tiny preset takes its data-facing widths from them (so it
     trains on shards of any shape, e.g. those built with tiny encoders); a real preset must agree with them. Shards
-    of CLIP's input pixels take the CLIP widths from `image_encoder` (`frozen_image_encoder`). `index`: the shards'
-    index if already open."""
-    dims = data_dims(index or cfg.data.shards)
+    of CLIP's input pixels take the CLIP widths from `image_encoder` (`frozen_image_encoder`). `indexes`: each set's
+    index if already open. In a mixture each batch brings its latent grid and action horizon, so those two are
+    checked for the first set only."""
+    indexes = indexes or open_sets(cfg.data)
+    dims = mixture_dims(indexes)
+    shards = cfg.data.sets()[0].shards
     if image_encoder is not None:
         dims |= dict(zip(("image_len", "image_dim"), image_encoder.feature_shape))
     elif "image_dim" not in dims:
-        raise SystemExit(NEEDS_CLIP.format(shards=cfg.data.shards, path="the file they were built with"))
+        raise SystemExit(NEEDS_CLIP.format(shards=shards, path="the file they were built with"))
     model_cfg = preset(cfg.model.name)
     if cfg.model.num_layers:
         model_cfg = replace(model_cfg, num_layers=cfg.model.num_layers)
@@ -122,7 +126,7 @@ def model_config(cfg: Config, image_encoder=None, index: ShardIndex | None = Non
         details = ", ".join(f"{k}: model {m}, shards {d}" for k, (m, d) in wrong.items())
         if text_len > model_cfg.text_len:
             details += f"{', ' if details else ''}longest prompt {text_len} tokens > text_len {model_cfg.text_len}"
-        raise SystemExit(f"{cfg.data.shards} does not fit --model.name {cfg.model.name}: {details}")
+        raise SystemExit(f"{shards} does not fit --model.name {cfg.model.name}: {details}")
     return model_cfg
 
 
@@ -189,13 +193,14 @@ def offloaded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
     return model
 
 
-def build(cfg: Config, device: torch.device, image_encoder=None, index: ShardIndex | None = None,
+def build(cfg: Config, device: torch.device, image_encoder=None, indexes: list[ShardIndex] | None = None,
           checkpoint_holds_all: bool = False) -> CausalWanModel:
     """Same init on every rank, then parallelize; parameters end up as fp32 shards on `device`."""
-    model = sharded_model(model_config(cfg, image_encoder, index), cfg, device, checkpoint_holds_all)
+    model = sharded_model(model_config(cfg, image_encoder, indexes), cfg, device, checkpoint_holds_all)
     if cfg.checkpoint.export and cfg.checkpoint.export_base is not None:  # refuse an unusable base now, not at the end
         try:
-            check_base(cfg.checkpoint.export_base, model, shard_statistics(cfg.data.shards)[1])
+            check_base(cfg.checkpoint.export_base, model,
+                       list(mixture_statistics([s.shards for s in cfg.data.sets()])))
         except WeightsError as e:
             raise SystemExit(f"--checkpoint.export-base {e}") from None
     model.attention_backend = cfg.model.attention
@@ -252,9 +257,10 @@ def step_flags(losses: list[torch.Tensor], grad_norm: torch.Tensor, preempted: b
     return nonfinite > 0, stop > 0
 
 
-def describe_samples(batch: dict, index) -> list[str]:
+def describe_samples(batch: dict, indexes: list[ShardIndex]) -> list[str]:
     """`window in shard files (non-finite inputs)` per sample of a micro-batch: those with a NaN/Inf input if any,
     else all (the model itself overflowed)."""
+    index = indexes[int(batch["set"])]
     described = []
     for j, w in enumerate(batch["window"].tolist()):
         window = index.windows[w]
@@ -266,10 +272,10 @@ def describe_samples(batch: dict, index) -> list[str]:
 
 
 def nonfinite_report(step: int, micro_batches: list[tuple[dict, torch.Tensor]], grad_norm: torch.Tensor,
-                     index) -> str:
+                     indexes: list[ShardIndex]) -> str:
     """Collective (the error path only): one line naming the step and, over all ranks, the samples whose loss went
     non-finite."""
-    mine = [d for batch, loss in micro_batches if not torch.isfinite(loss) for d in describe_samples(batch, index)]
+    mine = [d for batch, loss in micro_batches if not torch.isfinite(loss) for d in describe_samples(batch, indexes)]
     gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
     samples = [d for part in gathered for d in part]
@@ -305,14 +311,14 @@ def train(cfg: Config) -> dict:
     checkpoint.claim_run_dir(cfg.checkpoint)  # before any work: another run's directory stops every rank here
 
     image_encoder = frozen_image_encoder(cfg, device)
-    index = open_index(cfg.data.shards, cfg.data.cache_dir)  # once: the model's widths and the loader both read it
+    indexes = open_sets(cfg.data)  # once: the model's widths and the loader both read them
     found = checkpoint.resumable(run_dir) if cfg.checkpoint.resume else []
     holds_all = bool(found) and cfg.lora.rank == 0  # a LoRA checkpoint holds the adapters only: the base is re-read
     if holds_all and cfg.model.init_from is not None and rank == 0:
         print(f"resuming from {found[-1][1]}, which holds every weight: --model.init-from is not read", flush=True)
-    model = build(cfg, device, image_encoder, index, checkpoint_holds_all=holds_all)
+    model = build(cfg, device, image_encoder, indexes, checkpoint_holds_all=holds_all)
     optimizer = build_optimizer(model, cfg.optim, device, offloaded=cfg.parallel.cpu_offload)
-    loader = ShardLoader(cfg.data, model.cfg, rank, world, device, index)
+    loader = ShardLoader(cfg.data, model.cfg, rank, world, device, indexes)
     gen = noise_generator(cfg, rank, device)
     fm = FlowMatchScheduler(cfg.loss.num_train_timesteps, cfg.loss.shift).to(device)
 
@@ -342,6 +348,9 @@ def train(cfg: Config) -> dict:
               f"({trainable / 1e6:.2f}M trainable), {world} ranks ({where}), micro-batch {micro}, "
               f"accum {accum}, global batch {global_batch}, "
               f"{loader.num_windows} windows, {loader.batches_per_epoch} batches/epoch/rank", flush=True)
+        if cfg.data.mixture:
+            print("mixture: " + ", ".join(f"{name} {p:.3f} ({len(ix)} windows)" for name, p, ix in
+                                          zip(loader.names, loader.probs, loader.indexes)), flush=True)
 
     batches, metrics = iter(loader), None
     try:
@@ -353,7 +362,8 @@ def train(cfg: Config) -> dict:
         recomputed = recomputed_blocks(cfg.parallel.activation_checkpoint, cfg.parallel.ac_blocks, model.cfg.num_layers)
         flops = flops_per_sample.train_step(recompute=recomputed / model.cfg.num_layers)
         metrics = MetricsLogger(cfg.metrics, run_dir, rank, device, cfg.steps, step, flops,
-                                device_peak_flops(device, cfg.parallel.peak_tflops), world, config=asdict(cfg))
+                                device_peak_flops(device, cfg.parallel.peak_tflops), world, config=asdict(cfg),
+                                sets=loader.names if cfg.data.mixture else None)
         end = cfg.steps if not cfg.stop_after else min(cfg.steps, step + cfg.stop_after)
         profiler = StepProfiler(cfg.metrics, run_dir, rank, device)
         profiler.after_step(step)  # a profile that starts at the first step
@@ -362,6 +372,7 @@ def train(cfg: Config) -> dict:
         while step < end and not stop:
             terms_sum: dict[str, torch.Tensor] = {}
             micro_batches = []  # kept for the step's checks: (batch, loss)
+            per_set = []  # (set, loss terms) of each micro-batch
             for i in range(accum):
                 batch, pending = (pending, None) if pending is not None else (next(batches), None)
                 if image_encoder is not None:  # the features the shards would have held, as bf16 like those
@@ -371,6 +382,7 @@ def train(cfg: Config) -> dict:
                 loss, terms = flow_matching_loss(model, inputs, fm, cfg.loss, generator=gen)
                 (loss / accum).backward()
                 micro_batches.append((batch, terms["loss"]))
+                per_set.append((int(batch["set"]), terms))
                 for k, v in terms.items():
                     terms_sum[k] = terms_sum.get(k, 0) + v / accum
             grad_norm = clip_grad_norm(model, cfg.optim.grad_clip).to(device)  # host-offloaded: a host tensor
@@ -378,7 +390,7 @@ def train(cfg: Config) -> dict:
             nonfinite, stop = step_flags([loss for _, loss in micro_batches], grad_norm, preemption.requested)
             if nonfinite:
                 skipped += 1
-                report = nonfinite_report(step + 1, micro_batches, grad_norm, loader.index)
+                report = nonfinite_report(step + 1, micro_batches, grad_norm, loader.indexes)
                 if skipped > cfg.optim.skip_nonfinite:
                     last = checkpoint.complete_checkpoints(run_dir)
                     raise checkpoint.RunError(
@@ -395,10 +407,10 @@ def train(cfg: Config) -> dict:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
-                metrics.step({**terms_sum, "grad_norm": grad_norm}, micro * accum)
+                metrics.step({**terms_sum, "grad_norm": grad_norm}, micro * accum, per_set)
                 profiler.after_step(step)
                 if step % cfg.metrics.interval == 0 or step == end or stop:
-                    metrics.log(step, lr, loader.wait_s)
+                    metrics.log(step, lr, loader.wait_s, loader.samples_seen())
             if stop or (not nonfinite and ((cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or (
                     step == cfg.steps and cfg.checkpoint.save_final))):
                 state = {"step": step, "skipped": skipped, "warmup": warmup, "data": loader.state_dict(),
@@ -417,7 +429,8 @@ def train(cfg: Config) -> dict:
     if step == cfg.steps and cfg.checkpoint.export and not stop:  # after a SIGTERM, the next run exports
         checkpoint.require_finite(model, "export")
         path = checkpoint.export(cfg.checkpoint, model, metadata={"step": step, "preset": cfg.preset,
-                                                                  "model": cfg.model.name}, shards=cfg.data.shards)
+                                                                  "model": cfg.model.name},
+                                 shards=[s.shards for s in cfg.data.sets()])
         if rank == 0:
             print(f"exported {path}", flush=True)
     return summary

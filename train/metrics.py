@@ -3,6 +3,9 @@ console line (rank 0), with a tqdm bar in between.
 
     step 120 | loss 0.4213 (dyn 0.3901 act 0.0312) | gnorm 0.81 | lr 1.0e-05 | 13.2 samples/s/GPU | MFU 41.3% |
     data 0.4% | mem 61.2 GiB
+
+A mixture's run also logs, per set, the loss terms averaged over its micro-batches on all ranks (`loss/<set>`,
+`loss_dynamics/<set>`, `loss_action/<set>`) and the samples taken from it since the run began (`samples_seen/<set>`).
 """
 
 from __future__ import annotations
@@ -11,13 +14,16 @@ import gzip
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from train.config import MetricsConfig
 
+SET_TERMS = ("loss", "loss_dynamics", "loss_action")  # logged per set of a mixture
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}  # dense bf16
 
 
@@ -39,13 +45,15 @@ class MetricsLogger:
 
     A run that starts at `start_step` (resumed, or fresh) first drops the rows of later steps that an earlier run in
     the same directory logged (metrics.jsonl rewritten; TensorBoard's purge_step), so every step has one row. The
-    run's `config` goes to TensorBoard as text."""
+    run's `config` goes to TensorBoard as text. `sets`: the names of a mixture's sets, whose terms are logged each."""
 
     def __init__(self, cfg: MetricsConfig, run_dir: Path, rank: int, device: torch.device, total_steps: int,
                  start_step: int, flops_per_sample: float, peak_flops: float | None, world_size: int,
-                 config: dict | None = None):
+                 config: dict | None = None, sets: Sequence[str] | None = None):
         self.cfg, self.rank, self.device, self.world_size = cfg, rank, device, world_size
         self.flops_per_sample, self.peak_flops = flops_per_sample, peak_flops
+        self.sets = list(sets or [])
+        self.set_sums = torch.zeros(len(self.sets), len(SET_TERMS) + 1, device=device)  # terms + micro-batches
         self.sums: dict[str, torch.Tensor] = {}
         self.count = 0
         self.samples = 0
@@ -70,8 +78,13 @@ class MetricsLogger:
                 from tqdm import tqdm
                 self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
-    def step(self, terms: dict[str, torch.Tensor], samples: int) -> None:
-        """Per optimizer step: detached scalar terms (device tensors, no sync) and this rank's sample count."""
+    def step(self, terms: dict[str, torch.Tensor], samples: int,
+             per_set: Sequence[tuple[int, dict[str, torch.Tensor]]] = ()) -> None:
+        """Per optimizer step: detached scalar terms (device tensors, no sync), this rank's sample count and, in a
+        mixture, (set, loss terms) of each micro-batch."""
+        for s, micro in per_set if self.sets else ():
+            self.set_sums[s] += torch.stack([*(micro[k].detach().float() for k in SET_TERMS),
+                                             torch.ones((), device=self.device)]).to(self.device)
         for k, v in terms.items():
             v = v.detach().float()
             self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
@@ -80,16 +93,18 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.update(1)
 
-    def log(self, step: int, lr: float, data_wait_s: float) -> dict:
+    def log(self, step: int, lr: float, data_wait_s: float, samples_seen: np.ndarray | None = None) -> dict:
+        """Collective. `samples_seen`: this rank's samples of each set of a mixture since the run began."""
         names = sorted(self.sums)
         vec = torch.stack([self.sums[k] for k in names]).to(self.device) / max(1, self.count)
         dist.all_reduce(vec)
         vec = (vec / self.world_size).tolist()
+        per_set = self._per_set(samples_seen) if self.sets else {}
         elapsed = time.perf_counter() - self.t0
         wait = data_wait_s - self.wait0
         per_gpu = self.samples / elapsed
         record = {"step": step, **dict(zip(names, vec)), "lr": lr, "samples_per_s_per_gpu": per_gpu,
-                  "data_wait_pct": 100 * wait / elapsed, "time": time.time()}
+                  "data_wait_pct": 100 * wait / elapsed, **per_set, "time": time.time()}
         if self.peak_flops:
             record["mfu_pct"] = 100 * per_gpu * self.flops_per_sample / self.peak_flops
         if self.device.type == "cuda":
@@ -113,8 +128,24 @@ class MetricsLogger:
             else:
                 print(line, flush=True)
         self.sums, self.count, self.samples = {}, 0, 0
+        self.set_sums.zero_()
         self.t0, self.wait0 = time.perf_counter(), data_wait_s
         return record
+
+    def _per_set(self, samples_seen: np.ndarray | None) -> dict:
+        """Collective: each set's loss terms averaged over its micro-batches on all ranks since the last log (absent
+        for a set none drew), and its samples on all ranks since the run began."""
+        seen = torch.as_tensor(np.zeros(len(self.sets)) if samples_seen is None else samples_seen,
+                               dtype=torch.float64).to(self.device)
+        sums = self.set_sums.clone()
+        dist.all_reduce(sums)
+        dist.all_reduce(seen)
+        out = {}
+        for name, row, total in zip(self.sets, sums.tolist(), seen.tolist()):
+            if row[-1]:
+                out |= {f"{k}/{name}": v / row[-1] for k, v in zip(SET_TERMS, row)}
+            out[f"samples_seen/{name}"] = int(total)
+        return out
 
     def close(self) -> None:
         for h in (self.bar, self.tb, self.jsonl):
@@ -144,6 +175,9 @@ def format_line(r: dict) -> str:
     if "mfu_pct" in r:
         parts.append(f"MFU {r['mfu_pct']:.1f}%")
     parts.append(f"data {r['data_wait_pct']:.1f}%")
+    sets = [k.split("/", 1)[1] for k in r if k.startswith("loss/")]
+    if sets:
+        parts.append("per set loss " + " ".join(f"{name} {r[f'loss/{name}']:.4f}" for name in sets))
     if "peak_mem_gib" in r:
         parts.append(f"mem {r['peak_mem_gib']:.1f} GiB")
     if r.get("alloc_retries"):

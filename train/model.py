@@ -70,7 +70,8 @@ class DiTConfig:
     num_frame_per_block: int = 2
     """Latent frames per causal block."""
     num_action_per_block: int = 24
-    """Action tokens per block (RLinf's LIBERO recipe: 16)."""
+    """Action tokens per block (RLinf's LIBERO recipe: 16); a batch of another horizon (a mixture's other
+    embodiment) runs with its own, as latents of another grid do."""
     num_state_per_block: int = 1
     """State tokens per block."""
     action_dim: int = 32
@@ -96,9 +97,11 @@ class DiTConfig:
     def local_attn_size(self) -> int:
         return -1 if self.max_chunk_size == -1 else self.max_chunk_size * self.num_frame_per_block + 1
 
-    def layout(self, num_frames: int, frame_seqlen: int | None = None) -> TokenLayout:
+    def layout(self, num_frames: int, frame_seqlen: int | None = None,
+               num_action_per_block: int | None = None) -> TokenLayout:
         return TokenLayout(num_frames, frame_seqlen or self.frame_seqlen, self.num_frame_per_block,
-                           self.num_action_per_block, self.num_state_per_block, self.local_attn_size)
+                           num_action_per_block or self.num_action_per_block, self.num_state_per_block,
+                           self.local_attn_size)
 
 
 # DiT shapes of the recipes (configs/<name>.yaml, section dit) by recipe name
@@ -485,10 +488,11 @@ class CausalWanModel(nn.Module):
             text_log_weight = text_key_log_weight(text_lengths, text.shape[1], cfg.text_len,
                                                   torch.float64 if xn.dtype == torch.float64 else torch.float32)
         xc, _ = self._patchify(clean_latents, y)
-        layout = cfg.layout(nf, grid[1] * grid[2])
-        k = layout.num_blocks
-        if noisy_actions.shape[1] != k * cfg.num_action_per_block or state.shape[1] != k * cfg.num_state_per_block:
-            raise ValueError(f"{nf} latent frames = {k} blocks need {k * cfg.num_action_per_block} actions and "
+        k = cfg.layout(nf).num_blocks
+        # the horizon comes with the batch, as the latent grid does: each embodiment of a mixture keeps its own
+        layout = cfg.layout(nf, grid[1] * grid[2], max(1, noisy_actions.shape[1] // k))
+        if noisy_actions.shape[1] % k or state.shape[1] != k * cfg.num_state_per_block:
+            raise ValueError(f"{nf} latent frames = {k} blocks need a multiple of {k} actions and "
                              f"{k * cfg.num_state_per_block} states, got {noisy_actions.shape[1]} and {state.shape[1]}")
         dtype = xn.dtype
         register = torch.cat([self.action_encoder(noisy_actions.to(dtype), t_actions),
@@ -498,7 +502,7 @@ class CausalWanModel(nn.Module):
         # per-token timesteps: clean 0, noisy = its frame's, actions their own, state k = its block's action t
         fs = layout.frame_seqlen
         t_noisy = t_frames.repeat_interleave(fs, dim=1)
-        t_state = t_actions[:, ::cfg.num_action_per_block // cfg.num_state_per_block]
+        t_state = t_actions[:, ::layout.num_action_per_block // cfg.num_state_per_block]
         t_tok = torch.cat([torch.zeros_like(t_noisy), t_noisy, t_actions, t_state], dim=1)
         e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t_tok).to(dtype))  # [B, L, d]
         e0 = self.time_projection(e).unflatten(2, (6, cfg.dim))

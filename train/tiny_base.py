@@ -57,6 +57,8 @@ class Args:
     """Shard directory: the DiT fits it as the trainer's does; conf.yaml's embodiment and metadata.json come from it."""
     embodiment: str = "oxe_droid"
     """Embodiment tag of conf.yaml when no --shards are given."""
+    also: tuple[str, ...] = ()
+    """Further embodiment tags conf.yaml configures (the other sets of a mixture, for an eval-ready export)."""
     num_layers: int = 0
     """Override the preset's block count (0 = the preset's)."""
     max_shard_mb: float = 5000.0
@@ -168,5 +170,9 @@ def write_base(args: Args) -> Path:
         shutil.copyfile(statistics, args.out / "experiment_cfg" / "metadata.json")
     (args.out / "config.json").write_text(json.dumps(official_config(cfg), indent=2) + "\n")
     conf = json.loads(json.dumps(official_conf(tag, cfg)))  # distinct lists: no YAML anchors
+    for other in args.also:
+        extra = json.loads(json.dumps(official_conf(other, cfg)))
+        for section in ("modality_configs", "transforms"):
+            conf[section] |= extra[section]
     (args.out / "experiment_cfg" / "conf.yaml").write_text(yaml.safe_dump(conf, sort_keys=False))
     return args.out
