@@ -126,7 +126,11 @@ class ShardStore:
         if self._state is None or self._state.pid != os.getpid():
             options = {**(s3_options_from_env() if self.protocol in S3_PROTOCOLS else {}), **self.storage_options}
             # A private instance: fsspec's shared instances would hand a forked worker its parent's event loop.
-            fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, use_listings_cache=False, **options)
+            try:
+                fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, use_listings_cache=False,
+                                                 **options)
+            except ImportError:  # fsspec's own message names the package, not the extra
+                raise SystemExit(f"{self.url}: {self.protocol}:// URLs need s3fs: pip install 'wampipe[s3]'") from None
             self._state = _ProcessState(os.getpid(), fs, root.rstrip("/"))
         return self._state
 
