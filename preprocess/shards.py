@@ -7,13 +7,13 @@
 of that layout; its preprocess section overrides the dataset preset's defaults and flags override it in turn.
 
 --src and the four encoder flags are required (`make demo-data` writes a sample dataset and tiny checkpoints to try
-it on; `make shards` with no SRC uses them). Work is cut into units of whole episodes (each video decoded once, preprocess.pipeline); units run here, in a process pool or
-on Ray (preprocess.executors) and spill their samples under OUT/work/; the finalize stage (preprocess.finalize)
-mixes all samples into shards of --samples-per-shard with one seeded permutation, encodes each unique prompt once,
-writes the statistics and finally manifest.json. Re-running skips finished units and shards; two runs with the
-same inputs give byte-identical shards. One run holds OUT at a time, and a run with other inputs than those OUT was
-built from refuses to start (preprocess.outdir). Bad arguments and unusable weights stop the run before any
-decoding. See docs/FORMAT.md for the format.
+it on; `make shards` with no SRC uses them). Work is cut into units of whole episodes (each video decoded once,
+preprocess.pipeline); units run here, in a process pool or on Ray (preprocess.executors) and spill their samples
+under OUT/work/; the finalize stage (preprocess.finalize) mixes all samples into shards of --samples-per-shard with
+one seeded permutation, encodes each unique prompt once, writes the statistics and finally manifest.json.
+Re-running skips finished units and shards; two runs with the same inputs give byte-identical shards. One run holds
+OUT at a time, and a run with other inputs than those OUT was built from refuses to start (preprocess.outdir). Bad
+arguments and unusable weights stop the run before any decoding. See docs/FORMAT.md for the format.
 """
 
 from __future__ import annotations
