@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -18,10 +19,14 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
 def _python(code: str, *argv: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    """`code` in a fresh interpreter, as an installed console script would run it (the timeout only detects a hang)."""
+    """`code` in a fresh interpreter, as an installed console script would run it."""
+    return _run([sys.executable, "-c", code, *argv], cwd)
+
+
+def _run(cmd: list[str], cwd=ROOT) -> subprocess.CompletedProcess:
+    """The timeout only detects a hang."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _entry(name: str) -> str:
@@ -50,9 +55,11 @@ def test_every_console_script_target_exists():
 @pytest.mark.parametrize("command, flag", [("shards", "--src"), ("check", "--members"), ("stats", "--embodiment"),
                                            ("inspect", "--decode")])
 def test_preprocess_scripts_run_their_command(command, flag):
-    done = _python(_entry(f"wampipe-{command}"), "--help")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"usage: wampipe-{command} ") and flag in done.stdout
+    name = f"wampipe-{command}"
+    installed = Path(sys.executable).parent / name  # pip's wrapper, once the environment was installed from here
+    for done in [_python(_entry(name), "--help"), *([_run([str(installed), "--help"])] if installed.exists() else [])]:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"usage: {name} ") and flag in done.stdout
 
 
 def test_train_script_splits_torchrun_options_from_trainer_flags():
