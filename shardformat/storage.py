@@ -129,8 +129,9 @@ class ShardStore:
             try:
                 fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, use_listings_cache=False,
                                                  **options)
-            except ImportError:  # fsspec's own message names the package, not the extra
-                raise SystemExit(f"{self.url}: {self.protocol}:// URLs need s3fs: pip install 'wampipe[s3]'") from None
+            except ImportError as err:  # the filesystem's package is missing; fsspec's message names no extra
+                need = "s3:// URLs need s3fs: pip install 'wampipe[s3]'" if self.protocol in S3_PROTOCOLS else err
+                raise SystemExit(f"{self.url}: {need}") from None
             self._state = _ProcessState(os.getpid(), fs, root.rstrip("/"))
         return self._state
 
