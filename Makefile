@@ -5,18 +5,26 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# the wheel index torch comes from: empty = pip's configured index (the CPU build here); a CUDA build, e.g.
+# make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128 (docs/CLUSTER.md)
+TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DATASET ?= droid
 OUT ?= shards/$(DATASET)
 SAMPLE ?= sample_data
+# `make demo-data`: a sample LeRobot dataset of $(DATASET) and tiny random-init encoders to try the farm on
+SAMPLE_SRC := build/sample/$(DATASET)
+TINY := build/tiny_checkpoints
+TINY_WEIGHTS := --vae $(TINY)/wan2.2/Wan2.2_VAE.pth --text-encoder $(TINY)/umt5/models_t5_umt5-xxl-enc-bf16.pth \
+  --tokenizer $(TINY)/umt5/tokenizer --image-encoder $(TINY)/clip/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth
 PYTEST_ARGS ?=
 PRESET ?= tiny
 NPROC ?= 2
 
 ARGS ?=
 
-.PHONY: setup test demo sample-data shards check-shards train clean help
+.PHONY: setup test demo demo-data sample-data shards check-shards train clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -27,7 +35,7 @@ $(STAMP): pyproject.toml
 	@command -v ffmpeg >/dev/null || { echo "installing FFmpeg (torchcodec loads its libraries)"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ffmpeg >/dev/null; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
@@ -40,8 +48,8 @@ sample-data: $(STAMP)  ## write the three sample LeRobot datasets into $(SAMPLE)
 	$(PY) scripts/make_sample_dataset.py --layout libero-v3 --out $(SAMPLE)/libero-v3 --episodes 4 --seed 0
 
 demo: $(STAMP)  ## sample DROID + LIBERO datasets -> shards (tiny encoders) -> integrity checks -> 2-process CPU training on their weighted mixture from a tiny official base -> eval-ready export + curves
-	$(PY) -m preprocess shards --dataset droid --out build/demo/droid --anchor-stride 4 --samples-per-shard 16
-	$(PY) -m preprocess shards --dataset libero --out build/demo/libero --anchor-stride 4 --samples-per-shard 16
+	$(MAKE) --no-print-directory demo-data DATASET=droid && $(PY) -m preprocess shards --dataset droid --src build/sample/droid $(TINY_WEIGHTS) --out build/demo/droid --anchor-stride 4 --samples-per-shard 16
+	$(MAKE) --no-print-directory demo-data DATASET=libero && $(PY) -m preprocess shards --dataset libero --src build/sample/libero $(TINY_WEIGHTS) --out build/demo/libero --anchor-stride 4 --samples-per-shard 16
 	$(PY) -m preprocess check build/demo/droid
 	$(PY) -m preprocess check build/demo/libero
 	$(PY) scripts/make_tiny_base.py --out build/demo/base --shards build/demo/droid --also libero_sim
@@ -51,8 +59,14 @@ demo: $(STAMP)  ## sample DROID + LIBERO datasets -> shards (tiny encoders) -> i
 	  --metrics.interval 5 --model.init-from build/demo/base --checkpoint.export-base build/demo/base
 	$(PY) scripts/plot_metrics.py build/demo/run
 
-shards: $(STAMP)  ## build shards: make shards DATASET={droid,libero,franka_pnp} [SRC=lerobot_root] [OUT=dir] [ARGS="..."]
-	$(PY) -m preprocess shards --dataset $(DATASET) --out $(OUT) $(if $(SRC),--src $(SRC)) $(ARGS)
+demo-data: $(STAMP)  ## sample LeRobot dataset build/sample/$(DATASET) (6 episodes) and tiny encoders build/tiny_checkpoints (once)
+	test -f $(SAMPLE_SRC)/meta/info.json || $(PY) scripts/make_sample_dataset.py --out $(SAMPLE_SRC) --episodes 6 --seed 0 \
+	  --layout $$($(PY) -c "import configs; print(configs.read(configs.DATASETS_FILE)['$(DATASET)']['sample_layout'])")
+	test -f $(TINY)/README.json || $(PY) scripts/make_tiny_checkpoints.py --out $(TINY)
+
+shards: $(STAMP)  ## build shards: make shards DATASET={droid,libero,franka_pnp} [SRC=lerobot_root ARGS="--vae ... "] [OUT=dir]; no SRC: demo-data
+	$(if $(SRC),,$(MAKE) --no-print-directory demo-data DATASET=$(DATASET))
+	$(PY) -m preprocess shards --dataset $(DATASET) --out $(OUT) --src $(or $(SRC),$(SAMPLE_SRC)) $(if $(SRC),,$(TINY_WEIGHTS)) $(ARGS)
 
 train: $(STAMP)  ## train: make train PRESET={tiny,libero-5b,droid-5b,droid-14b} OUT=shard_dir [NPROC=n] [ARGS="..."]
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) train/main.py --preset $(PRESET) --data.shards $(OUT) $(ARGS)

@@ -1,4 +1,5 @@
-"""`python -m preprocess <command> --help`. Each command lives in its own module with an `Args` dataclass and `run`."""
+"""`python -m preprocess <command> --help`. Each command lives in its own module with an `Args` dataclass and `run`.
+The console scripts wampipe-<command> (pyproject.toml) are the same commands."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     import tyro
 
     argv = sys.argv[1:] if argv is None else argv
@@ -27,12 +28,20 @@ def main(argv: list[str] | None = None) -> None:
 
     module = importlib.import_module(available[argv[0]][0])
     default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None  # e.g. shards' --config
-    args = tyro.cli(module.Args, default=default, args=argv[1:], prog=f"python -m preprocess {argv[0]}",
+    args = tyro.cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
                     description=module.__doc__)
     try:
         module.run(args)
     except (DatasetError, WeightsError) as err:  # bad input: its one-line message, no traceback
         raise SystemExit(str(err)) from None
+
+
+def command_main(name: str):
+    """The console script wampipe-<name>: `python -m preprocess <name>` with the script's arguments."""
+    return lambda: main([name, *sys.argv[1:]], prog=f"wampipe-{name}")
+
+
+shards_main, check_main, stats_main, inspect_main = map(command_main, ("shards", "check", "stats", "inspect"))
 
 
 if __name__ == "__main__":

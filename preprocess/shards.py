@@ -6,14 +6,14 @@
 --config takes a recipe of configs/ (the trainer's --preset of the same name trains on the result) or a YAML file
 of that layout; its preprocess section overrides the dataset preset's defaults and flags override it in turn.
 
-With no --src it writes the sample dataset and tiny checkpoints first, so it runs on a fresh machine. Work is cut
-into units of whole episodes (each video decoded once, preprocess.pipeline); units run here, in a process pool or
-on Ray (preprocess.executors) and spill their samples under OUT/work/; the finalize stage (preprocess.finalize)
-mixes all samples into shards of --samples-per-shard with one seeded permutation, encodes each unique prompt once,
-writes the statistics and finally manifest.json. Re-running skips finished units and shards; two runs with the
-same inputs give byte-identical shards. One run holds OUT at a time, and a run with other inputs than those OUT was
-built from refuses to start (preprocess.outdir). Bad arguments and unusable weights stop the run before any
-decoding. See docs/FORMAT.md for the format.
+--src and the four encoder flags are required (`make demo-data` writes a sample dataset and tiny checkpoints to try
+it on; `make shards` with no SRC uses them). Work is cut into units of whole episodes (each video decoded once,
+preprocess.pipeline); units run here, in a process pool or on Ray (preprocess.executors) and spill their samples
+under OUT/work/; the finalize stage (preprocess.finalize) mixes all samples into shards of --samples-per-shard with
+one seeded permutation, encodes each unique prompt once, writes the statistics and finally manifest.json.
+Re-running skips finished units and shards; two runs with the same inputs give byte-identical shards. One run holds
+OUT at a time, and a run with other inputs than those OUT was built from refuses to start (preprocess.outdir). Bad
+arguments and unusable weights stop the run before any decoding. See docs/FORMAT.md for the format.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ from preprocess.executors import run_units
 from preprocess.finalize import finalize
 from preprocess.lerobot import LeRobotDataset
 from preprocess.pipeline import VAE_OF_MODEL, Job
-from preprocess.sample_data import write_sample_dataset
-from preprocess.tiny_checkpoints import tiny_checkpoint_paths, write_tiny_checkpoints
 from shardformat.files import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class DatasetPreset:
     embodiment: str  # tag of the embodiment schema (preprocess/embodiments)
     model: str  # size preset of the embodiment (canvas, VAE variant) when neither --model nor --config gives one
-    sample_layout: str  # scripts/make_sample_dataset.py --layout used when no --src is given
+    sample_layout: str  # scripts/make_sample_dataset.py --layout of its sample data (make demo-data)
 
 
 DATASETS = {name: configs.build(DatasetPreset, preset, f"configs/datasets.yaml: {name}")
@@ -69,7 +67,7 @@ class Args:
     """Dataset preset (configs/datasets.yaml): picks the embodiment (oxe_droid, libero_sim, franka_pnp), its default
     --model and the sample layout."""
     src: Path | None = None
-    """LeRobot dataset root. Default: generate the sample dataset and tiny checkpoints under build/ and use them."""
+    """LeRobot dataset root (required; sample data to try it on: make demo-data)."""
     out: str | None = None
     """Output shard directory (default shards/<dataset>), or a URL (s3://bucket/prefix): built in --staging-dir, then
     uploaded, manifest.json last (docs/FORMAT.md, Object storage)."""
@@ -160,27 +158,18 @@ def defaults(argv: list[str]) -> Args:
 
 
 def prepare_defaults(args: Args) -> Args:
-    """No --src: write the sample dataset and tiny checkpoints under build/ (once) and point the run at them."""
+    """Fill --out and --model from the dataset preset; refuse a run without --src or an encoder."""
     preset = DATASETS[args.dataset]
+    if args.src is None:
+        raise SystemExit("--src is required: the LeRobot dataset root (sample data and tiny encoders to try it on: "
+                         "make demo-data, or scripts/make_sample_dataset.py and scripts/make_tiny_checkpoints.py)")
     if args.out is None:
         args.out = ROOT / "shards" / args.dataset
     if args.model is None:
         args.model = preset.model
-    if args.src is None:
-        build = ROOT / "build"
-        args.src = build / "sample" / preset.sample_layout
-        if not (args.src / "meta" / "info.json").is_file():
-            write_sample_dataset(args.src, preset.sample_layout, episodes=6, seed=0)
-        tiny = build / "tiny_checkpoints"
-        if not (tiny / "DONE").is_file():
-            write_tiny_checkpoints(tiny)
-            (tiny / "DONE").write_text("")
-        for name, default in tiny_checkpoint_paths(tiny, VAE_OF_MODEL[args.model]).items():
-            if getattr(args, name) is None:
-                setattr(args, name, default)
     missing = [f"--{n.replace('_', '-')}" for n in ENCODERS if getattr(args, n) is None]
     if missing:
-        raise SystemExit(f"with --src, also give the encoder weights: {' '.join(missing)} (see docs/WEIGHTS.md)")
+        raise SystemExit(f"also give the encoder weights: {' '.join(missing)} (see docs/WEIGHTS.md)")
     return args
 
 

@@ -241,7 +241,10 @@ def ray_unit(job: Job, unit: int, episodes: list[int], actor) -> dict:
 
 def run_ray(job: Job, units: dict[int, list[int]], address: str | None) -> Iterator[dict]:
     """Units as Ray tasks on the cluster's CPUs feeding one encoder actor per GPU (one CPU actor without GPUs)."""
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit("--executor ray needs ray: pip install 'wampipe[ray]'") from None
 
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     gpu = job.device.startswith("cuda")

@@ -126,7 +126,12 @@ class ShardStore:
         if self._state is None or self._state.pid != os.getpid():
             options = {**(s3_options_from_env() if self.protocol in S3_PROTOCOLS else {}), **self.storage_options}
             # A private instance: fsspec's shared instances would hand a forked worker its parent's event loop.
-            fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, use_listings_cache=False, **options)
+            try:
+                fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, use_listings_cache=False,
+                                                 **options)
+            except ImportError as err:  # the filesystem's package is missing; fsspec's message names no extra
+                need = "s3:// URLs need s3fs: pip install 'wampipe[s3]'" if self.protocol in S3_PROTOCOLS else err
+                raise SystemExit(f"{self.url}: {need}") from None
             self._state = _ProcessState(os.getpid(), fs, root.rstrip("/"))
         return self._state
 

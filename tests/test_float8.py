@@ -90,7 +90,7 @@ def test_refusals_name_the_flag_in_one_line(monkeypatch):
     with pytest.raises(SystemExit, match=r"^--parallel.float8 rowwise needs .* found compute capability 8.0$"):
         check_float8("rowwise", (8, 0))  # A100
     monkeypatch.setitem(sys.modules, "torchao", None)  # torchao not installed
-    with pytest.raises(SystemExit, match=r"^--parallel.float8 rowwise needs torchao \(pip install -e '.\[fp8\]'\): "):
+    with pytest.raises(SystemExit, match=r"^--parallel.float8 rowwise needs torchao: pip install 'wampipe\[fp8\]'$"):
         check_float8("rowwise", (9, 0))
 
 

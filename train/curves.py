@@ -31,8 +31,10 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot(rows: list[dict], out: Path, title: str) -> Path:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plotting curves needs matplotlib: pip install 'wampipe[plot]'") from None
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 

@@ -69,8 +69,9 @@ class MetricsLogger:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
                     self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
-                except ImportError:  # tensorboard is a dependency, but a bare environment may lack it
-                    print("tensorboard not installed: metrics go to metrics.jsonl and the console only")
+                except ImportError:  # an optional dependency (the plot extra)
+                    print("tensorboard not installed: metrics go to metrics.jsonl and the console only "
+                          "(pip install 'wampipe[plot]')")
                 if self.tb is not None and config is not None:
                     self.tb.add_text("config", "```json\n" + json.dumps(config, indent=1, default=str) + "\n```",
                                      start_step)

@@ -224,8 +224,8 @@ def check_float8(mode: str, capability: tuple[int, int] | None) -> None:
                          f"found {found}")
     try:
         import torchao.float8  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"--parallel.float8 {mode} needs torchao (pip install -e '.[fp8]'): {e}") from None
+    except ImportError:
+        raise SystemExit(f"--parallel.float8 {mode} needs torchao: pip install 'wampipe[fp8]'") from None
 
 
 def apply_float8(model: nn.Module, mode: str) -> int:
