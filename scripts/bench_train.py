@@ -29,6 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -79,9 +80,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--out", type=Path, default=None,
                    help="work directory (shards, trainer run dir, result.json); default: a temporary one, deleted")
     p.add_argument("--device", default=None, help="bound device (default: cuda if available, else cpu)")
+    p.add_argument("--mix", nargs="+", default=None, metavar="PRESET",
+                   help="train an equal-weight mixture of synthetic shards of these recipes' sample shapes (e.g. "
+                        "droid-5b libero-5b; the model is --preset's) instead of --preset's shapes alone; trainer only")
     args = p.parse_args(argv)
     if args.bound_only and args.trainer_only:
         p.error("--bound-only and --trainer-only exclude each other")
+    if args.mix and (not args.trainer_only or len(set(args.mix)) != len(args.mix)):
+        p.error("--mix needs --trainer-only (the bound is one shape's) and distinct recipes")
     if args.steps < 1 or args.warmup_steps < 0 or args.bound_steps < 1:
         p.error("--steps and --bound-steps must be >= 1, --warmup-steps >= 0")
     return args, extra
@@ -195,13 +201,18 @@ def main(argv: list[str] | None = None) -> dict:
     shards = args.shards or work / "shards"
     run_dir = work / "run"
     argv_trainer = trainer_argv(args, shards, run_dir, extra)
+    sets = {preset: work / f"shards-{preset}" for preset in args.mix or ()}
+    if sets:  # the sets instead of one directory; the first set stands for the shapes below
+        i = argv_trainer.index("--data.shards")
+        argv_trainer[i:i + 2] = ["--data.mixture", *(f"{d}=1" for d in sets.values())]
+        shards = next(iter(sets.values()))
     cfg = parse_trainer_args(argv_trainer)
     cfg, auto = resolve_auto(cfg, device_memory_gib(trainer_device(cfg)), args.nproc)
     if auto:
         print(auto, flush=True)
     micro, global_batch, accum = batch_sizes(cfg, args.nproc)
     total_steps = args.warmup_steps + args.steps
-    result: dict = {"bench": "train", "preset": args.preset, "model": cfg.model.name, "world_size": args.nproc,
+    result: dict = {"bench": "train", "preset": args.preset, "mix": args.mix, "model": cfg.model.name, "world_size": args.nproc,
                     "micro_batch": micro, "global_batch": global_batch, "accum": accum,
                     "ac": cfg.parallel.activation_checkpoint, "compile": cfg.parallel.compile,
                     "attention": cfg.model.attention, "reshard_after_forward": cfg.parallel.reshard_after_forward,
@@ -214,8 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
         windows = total_steps * global_batch + ahead
         if args.max_windows:
             windows = min(windows, max(args.max_windows, micro * args.nproc))
-        write_shards(cfg, args.preset, shards, micro if args.bound_only else windows)
-        model_cfg = model_config(cfg)
+        for preset, directory in (sets or {args.preset: shards}).items():
+            write_shards(cfg, preset, directory, micro if args.bound_only else windows)
+        model_cfg = model_config(replace(cfg, data=replace(cfg.data, shards=shards, mixture=())))
         latent_fhw = tuple(synthetic.SHAPES[args.preset].latents[1:])
         layout = model_cfg.layout(latent_fhw[0], (latent_fhw[1] // 2) * (latent_fhw[2] // 2))
         # compact text: the rows of a batch holding the longest prompt (the trainer's batches have at most these)
