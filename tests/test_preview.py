@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from preprocess.preview import to_canvas_frames
+from preprocess.preview import clip_input_image, to_canvas_frames
 from preprocess.vae import load_vae
 from shardformat.members import decode_members
 from tests.conftest import ROOT, manifest, shard_samples
@@ -95,3 +95,18 @@ def test_preview_refuses_another_vae_in_one_line(droid_shards, tiny_checkpoints,
         f"--vae {other}: not the VAE {droid_shards} was built with ({built['encoders']['vae']['path']}, sha256 "
         f"{built['encoders']['vae']['sha256'][:12]}): pass that file")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
+    from preprocess.image_encoder import load_image_encoder
+
+    clip = load_image_encoder(tiny_checkpoints / "clip" / "image_encoder", dtype=torch.float32)
+    size = clip.image_size  # the stored pixels' size: bicubic to it is the identity here
+    ramp = np.linspace(0, 255, size).round().astype(np.uint8)
+    image = np.stack([np.tile(ramp, (size, 1)), np.tile(ramp[:, None], (1, size)), np.full((size, size), 40, np.uint8)],
+                     axis=-1)  # red: left to right, green: top to bottom, blue: flat
+    frame = torch.from_numpy(image).permute(2, 0, 1)[None].float() / 127.5 - 1
+    stored = clip.preprocess(frame)[0].bfloat16()  # as a bf16 GPU build stores clip_pixels
+    shown = clip_input_image(stored)
+    assert shown.shape == image.shape and shown.dtype == np.uint8
+    assert np.abs(shown.astype(int) - image).max() <= 1  # bf16 rounding
