@@ -58,6 +58,8 @@ def preview(args: Args) -> None:
     store = ShardStore(args.shards)
     manifest = store.manifest()
     prompts = store.read_json(manifest.text_table["prompts"])
+    if args.src:
+        check_source(args.src, manifest, args.shards)
     vae = build_decoder(args.vae, manifest, args.shards, args.device)
     emb = get_embodiment(manifest.embodiment)
     fps = float(manifest.source["fps"])
@@ -86,6 +88,18 @@ def build_decoder(path: Path, manifest: Manifest, shards: str, device: str) -> W
         raise SystemExit(f"--vae {path}: not the VAE {shards} was built with ({built_with['path']}, sha256 "
                          f"{built_with['sha256'][:12]}): pass that file")
     return load_vae(path, manifest.transform["vae_variant"], device, torch.float32, keep_decoder=True)
+
+
+def check_source(src: Path, manifest: Manifest, shards: str) -> None:
+    """Refuse, in one line, a dataset other than the one the shards were built from: its frames would mislead."""
+    from preprocess.outdir import fingerprint
+
+    if not (src / "meta").is_dir():
+        raise SystemExit(f"--src {src}: not a LeRobot dataset (no meta/ folder)")
+    built_from = manifest.source
+    if fingerprint(src) != built_from["fingerprint"]:
+        raise SystemExit(f"--src {src}: not the dataset {shards} was built from ({built_from['root']}, fingerprint "
+                         f"{built_from['fingerprint'][:12]}): pass that dataset")
 
 
 def first_samples(store: ShardStore, manifest: Manifest, n: int) -> Iterator[tuple[str, dict, dict]]:

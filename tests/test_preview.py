@@ -7,6 +7,7 @@ in float32 on CPU: Wan2.1 `wan/modules/vae.py` and Wan2.2 `wan/modules/vae2_2.py
 `.pth` strictly.
 """
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,15 +87,27 @@ def test_preview_writes_the_decoded_window_and_a_sheet(droid_shards, droid_root,
     assert sheet.width > 800 and sheet.height > 400
 
 
-def test_preview_refuses_another_vae_in_one_line(droid_shards, tiny_checkpoints, tmp_path):
+def test_preview_refuses_another_vae_or_dataset_in_one_line(droid_shards, droid_root, tiny_checkpoints, tmp_path):
     built = manifest(droid_shards)
-    other = tiny_checkpoints / "wan2.2" / "vae"  # the same weights as the build's file, but not that file
-    done = preview(droid_shards, "--vae", other, "--out", tmp_path)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert done.stderr.strip() == (
-        f"--vae {other}: not the VAE {droid_shards} was built with ({built['encoders']['vae']['path']}, sha256 "
-        f"{built['encoders']['vae']['sha256'][:12]}): pass that file")
-    assert list(tmp_path.iterdir()) == []
+    vae = tiny_checkpoints / VAE_FILES[built["transform"]["vae_variant"]]
+    other_vae = tiny_checkpoints / "wan2.2" / "vae"  # the same weights as the build's file, but not that file
+    other_src = tmp_path / "droid_copy"
+    shutil.copytree(droid_root, other_src)
+    (other_src / "data" / "extra.parquet").write_bytes(b"")  # one more file: another dataset
+    out = tmp_path / "out"
+    cases = {
+        ("--vae", other_vae): f"--vae {other_vae}: not the VAE {droid_shards} was built with "
+                              f"({built['encoders']['vae']['path']}, sha256 {built['encoders']['vae']['sha256'][:12]}): "
+                              "pass that file",
+        ("--vae", tmp_path / "none.pth"): f"--vae {tmp_path / 'none.pth'}: not found",
+        ("--vae", vae, "--src", other_src): f"--src {other_src}: not the dataset {droid_shards} was built from "
+                                            f"({built['source']['root']}, fingerprint "
+                                            f"{built['source']['fingerprint'][:12]}): pass that dataset",
+    }
+    for args, message in cases.items():
+        done = preview(droid_shards, *args, "--out", out)
+        assert done.returncode != 0 and done.stderr.strip() == message
+    assert not out.exists()
 
 
 def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
