@@ -22,9 +22,10 @@ from preprocess.sample_data import encode_mp4
 from preprocess.vae import WanVAE, load_vae
 from preprocess.windows import Window, window_at
 from shardformat.manifest import Manifest, ShardFormatError
-from shardformat.members import decode_members
-from shardformat.shard import read_members
-from shardformat.storage import STORE_ERRORS, ShardStore
+from shardformat.stats import normalize_q99, pad_with_mask
+from shardformat.storage import STORE_ERRORS
+from train.data import SampleReader, ShardIndex
+from train.model import DiTConfig
 
 SHEET_FRAMES = 8  # decoded frames shown per row of the sheet, evenly spaced over the window
 
@@ -55,22 +56,22 @@ def run(args: Args) -> None:
 
 
 def preview(args: Args) -> None:
-    store = ShardStore(args.shards)
-    manifest = store.manifest()
-    prompts = store.read_json(manifest.text_table["prompts"])
+    index = ShardIndex(args.shards)  # the trainer's view: manifest, statistics and text table checked
+    manifest = index.manifest
     if args.src:
         check_source(args.src, manifest, args.shards)
     vae = build_decoder(args.vae, manifest, args.shards, args.device)
+    prompts = index.store.read_json(manifest.text_table["prompts"])
     emb = get_embodiment(manifest.embodiment)
     fps = float(manifest.source["fps"])
     args.out.mkdir(parents=True, exist_ok=True)
-    for key, meta, tensors in first_samples(store, manifest, args.samples):
+    for key, meta, tensors in first_samples(SampleReader(index, DiTConfig()), args.samples):
         frames = to_canvas_frames(vae.decode(tensors["latents"][None]))[0]
         window = window_at(meta["window_start"], emb.window)
         encode_mp4(args.out / f"{key}.mp4", frames, round(fps), "h264")
         prompt = prompts.get(sorted(meta["prompt_ids"].items())[0][1], {}).get("text", "?")
         source = source_frames(args.src, emb, meta["episode"], window, frames.shape[1:3]) if args.src else None
-        write_sheet(args.out / f"{key}.png", key, frames, meta, tensors, prompt, manifest, window, fps, source,
+        write_sheet(args.out / f"{key}.png", key, frames, meta, tensors, prompt, index, window, fps, source,
                     emb.cameras)
         print(f"{args.out / key}.mp4 .png")
 
@@ -102,18 +103,17 @@ def check_source(src: Path, manifest: Manifest, shards: str) -> None:
                          f"{built_from['fingerprint'][:12]}): pass that dataset")
 
 
-def first_samples(store: ShardStore, manifest: Manifest, n: int) -> Iterator[tuple[str, dict, dict]]:
-    """(key, meta, tensors) of the first `n` samples in manifest order, each read and checked like the trainer's."""
-    for entry in manifest.shards:
-        (record,) = store.shard_records([entry.shard])
-        for sample in record.samples:
-            if n <= 0:
-                return
-            members = read_members(lambda offset, size: store.read_range(entry.shard, offset, size),
-                                   store.where(entry.shard), sample)
-            meta, tensors = decode_members(members)
-            yield sample.key, meta, tensors
-            n -= 1
+def first_samples(reader: SampleReader, n: int) -> Iterator[tuple[str, dict, dict]]:
+    """(key, meta, tensors) of the first `n` samples in manifest order (shards in order, keys in tar order), each
+    read and checked by the trainer's reader."""
+    names = [entry.shard for entry in reader.index.manifest.shards]
+    for shard, name in enumerate(names):
+        (record,) = reader.index.store.shard_records([name])
+        for key in record.keys[: max(0, n)]:
+            yield key, *reader.raw(shard, key)
+        n -= record.count
+        if n <= 0:
+            return
 
 
 def to_canvas_frames(video_bcthw: torch.Tensor) -> np.ndarray:
@@ -136,7 +136,7 @@ def source_frames(src: Path, emb: Embodiment, episode: int, window: Window, hw: 
     return torch.cat(out, dim=-1).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
-def write_sheet(path: Path, key: str, frames: np.ndarray, meta: dict, tensors: dict, prompt: str, manifest: Manifest,
+def write_sheet(path: Path, key: str, frames: np.ndarray, meta: dict, tensors: dict, prompt: str, index: ShardIndex,
                 window: Window, fps: float, source: np.ndarray | None, cameras: tuple[str, ...] = ()) -> None:
     import matplotlib
 
@@ -156,10 +156,12 @@ def write_sheet(path: Path, key: str, frames: np.ndarray, meta: dict, tensors: d
             ax.set_axis_off()
             ax.set_title(f"{label} row {window.video_rows[i]} ({window.video_rows[i] / fps:.2f} s)", fontsize=7)
     plots = grid[-1, :].subgridspec(1, 3 if pixels is not None else 2)
+    model, manifest = DiTConfig(), index.manifest
     for c, name in enumerate(("state", "action")):
         rows = window.state_rows if name == "state" else window.action_rows
-        plot_rows(fig.add_subplot(plots[0, c]), name, np.asarray(tensors[name], np.float32), rows / fps,
-                  manifest.modality_keys[name])
+        width = model.max_state_dim if name == "state" else model.action_dim
+        plot_rows(fig.add_subplot(plots[0, c]), name, torch.from_numpy(np.asarray(tensors[name], np.float32)),
+                  rows / fps, index.q01[name], index.q99[name], width, manifest.modality_keys[name])
     if pixels is not None:
         ax = fig.add_subplot(plots[0, 2])
         ax.imshow(pixels)
@@ -174,18 +176,25 @@ def write_sheet(path: Path, key: str, frames: np.ndarray, meta: dict, tensors: d
     plt.close(fig)
 
 
-def plot_rows(ax, name: str, values: np.ndarray, seconds: np.ndarray, keys: list[str]) -> None:
-    """Every dimension against time. Dimensions constant over the window (padding, a gripper at rest) are drawn grey:
-    they carry nothing this window."""
-    flat = np.ptp(values, axis=0) == 0
-    for d in range(values.shape[1]):
+def plot_rows(ax, name: str, raw: torch.Tensor, seconds: np.ndarray, q01: np.ndarray, q99: np.ndarray, width: int,
+              keys: list[str]) -> None:
+    """Every dimension against time as the trainer feeds it to the model: q99-normalized with the build's statistics,
+    clamped to [-1, 1], zero-padded to the model's width with a valid mask. Grey: masked (padding) and dims the
+    statistics leave unnormalized (q01 == q99)."""
+    values, mask = pad_with_mask(normalize_q99(raw, q01, q99), width)
+    constant = np.asarray(q01) == np.asarray(q99)
+    for d in range(raw.shape[1]):
         ax.plot(seconds, values[:, d], marker="." if name == "state" else None, lw=1,
-                color="0.75" if flat[d] else None, label=None if flat[d] else f"{d}")
-    ax.set_title(f"{name} [{values.shape[0]}x{values.shape[1]}] ({', '.join(keys)}); grey: constant", fontsize=8)
+                color="0.6" if constant[d] else None, label=f"{d}" + (" (q01 = q99)" if constant[d] else ""))
+    if not mask.all():
+        ax.plot(seconds, values[:, raw.shape[1]], color="0.8", ls="--", lw=1,
+                label=f"{raw.shape[1]}-{width - 1}: padding, masked")
+    ax.set_title(f"{name} [{raw.shape[0]}x{raw.shape[1]}] ({', '.join(keys)}), normalized, {int(mask[0].sum())} of "
+                 f"{width} dims valid", fontsize=8)
     ax.set_xlabel("seconds into the episode", fontsize=7)
+    ax.set_ylim(-1.1, 1.1)
     ax.tick_params(labelsize=6)
-    if not flat.all():
-        ax.legend(fontsize=5, ncol=4)
+    ax.legend(fontsize=5, ncol=4)
 
 
 def clip_input_image(pixels: torch.Tensor | None) -> np.ndarray | None:
