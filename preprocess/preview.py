@@ -73,7 +73,7 @@ def preview(args: Args) -> None:
         source = source_frames(args.src, emb, meta["episode"], window, frames.shape[1:3]) if args.src else None
         write_sheet(args.out / f"{key}.png", key, frames, meta, tensors, prompt, index, window, fps, source,
                     emb.cameras)
-        print(f"{args.out / key}.mp4 .png")
+        print(f"wrote {args.out / key}.mp4 and .png")
 
 
 def build_decoder(path: Path, manifest: Manifest, shards: str, device: str) -> WanVAE:

@@ -64,7 +64,8 @@ def test_preview_writes_the_decoded_window_and_a_sheet(droid_shards, droid_root,
     key, members = shard_samples(tar)[0]  # the first sample in manifest order
     vae_path = tiny_checkpoints / VAE_FILES[built["transform"]["vae_variant"]]
     done = preview(droid_shards, "--vae", vae_path, "--samples", 1, "--out", tmp_path / "out", "--src", droid_root)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0 and done.stderr == "", done.stderr  # quiet: no library warnings
+    assert done.stdout == f"wrote {tmp_path / 'out' / key}.mp4 and .png\n"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"{key}.mp4", f"{key}.png"]
 
     frames = read_mp4(tmp_path / "out" / f"{key}.mp4")
