@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from preprocess.preview import clip_input_image, to_canvas_frames
+from preprocess.preview import clip_input_image, first_samples, to_canvas_frames
 from preprocess.vae import load_vae
 from shardformat.members import decode_members
 from tests.conftest import ROOT, manifest, shard_samples
@@ -86,6 +86,22 @@ def test_preview_writes_the_decoded_window_and_a_sheet(droid_shards, droid_root,
     sheet = Image.open(tmp_path / "out" / f"{key}.png")
     sheet.load()
     assert sheet.width > 800 and sheet.height > 400
+
+
+def test_samples_are_the_first_in_manifest_order(droid_shards):
+    from train.data import SampleReader, ShardIndex
+    from train.model import DiTConfig
+
+    built = manifest(droid_shards)
+    in_order = [key for s in built["shards"] for key, _ in shard_samples(droid_shards / s["shard"])]
+    first = built["shards"][0]["count"]
+    assert len(in_order) > first + 1  # the pick below crosses a shard boundary
+    reader = SampleReader(ShardIndex(droid_shards), DiTConfig())
+    for n in (0, 1, first + 1, len(in_order) + 5):
+        picked = list(first_samples(reader, n))
+        assert [key for key, _, _ in picked] == in_order[:n]
+    key, meta, tensors = picked[-1]
+    assert meta["window_start"] == int(key.split("-s")[1][:5]) and tensors["latents"].dtype == torch.bfloat16
 
 
 def test_preview_refuses_another_vae_or_dataset_in_one_line(droid_shards, droid_root, tiny_checkpoints, tmp_path):
