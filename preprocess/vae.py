@@ -6,6 +6,7 @@ bf16 first, exactly like the reference's `VideoVAE_.encode(x, scale)` with `scal
 first-frame input `y` = [4-channel mask ; VAE([frame 0, zeros])].
 
 Loads the original Wan `.pth` files (keys renamed here) and Diffusers `vae/` folders; both are checked key by key.
+With `keep_decoder`, `decode` turns stored latents back into video as the reference decoder does (`preprocess preview`).
 """
 
 from __future__ import annotations

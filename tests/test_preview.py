@@ -127,6 +127,12 @@ def test_preview_refuses_another_vae_or_dataset_in_one_line(droid_shards, droid_
     assert not out.exists()
 
 
+def test_preview_refuses_shards_without_a_vae(tiny_shards, tiny_checkpoints, tmp_path):
+    done = preview(tiny_shards, "--vae", tiny_checkpoints / VAE_FILES["wan2.2"], "--out", tmp_path / "out")
+    assert done.returncode != 0
+    assert done.stderr.strip() == f"{tiny_shards}: the manifest records no VAE (synthetic shards): nothing to decode with"
+
+
 def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
     from preprocess.image_encoder import load_image_encoder
 
