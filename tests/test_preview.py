@@ -114,8 +114,8 @@ def test_preview_refuses_another_vae_or_dataset_in_one_line(droid_shards, droid_
     out = tmp_path / "out"
     cases = {
         ("--vae", other_vae): f"--vae {other_vae}: not the VAE {droid_shards} was built with "
-                              f"({built['encoders']['vae']['path']}, sha256 {built['encoders']['vae']['sha256'][:12]}): "
-                              "pass that file",
+                              f"({built['encoders']['vae']['path']}, sha256 "
+                              f"{built['encoders']['vae']['sha256'][:12]}): pass that file",
         ("--vae", tmp_path / "none.pth"): f"--vae {tmp_path / 'none.pth'}: not found",
         ("--vae", vae, "--src", other_src): f"--src {other_src}: not the dataset {droid_shards} was built from "
                                             f"({built['source']['root']}, fingerprint "
@@ -130,7 +130,8 @@ def test_preview_refuses_another_vae_or_dataset_in_one_line(droid_shards, droid_
 def test_preview_refuses_shards_without_a_vae(tiny_shards, tiny_checkpoints, tmp_path):
     done = preview(tiny_shards, "--vae", tiny_checkpoints / VAE_FILES["wan2.2"], "--out", tmp_path / "out")
     assert done.returncode != 0
-    assert done.stderr.strip() == f"{tiny_shards}: the manifest records no VAE (synthetic shards): nothing to decode with"
+    assert done.stderr.strip() == (f"{tiny_shards}: the manifest records no VAE (synthetic shards): nothing to "
+                                   "decode with")
 
 
 def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
