@@ -11,6 +11,7 @@ COMMANDS = {
     "stats": ("preprocess.stats", "write DreamZero's metadata.json statistics for one or more datasets"),
     "shards": ("preprocess.shards", "build WebDataset shards with precomputed encoder outputs"),
     "check": ("preprocess.check", "verify a shard directory against its manifest"),
+    "preview": ("preprocess.preview", "decode stored samples to an MP4 and a PNG sheet each, to look at a build"),
 }
 
 

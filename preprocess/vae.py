@@ -6,6 +6,7 @@ bf16 first, exactly like the reference's `VideoVAE_.encode(x, scale)` with `scal
 first-frame input `y` = [4-channel mask ; VAE([frame 0, zeros])].
 
 Loads the original Wan `.pth` files (keys renamed here) and Diffusers `vae/` folders; both are checked key by key.
+With `keep_decoder`, `decode` turns stored latents back into video as the reference decoder does (`preprocess preview`).
 """
 
 from __future__ import annotations
@@ -139,6 +140,20 @@ class WanVAE:
             mu = self.model.encode(x).latent_dist.mean[:n]
             out.append((mu - self.mean) * self.inv_std)
         return torch.cat(out)
+
+    @torch.no_grad()
+    def decode(self, latents_bcthw: torch.Tensor) -> torch.Tensor:
+        """Stored (normalized) latents -> video in [-1, 1], float32 [B, 3, 1+4(T'-1), h*s, w*s]. The reference
+        decoder's numerics: `z / (1 / std_c) + mean_c` with both constants computed in fp32 and cast to the decode
+        dtype, the causal decoder chunk by chunk, then its clamp."""
+        if self.model.decoder is None:
+            raise ValueError("this VAE was loaded without its decoder: load_vae(..., keep_decoder=True)")
+        z = latents_bcthw.to(device=self.device, dtype=self.dtype)
+        mean = torch.tensor(self.model.config.latents_mean, dtype=torch.float32)
+        inv_std = 1.0 / torch.tensor(self.model.config.latents_std, dtype=torch.float32)
+        shape = (1, -1, 1, 1, 1)
+        z = z / inv_std.to(z).view(shape) + mean.to(z).view(shape)
+        return self.model.decode(z).sample.float().clamp_(-1, 1)
 
     def compile(self, batch_size: int) -> None:
         """torch.compile the encoder (fuses the norm, activation and cache copies between its convolutions: +45 %

@@ -20,7 +20,7 @@ def unexpected(stderr: str) -> list[str]:
 
 @pytest.mark.parametrize("argv", [
     ["-m", "preprocess", "--help"],
-    *[["-m", "preprocess", command, "--help"] for command in ("shards", "check", "stats", "inspect")],
+    *[["-m", "preprocess", command, "--help"] for command in ("shards", "check", "stats", "inspect", "preview")],
     ["train/main.py", "--help"],
 ], ids=lambda argv: " ".join(argv[-2:]))
 def test_help_prints_nothing_on_stderr(argv):
