@@ -21,13 +21,14 @@ from preprocess.image_encoder import CLIP_MEAN, CLIP_STD
 from preprocess.sample_data import encode_mp4
 from preprocess.vae import WanVAE, load_vae
 from preprocess.windows import Window, window_at
+from shardformat.index import ShardIndex, ShardReader
 from shardformat.manifest import Manifest, ShardFormatError
 from shardformat.stats import normalize_q99, pad_with_mask
 from shardformat.storage import STORE_ERRORS
-from train.data import SampleReader, ShardIndex
-from train.model import DiTConfig
 
 SHEET_FRAMES = 8  # decoded frames shown per row of the sheet, evenly spaced over the window
+# the widths DreamZero's DiT zero-pads state and actions to (its max_state_dim and action_dim), with a valid mask
+PADDED_WIDTH = {"state": 64, "action": 32}
 
 
 @dataclass
@@ -65,7 +66,7 @@ def preview(args: Args) -> None:
     emb = get_embodiment(manifest.embodiment)
     fps = float(manifest.source["fps"])
     args.out.mkdir(parents=True, exist_ok=True)
-    for key, meta, tensors in first_samples(SampleReader(index, DiTConfig()), args.samples):
+    for key, meta, tensors in first_samples(ShardReader(index), args.samples):
         frames = to_canvas_frames(vae.decode(tensors["latents"][None]))[0]
         window = window_at(meta["window_start"], emb.window)
         encode_mp4(args.out / f"{key}.mp4", frames, round(fps), "h264")
@@ -103,9 +104,9 @@ def check_source(src: Path, manifest: Manifest, shards: str) -> None:
                          f"{built_from['fingerprint'][:12]}): pass that dataset")
 
 
-def first_samples(reader: SampleReader, n: int) -> Iterator[tuple[str, dict, dict]]:
+def first_samples(reader: ShardReader, n: int) -> Iterator[tuple[str, dict, dict]]:
     """(key, meta, tensors) of the first `n` samples in manifest order (shards in order, keys in tar order), each
-    read and checked by the trainer's reader."""
+    read and checked as the trainer reads them (shardformat.index)."""
     names = [entry.shard for entry in reader.index.manifest.shards]
     for shard, name in enumerate(names):
         (record,) = reader.index.store.shard_records([name])
@@ -156,10 +157,10 @@ def write_sheet(path: Path, key: str, frames: np.ndarray, meta: dict, tensors: d
             ax.set_axis_off()
             ax.set_title(f"{label} row {window.video_rows[i]} ({window.video_rows[i] / fps:.2f} s)", fontsize=7)
     plots = grid[-1, :].subgridspec(1, 3 if pixels is not None else 2)
-    model, manifest = DiTConfig(), index.manifest
+    manifest = index.manifest
     for c, name in enumerate(("state", "action")):
         rows = window.state_rows if name == "state" else window.action_rows
-        width = model.max_state_dim if name == "state" else model.action_dim
+        width = PADDED_WIDTH[name]
         plot_rows(fig.add_subplot(plots[0, c]), name, torch.from_numpy(np.asarray(tensors[name], np.float32)),
                   rows / fps, index.q01[name], index.q99[name], width, manifest.modality_keys[name])
     if pixels is not None:

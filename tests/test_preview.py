@@ -147,3 +147,10 @@ def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
     shown = clip_input_image(stored)
     assert shown.shape == image.shape and shown.dtype == np.uint8
     assert np.abs(shown.astype(int) - image).max() <= 1  # bf16 rounding
+
+
+def test_the_sheet_pads_as_the_model_does():
+    from preprocess.preview import PADDED_WIDTH
+    from train.model import DiTConfig
+
+    assert PADDED_WIDTH == {"state": DiTConfig().max_state_dim, "action": DiTConfig().action_dim}
