@@ -5,6 +5,7 @@ normalised with that set's statistics, the draws do not depend on loader workers
 resume, bad sets stop in one line, and a two-rank gloo run killed with SIGKILL resumes to the same losses and per-set
 samples while its eval-ready export holds both embodiments."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -211,6 +212,18 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+def _wait_until_free(lock: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    with open(lock, "rb") as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fcntl.flock(f, fcntl.LOCK_UN)
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the killed run's ranks still hold its directory"
+                time.sleep(0.1)
+
+
 def test_sigkilled_mixture_run_resumes_to_the_same_losses_and_samples(droid_shards, libero_shards, tmp_path):
     from train import tiny_base
 
@@ -230,6 +243,7 @@ def test_sigkilled_mixture_run_resumes_to_the_same_losses_and_samples(droid_shar
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    _wait_until_free(run_dir / ".lock")  # the ranks (own sessions) leave after their launcher, releasing the run dir
     subprocess.run(_command(droid_shards, libero_shards, run_dir, base), check=True, env=env, cwd=ROOT,
                    capture_output=True, timeout=600)
 
