@@ -153,6 +153,11 @@ class ShardReader:
         except (*STORE_ERRORS, EOFError) as err:  # a truncated file, or the object store failed
             raise ShardFormatError(f"{where}: sample {key}: unreadable: {err}") from None
         try:
-            return decode_members(members)
+            meta, tensors = decode_members(members)
         except ValueError as err:
             raise ShardFormatError(f"{where}: sample {key}: {err}") from None
+        lacking = [name for name in ("latents", self.index.manifest.image_member, "state", "action")
+                   if name not in tensors] + ([] if isinstance(meta.get("prompt_ids"), dict) else ["prompt_ids"])
+        if lacking:  # a crafted meta.json: one line here, not a KeyError where the member is used
+            raise ShardFormatError(f"{where}: sample {key}: no {', '.join(lacking)}")
+        return meta, tensors

@@ -221,3 +221,18 @@ def test_a_prompt_id_the_text_table_lacks_is_named_in_one_line(copy):
     with pytest.raises(ShardFormatError, match=re.escape(f"{copy / 'text/embeddings.safetensors'}: prompt id 'nope': "
                                                          f"File does not contain tensor nope")):
         index.text.get("nope")
+
+
+def test_a_sample_lacking_what_every_sample_holds_is_named_in_one_line(copy):
+    """A meta.json rewritten without its prompt ids (same size, CRC-32 recorded anew): one line, not a KeyError."""
+    tar, side = copy / "shard-000000.tar", copy / "shard-000000.json"
+    sample = ShardRecord.read(side).samples[0]
+    i, ref = next((i, m) for i, m in enumerate(sample.members) if m.name == "meta.json")
+    data = bytearray(tar.read_bytes())
+    meta = json.loads(bytes(data[ref.offset : ref.offset + ref.size]))
+    crafted = json.dumps({k: v for k, v in meta.items() if k != "prompt_ids"}).encode().ljust(ref.size)
+    data[ref.offset : ref.offset + ref.size] = crafted
+    tar.write_bytes(bytes(data))
+    reseal(side, lambda o: o["samples"][sample.key]["members"][i].__setitem__(3, checksum(crafted)))
+    with pytest.raises(ShardFormatError, match=f"^{re.escape(f'{tar}: sample {sample.key}: no prompt_ids')}$"):
+        SampleReader(ShardIndex(copy), preset("tiny")).raw(0, sample.key)
