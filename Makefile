@@ -54,7 +54,7 @@ demo: $(STAMP)  ## sample DROID + LIBERO datasets -> shards (tiny encoders) -> i
 	$(PY) -m preprocess check build/demo/libero
 	$(PY) scripts/make_tiny_base.py --out build/demo/base --shards build/demo/droid --also libero_sim
 	rm -rf build/demo/run
-	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 train/main.py --preset tiny \
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc-per-node=2 train/main.py --preset tiny \
 	  --data.mixture build/demo/droid=0.7 build/demo/libero=0.3 --checkpoint.dir build/demo/run --steps 30 \
 	  --metrics.interval 5 --model.init-from build/demo/base --checkpoint.export-base build/demo/base
 	$(PY) scripts/plot_metrics.py build/demo/run
@@ -69,7 +69,7 @@ shards: $(STAMP)  ## build shards: make shards DATASET={droid,libero,franka_pnp}
 	$(PY) -m preprocess shards --dataset $(DATASET) --out $(OUT) --src $(or $(SRC),$(SAMPLE_SRC)) $(if $(SRC),,$(TINY_WEIGHTS)) $(ARGS)
 
 train: $(STAMP)  ## train: make train PRESET={tiny,libero-5b,droid-5b,droid-14b} OUT=shard_dir [NPROC=n] [ARGS="..."]
-	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) train/main.py --preset $(PRESET) --data.shards $(OUT) $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) train/main.py --preset $(PRESET) --data.shards $(OUT) $(ARGS)
 
 check-shards: $(STAMP)  ## integrity check of a shard directory: make check-shards [OUT=dir]
 	$(PY) -m preprocess check $(OUT)

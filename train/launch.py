@@ -12,6 +12,7 @@ as `make train` does.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 # Options that place the run on nodes; without any, the launch is --standalone.
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import main as torchrun
 
     launcher, trainer = split_arguments(sys.argv[1:] if argv is None else argv)
+    # torchrun's own default for several processes a node, without its warning box; the environment's value wins
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torchrun([*launcher, importlib.util.find_spec("train.main").origin, *trainer])
 
 
