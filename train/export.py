@@ -2,7 +2,8 @@
 
 `export_official(model, out, base, shards)` writes a folder that DreamZero's inference server and RLinf load:
 
-    out/config.json                        the base's; DiT fields set to the trained model, full-weights flags
+    out/config.json                        the base's; what the official constructors read set to the trained DiT
+                                           and the shards' window (`eval_config`), full-weights flags
     out/model-0000i-of-0000N.safetensors   the base's shard files and index (or its one model.safetensors): every
     out/model.safetensors.index.json       `action_head.model.*` tensor is the trained one in the base's dtype,
                                            every other tensor (frozen encoders) is byte-identical to the base
@@ -242,8 +243,8 @@ def eval_config(config: dict, cfg, tags: list[str] = ()) -> dict:
     head.update(window_fields(list(tags)) | FULL_WEIGHTS)
     out.update({k: head[k] for k in ("action_dim", "action_horizon") if k in head})
     if cfg.model_type != "t2v" and cfg.image_dim != OFFICIAL_CLIP_DIM:
-        log.warning("DiT image_dim %d: the official CausalWanModel projects CLIP from %d, so its loader refuses "
-                    "img_emb.* of this model (docs/EVALUATION.md)", cfg.image_dim, OFFICIAL_CLIP_DIM)
+        log.warning("DiT image_dim %d: the official CausalWanModel projects CLIP features from %d, so the official "
+                    "loader stops at img_emb.* of this model (docs/EVALUATION.md)", cfg.image_dim, OFFICIAL_CLIP_DIM)
     return out
 
 
@@ -411,7 +412,8 @@ def export_official(model: nn.Module, out: str | Path, base: str | Path, shards:
         _write_plain(tensors, stage, DREAMZERO_PREFIX, dtype, {"format": "pt", **meta}, max_shard_bytes)
 
     def eval_files(folder: Path) -> None:
-        (folder / "config.json").write_text(json.dumps(eval_config(layout.config, model.cfg, list(metadata_json)), indent=2) + "\n")
+        config = eval_config(layout.config, model.cfg, list(metadata_json))
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (folder / "experiment_cfg").mkdir()
         shutil.copyfile(layout.root / "experiment_cfg" / "conf.yaml", folder / "experiment_cfg" / "conf.yaml")
         _write_statistics(shards, metadata_json, folder / "experiment_cfg" / "metadata.json")

@@ -57,7 +57,8 @@ class Args:
     shards: Path | None = None
     """Shard directory: the DiT fits it as the trainer's does; conf.yaml's embodiment and metadata.json come from it."""
     embodiment: str = "oxe_droid"
-    """Embodiment tag of conf.yaml when no --shards are given."""
+    """Embodiment tag of conf.yaml and of config.json's window fields (num_frames, action_horizon) when no --shards
+    are given."""
     also: tuple[str, ...] = ()
     """Further embodiment tags conf.yaml configures (the other sets of a mixture, for an eval-ready export)."""
     num_layers: int = 0
