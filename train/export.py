@@ -2,7 +2,8 @@
 
 `export_official(model, out, base, shards)` writes a folder that DreamZero's inference server and RLinf load:
 
-    out/config.json                        the base's; DiT fields set to the trained model, full-weights flags
+    out/config.json                        the base's; what the official constructors read set to the trained DiT
+                                           and the shards' window (`eval_config`), full-weights flags
     out/model-0000i-of-0000N.safetensors   the base's shard files and index (or its one model.safetensors): every
     out/model.safetensors.index.json       `action_head.model.*` tensor is the trained one in the base's dtype,
                                            every other tensor (frozen encoders) is byte-identical to the base
@@ -51,12 +52,17 @@ from train.weights import (DREAMZERO_PREFIX, WeightsError, _allowed_absent, mode
 
 log = logging.getLogger(__name__)
 
-# DiTConfig fields that are also constructor arguments of the official CausalWanModel (diffusion_model_cfg)
+# DiTConfig fields that are also constructor arguments of the official CausalWanModel (diffusion_model_cfg): every
+# width it builds a tensor from, so an absent one is not silently the official default (action_dim 32, max_state_dim
+# 64, hidden_size 1024, text_dim 4096) while the trained tensors have another
 DIT_FIELDS = ("model_type", "dim", "in_dim", "ffn_dim", "out_dim", "freq_dim", "eps", "num_heads", "num_layers",
-              "frame_seqlen", "max_chunk_size", "num_frame_per_block", "num_action_per_block", "num_state_per_block")
+              "frame_seqlen", "max_chunk_size", "num_frame_per_block", "num_action_per_block", "num_state_per_block",
+              "text_len", "text_dim", "action_dim", "max_state_dim", "hidden_size")
 # action-head config fields fixed by the DiT -> the DiTConfig field they equal
 HEAD_FIELDS = {"action_dim": "action_dim", "max_action_dim": "action_dim", "max_state_dim": "max_state_dim",
                "num_frame_per_block": "num_frame_per_block"}
+# the official CausalWanModel projects CLIP features from this width whatever its config says
+OFFICIAL_CLIP_DIM = 1280
 # the DiT comes from the checkpoint, fully fine-tuned (no PEFT wrapping, no base Wan weights read first)
 FULL_WEIGHTS = {"skip_component_loading": True, "defer_lora_injection": False, "train_architecture": "full"}
 # every name an export folder can hold: replacing a folder with any other file in it is refused, not done
@@ -211,13 +217,34 @@ def _targets(obj) -> list[str]:
     return []
 
 
-def eval_config(config: dict, cfg) -> dict:
-    """`config` (a base's config.json) describing the trained DiT `cfg`, weights loaded in full from the folder."""
+def diffusion_model_fields(cfg) -> dict:
+    """diffusion_model_cfg entries for the DiT `cfg`. Only 'i2v' concatenates the first-frame latent y to the
+    latents; the official default (true) would concatenate it for 'ti2v' too and widen the patch conv."""
+    return {f: getattr(cfg, f) for f in DIT_FIELDS} | {"concat_first_frame_latent": cfg.model_type == "i2v"}
+
+
+def window_fields(tags: list[str]) -> dict:
+    """Action-head fields set by the embodiments' window (video frames into the VAE, actions per chunk) on which
+    every tag agrees; a field they disagree on is left as the base has it (the official head has one value)."""
+    from preprocess.embodiments import get_embodiment
+
+    windows = [get_embodiment(tag).window for tag in tags]
+    fields = {"num_frames": {w.num_frames for w in windows}, "action_horizon": {w.action_horizon for w in windows}}
+    return {k: v.pop() for k, v in fields.items() if len(v) == 1}
+
+
+def eval_config(config: dict, cfg, tags: list[str] = ()) -> dict:
+    """`config` (a base's config.json) describing the trained DiT `cfg` and the embodiments `tags` it trained on
+    (`window_fields`), weights loaded in full from the folder."""
     out = json.loads(json.dumps(config))
     head = out["action_head_cfg"]["config"]
-    head["diffusion_model_cfg"].update({f: getattr(cfg, f) for f in DIT_FIELDS})
-    head.update({k: getattr(cfg, f) for k, f in HEAD_FIELDS.items() if k in head})
-    head.update(FULL_WEIGHTS)
+    head["diffusion_model_cfg"].update(diffusion_model_fields(cfg))
+    head.update({k: getattr(cfg, f) for k, f in HEAD_FIELDS.items()})
+    head.update(window_fields(list(tags)) | FULL_WEIGHTS)
+    out.update({k: head[k] for k in ("action_dim", "action_horizon") if k in head})
+    if cfg.model_type != "t2v" and cfg.image_dim != OFFICIAL_CLIP_DIM:
+        log.warning("DiT image_dim %d: the official CausalWanModel projects CLIP features from %d, so the official "
+                    "loader stops at img_emb.* of this model (docs/EVALUATION.md)", cfg.image_dim, OFFICIAL_CLIP_DIM)
     return out
 
 
@@ -385,7 +412,8 @@ def export_official(model: nn.Module, out: str | Path, base: str | Path, shards:
         _write_plain(tensors, stage, DREAMZERO_PREFIX, dtype, {"format": "pt", **meta}, max_shard_bytes)
 
     def eval_files(folder: Path) -> None:
-        (folder / "config.json").write_text(json.dumps(eval_config(layout.config, model.cfg), indent=2) + "\n")
+        config = eval_config(layout.config, model.cfg, list(metadata_json))
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (folder / "experiment_cfg").mkdir()
         shutil.copyfile(layout.root / "experiment_cfg" / "conf.yaml", folder / "experiment_cfg" / "conf.yaml")
         _write_statistics(shards, metadata_json, folder / "experiment_cfg" / "metadata.json")

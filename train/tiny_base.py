@@ -1,7 +1,8 @@
 """A random-weight DreamZero checkpoint folder in the official layout, for `--model.init-from` and
 `--checkpoint.export-base` in tests, `make demo` and the load benchmark. CLI: scripts/make_tiny_base.py.
 
-out/config.json                          VLAConfig-shaped: diffusion_model_cfg of the DiT, encoder paths, load flags
+out/config.json                          VLAConfig-shaped: every field the official constructors read
+                                         (diffusion_model_cfg of the DiT, window), encoder paths, load flags
 out/model-0000i-of-0000N.safetensors     action_head.model.* (the DiT), then tiny stand-ins for the frozen encoders
 out/model.safetensors.index.json         (action_head.{text_encoder,image_encoder,vae}.*: bf16, fp32, a 0-d
                                          log_scale), cut into files of at most --max-shard-mb as transformers does
@@ -29,7 +30,7 @@ from safetensors.torch import save_file
 
 from preprocess.embodiments import get_embodiment
 from train.config import Config, DataConfig, ModelConfig
-from train.export import DIT_FIELDS, shard_statistics
+from train.export import eval_config, shard_statistics
 from train.main import model_config
 from train.model import CausalWanModel, DiTConfig, preset
 from train.weights import DREAMZERO_PREFIX, shard_file_names, shard_groups, write_index
@@ -56,7 +57,8 @@ class Args:
     shards: Path | None = None
     """Shard directory: the DiT fits it as the trainer's does; conf.yaml's embodiment and metadata.json come from it."""
     embodiment: str = "oxe_droid"
-    """Embodiment tag of conf.yaml when no --shards are given."""
+    """Embodiment tag of conf.yaml and of config.json's window fields (num_frames, action_horizon) when no --shards
+    are given."""
     also: tuple[str, ...] = ()
     """Further embodiment tags conf.yaml configures (the other sets of a mixture, for an eval-ready export)."""
     num_layers: int = 0
@@ -75,8 +77,9 @@ def dit_config(args: Args) -> DiTConfig:
     return replace(cfg, num_layers=args.num_layers) if args.num_layers else cfg
 
 
-def official_config(cfg: DiTConfig) -> dict:
-    """config.json as VLA.save_pretrained writes it, reduced to the fields the loaders read."""
+def official_config(cfg: DiTConfig, tags: list[str]) -> dict:
+    """config.json as VLA.save_pretrained writes it, reduced to the fields the loaders read, for the DiT `cfg`
+    trained on embodiments `tags` (the DiT and window fields as an export writes them, `eval_config`)."""
     wan = "Wan2.2-TI2V-5B" if cfg.model_type == "ti2v" else "Wan2.1-I2V-14B-480P"
     vae = ({"_target_": f"{GROOT}.modules.wan_video_vae.WanVideoVAE38", "z_dim": 48, "dim": 160,
             "vae_pretrained_path": f"{wan}/Wan2.2_VAE.pth"} if cfg.model_type == "ti2v" else
@@ -84,21 +87,19 @@ def official_config(cfg: DiTConfig) -> dict:
     head = {
         "_target_": f"{GROOT}.action_head.wan_flow_matching_action_tf.WANPolicyHeadConfig", "_recursive_": False,
         "diffusion_model_cfg": {"_target_": f"{GROOT}.modules.wan_video_dit_action_casual_chunk.CausalWanModel",
-                                **{f: getattr(cfg, f) for f in DIT_FIELDS}, "diffusion_model_pretrained_path": wan},
+                                "diffusion_model_pretrained_path": wan},
         "text_encoder_cfg": {"_target_": f"{GROOT}.modules.wan_video_text_encoder.WanTextEncoder",
                              "text_encoder_pretrained_path": f"{wan}/models_t5_umt5-xxl-enc-bf16.pth"},
         "image_encoder_cfg": {"_target_": f"{GROOT}.modules.wan_video_image_encoder.WanImageEncoder",
                               "image_encoder_pretrained_path":
                                   f"{wan}/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"},
         "vae_cfg": vae,
-        "skip_component_loading": True, "train_architecture": "full", "defer_lora_injection": False,
-        "action_dim": cfg.action_dim, "max_action_dim": cfg.action_dim, "max_state_dim": cfg.max_state_dim,
-        "num_frame_per_block": cfg.num_frame_per_block,
     }
-    return {"model_type": "vla", "architectures": ["VLA"], "model_dtype": "bfloat16", "action_dim": cfg.action_dim,
-            "backbone_cfg": {"_target_": f"{GROOT}.backbone.identity.IdentityBackbone"},
-            "action_head_cfg": {"_target_": f"{GROOT}.action_head.wan_flow_matching_action_tf.WANPolicyHead",
-                                "_convert_": "object", "config": head}}
+    config = {"model_type": "vla", "architectures": ["VLA"], "model_dtype": "bfloat16",
+              "backbone_cfg": {"_target_": f"{GROOT}.backbone.identity.IdentityBackbone"},
+              "action_head_cfg": {"_target_": f"{GROOT}.action_head.wan_flow_matching_action_tf.WANPolicyHead",
+                                  "_convert_": "object", "config": head}}
+    return eval_config(config, cfg, tags)
 
 
 def official_conf(tag: str, cfg: DiTConfig) -> dict:
@@ -168,7 +169,8 @@ def write_base(args: Args) -> Path:
     if args.shards is not None:
         statistics, tag = shard_statistics(args.shards)
         shutil.copyfile(statistics, args.out / "experiment_cfg" / "metadata.json")
-    (args.out / "config.json").write_text(json.dumps(official_config(cfg), indent=2) + "\n")
+    # the primary embodiment's window: a mixture's differ in action_horizon, and the official head has one
+    (args.out / "config.json").write_text(json.dumps(official_config(cfg, [tag]), indent=2) + "\n")
     conf = json.loads(json.dumps(official_conf(tag, cfg)))  # distinct lists: no YAML anchors
     for other in args.also:
         extra = json.loads(json.dumps(official_conf(other, cfg)))
