@@ -19,19 +19,18 @@ inputs. Any other file at those names is foreign: the run refuses to start, nami
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import re
-import stat
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from preprocess.write import WORK_DIR
-from shardformat.files import atomic_write_json, fsync_dir, is_temporary, sha256_file, temporary_path
+from shardformat.files import (atomic_write_json, fsync_dir, is_temporary, lock_directory, sha256_file,
+                               temporary_path)
 from shardformat.manifest import MANIFEST, WIDS_INDEX, ShardFormatError, parse_sealed_json
 from shardformat.storage import INPUTS
 from shardformat.text import PROMPTS, TABLE
@@ -51,27 +50,9 @@ NUMBERED = re.compile(rf"(shard|{WORK_DIR}/unit)-\d{{6,}}\.(tar|json)")  # SHARD
 
 @contextmanager
 def hold(out: Path, shared: bool = False) -> Iterator[None]:
-    """Lock OUT for the block; exit with a clear message if another run holds it. The lock file is never a link
-    (a planted one would make this truncate the file it points to) nor anything but a plain file of its own."""
-    lock = out / LOCK
+    """Lock OUT for the block (shardformat.files.lock_directory); exit with a clear message if another run holds it."""
+    fd = lock_directory(out / LOCK, "run", "use another --out", shared)
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as err:
-        why = "a symbolic link" if os.path.islink(lock) else err.strerror
-        raise SystemExit(f"{lock}: cannot be the lock file ({why}): remove it, or use another --out") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
-            raise SystemExit(f"{lock}: not a plain file of its own (a device, pipe or hard link): remove it, or use "
-                             f"another --out")
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode().strip()
-            raise SystemExit(f"{out} is in use by another run (pid {holder}): wait for it to end, or use another "
-                             f"--out") from None
-        os.ftruncate(fd, 0)  # every holder names itself: the pid shown is a run that holds OUT now
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)

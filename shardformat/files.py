@@ -1,4 +1,4 @@
-"""Durable file writes and hashing: a file becomes visible only complete, under its final name.
+"""Durable file writes, hashing and directory locks: a file becomes visible only complete, under its final name.
 
 Every write goes to a hidden temporary name unique to the writing process (`.<name>.wampipe-<pid>-<random>.tmp`,
 so two processes racing on one path never share a temporary file), is fsynced, renamed over the target, and the
@@ -8,11 +8,13 @@ own hidden files: cleanups delete only names that `is_temporary` accepts.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import secrets
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -76,3 +78,33 @@ def canonical_json(obj) -> bytes:
 
 def atomic_write_json(path: Path | str, obj) -> None:
     atomic_write_bytes(path, canonical_json(obj))
+
+
+def lock_directory(lock: Path, what: str, instead: str, shared: bool = False) -> int:
+    """Lock the directory of the file `lock` for this process: an flock (shared, for the array jobs of one build) on
+    `lock`, which then names this process's pid; the returned descriptor holds it until closed (or the process ends,
+    however it ends). The lock file is never a link (a planted one would make this truncate the file it points to)
+    nor anything but a plain file of its own. SystemExit in one line where it cannot be the lock, or another `what`
+    holds it; both name `instead`, what to do otherwise."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        why = "a symbolic link" if os.path.islink(lock) else err.strerror
+        raise SystemExit(f"{lock}: cannot be the lock file ({why}): remove it, or {instead}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise SystemExit(f"{lock}: not a plain file of its own (a device, pipe or hard link): remove it, or "
+                             f"{instead}")
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            raise SystemExit(f"{lock.parent} is in use by another {what} (pid {holder}): wait for it to end, or "
+                             f"{instead}") from None
+        os.ftruncate(fd, 0)  # every holder names itself: the pid shown is a process that holds the directory now
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise

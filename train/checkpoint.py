@@ -24,7 +24,6 @@ load as plain data (torch.load weights_only).
 
 from __future__ import annotations
 
-import fcntl
 import io
 import json
 import os
@@ -48,7 +47,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from shardformat.files import atomic_write_bytes
+from shardformat.files import atomic_write_bytes, lock_directory
 from train.config import CheckpointConfig
 from train.lora import lora_fields
 
@@ -93,7 +92,7 @@ def claim_run_dir(cfg: CheckpointConfig) -> None:
     if dist.get_rank() == 0:
         try:
             _held_locks.append(_claim(Path(cfg.dir), cfg.export))
-        except RunError as e:
+        except SystemExit as e:  # RunError, or the lock's own one line
             error = str(e.code)
         except OSError as e:
             error = f"{cfg.dir}: cannot claim the run directory ({e}): pass another --checkpoint.dir"
@@ -115,16 +114,7 @@ def _claim(root: Path, export: bool) -> int:
     if foreign:
         raise RunError(f"{root / 'export'} holds {', '.join(foreign[:5])}, which no export writes: the export would "
                        f"replace the folder, so move them out of it (or pass --checkpoint.no-export)")
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise RunError(f"{root} is in use by another training run (pid {holder}): wait for it to end, or pass another "
-                       f"--checkpoint.dir") from None
-    os.ftruncate(fd, 0)  # every holder names itself: the pid shown is a run that holds the directory now
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    fd = lock_directory(root / LOCK, "training run", "pass another --checkpoint.dir")
     if not marked:
         atomic_write_bytes(root / MARKER, b"a wampipe training run directory: the trainer writes and deletes only "
                                           b"the files it names here (docs/TRAINING.md)\n")
