@@ -163,7 +163,8 @@ def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, w
     """The first of `_candidates` estimated to fit `world` GPUs of `gpu_gib`, with a line saying so; else
     SystemExit with one line naming what would fit (LoRA, the host offload, more GPUs of this size)."""
     p = cfg.parallel
-    given = {"ac": None if auto["ac"] else p.activation_checkpoint, "micro": None if auto["micro"] else cfg.data.micro_batch_size,
+    given = {"ac": None if auto["ac"] else p.activation_checkpoint,
+             "micro": None if auto["micro"] else cfg.data.micro_batch_size,
              "reshard": None if auto["reshard"] else p.reshard_after_forward,
              "reduce_every": None if auto["reduce"] else p.reduce_every_micro_batch}
     setting = replace(setting, **{k: v for k, v in given.items() if v is not None})
@@ -171,22 +172,23 @@ def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, w
         plan = _plan(candidate, cfg, world, p.cpu_offload)
         if fits(size, plan, gpu_gib):
             return candidate, f"estimated to fit, {_gib(size, plan)} of {gpu_gib:.0f} (train/memory.py)"
-    plan = _plan(candidate, cfg, world, p.cpu_offload)
-    need = estimate(size, plan)
+    need = estimate(size, plan)  # the last candidate's: what trades the most for memory
     options = []
     if not cfg.lora.rank:
         lora = recipe_size(cfg.model.name, LoRAConfig(rank=16), cfg.model.num_layers)
-        if fits(lora, _plan(setting, cfg, world, p.cpu_offload), gpu_gib):
-            options.append(f"--lora.rank 16 ({_gib(lora, _plan(setting, cfg, world, p.cpu_offload))})")
-    if not p.cpu_offload and p.float8 == "none" and fits(size, _plan(setting, cfg, world, True), gpu_gib):
-        offloaded = _gib(size, _plan(setting, cfg, world, True))
-        options.append(f"--parallel.cpu-offload ({offloaded} per GPU, the fp32 state's {16 * size.params / 1e9:.0f} GB "
-                       f"and more in host memory)")
-    more = next((n for n in (2, 4, 8, 16, 32, 64) if n > world and fits(size, _plan(candidate, cfg, n, p.cpu_offload), gpu_gib)), None)
+        as_given = _plan(setting, cfg, world, p.cpu_offload)
+        if fits(lora, as_given, gpu_gib):
+            options.append(f"--lora.rank 16 ({_gib(lora, as_given)})")
+    offloaded = _plan(setting, cfg, world, True)
+    if not p.cpu_offload and p.float8 == "none" and fits(size, offloaded, gpu_gib):
+        options.append(f"--parallel.cpu-offload ({_gib(size, offloaded)} per GPU, the fp32 state's "
+                       f"{16 * size.params / 1e9:.0f} GB and more in host memory)")
+    more = next((n for n in (2, 4, 8, 16, 32, 64)
+                 if n > world and fits(size, _plan(candidate, cfg, n, p.cpu_offload), gpu_gib)), None)
     if more:
         options.append(f"{more} GPUs of this size")
     gpus = f"{world} GPU{'s' if world > 1 else ''} of {gpu_gib:.0f} GiB"
-    raise SystemExit(f"{cfg.preset} does not fit {gpus}: even {candidate.describe()} needs {_gib(size, plan)} per GPU "
-                     f"({(need.state + need.gradients) / GIB:.0f} GiB of fp32 state); "
-                     + (f"would fit: {', '.join(options)}" if options else "neither LoRA, the host offload nor up to 64 "
-                        "such GPUs would fit it"))
+    raise SystemExit(f"{cfg.preset} does not fit {gpus}: even {candidate.describe()} needs ~{need.gib:.0f} GiB per "
+                     f"GPU ({(need.state + need.gradients) / GIB:.0f} GiB of fp32 state); "
+                     + (f"would fit: {', '.join(options)}" if options
+                        else "neither LoRA, the host offload nor up to 64 such GPUs would fit it"))
