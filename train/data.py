@@ -75,6 +75,8 @@ class SetDraws:
     def __init__(self, probs: Sequence[float], seed: int, rank: int):
         self.probs, self.seed, self.rank = np.asarray(probs, np.float64), seed, rank
         self.block = lru_cache(maxsize=4)(self._draw)
+        # a whole block's counts, kept: counting up to a late batch (metrics, a resume) draws each block once
+        self.block_counts = lru_cache(maxsize=None)(lambda b: np.bincount(self._draw(b), minlength=len(self.probs)))
 
     def _draw(self, block: int) -> np.ndarray:
         if len(self.probs) == 1:
@@ -89,7 +91,7 @@ class SetDraws:
         """Batches of each set among g < stop."""
         full, rest = divmod(stop, self.BLOCK)
         n = len(self.probs)
-        total = sum((np.bincount(self._draw(b), minlength=n) for b in range(full)), np.zeros(n, np.int64))
+        total = sum((self.block_counts(b) for b in range(full)), np.zeros(n, np.int64))
         return total + np.bincount(self.block(full)[:rest], minlength=n)
 
 
@@ -318,6 +320,7 @@ class ShardLoader:
                     raise SystemExit(f"{s.shards}: {name} has {index.q01[name].size} dims, more than the model's "
                                      f"{width} ({'max_state_dim' if name == 'state' else 'action_dim'})")
         self.probs = set_probabilities(self.sets, self.epoch_lengths, cfg.mixture_weighting)
+        self.draws = SetDraws(self.probs, cfg.seed, rank)  # the main process's, for samples_seen
         self.batches_per_epoch = batches_per_epoch(self.epoch_length, world_size, cfg.micro_batch_size)
         self.next_batch = 0
         self.wait_s = 0.0
@@ -328,7 +331,7 @@ class ShardLoader:
 
     def samples_seen(self) -> np.ndarray:
         """Samples this rank has taken from each set: a function of the batch position, so exact after a resume."""
-        return SetDraws(self.probs, self.cfg.seed, self.rank).counts(self.next_batch) * self.cfg.micro_batch_size
+        return self.draws.counts(self.next_batch) * self.cfg.micro_batch_size
 
     def mixture(self) -> list | None:
         """[shards, weight, windows, visits per epoch] of each set, with the weighting; None without --data.mixture."""
