@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help="trainer preset (train/config.py) and synthetic sample shapes")
     p.add_argument("--float8", choices=["tensorwise", "rowwise", "none"], default="tensorwise",
                    help="recipe of the second run (none: bf16 twice, the run-to-run floor)")
+    p.add_argument("--moments", choices=["fp32", "bf16"], default="fp32",
+                   help="--optim.moments of the second run (bf16: AdamW's moments stored in bf16)")
     p.add_argument("--nproc", type=int, default=1, help="trainer processes (GPUs) on this host")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps of each run")
     p.add_argument("--micro-batch", type=int, default=None, help="samples per rank per fwd/bwd (default: preset's)")
@@ -87,11 +89,13 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="fp8_parity-")) if args.out is None else args.out
     work.mkdir(parents=True, exist_ok=True)
     shards = args.shards or work / "shards"
-    label = args.float8 if args.float8 != "none" else "bf16 again"
-    runs = {"bf16": ("none", work / "run-bf16"), label: (args.float8, work / f"run-{label.replace(' ', '-')}")}
+    label = " ".join([args.float8] * (args.float8 != "none") + [f"{args.moments}-moments"] * (args.moments != "fp32"))
+    label = label or "bf16 again"
+    runs = {"bf16": ("none", "fp32", work / "run-bf16"),
+            label: (args.float8, args.moments, work / f"run-{label.replace(' ', '-')}")}
     argvs = {name: bench.trainer_argv(args, shards, run_dir, ["--metrics.interval", "1", *extra,
-                                                               "--parallel.float8", mode])
-             for name, (mode, run_dir) in runs.items()}
+                                                               "--parallel.float8", mode, "--optim.moments", moments])
+             for name, (mode, moments, run_dir) in runs.items()}
     cfg = parse_trainer_args(argvs["bf16"])
     device = bench.trainer_device(cfg)
     check_float8(args.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
         windows = min(args.steps * global_batch + ahead, max(args.max_windows, micro * args.nproc))
         bench.write_shards(cfg, args.preset, shards, windows)
         curves, rates = {}, {}
-        for name, (_, run_dir) in runs.items():
+        for name, (_, _, run_dir) in runs.items():
             if run_dir.exists():
                 shutil.rmtree(run_dir)
             bench.run_trainer(args, argvs[name], run_dir)
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     stats = compare(curves["bf16"], curves[label])
     parity = stats["ratio"] is not None and stats["ratio"] <= args.max_ratio
     result = bench.emit({
-        "check": "fp8_parity", "preset": args.preset, "float8": args.float8, "world_size": args.nproc,
+        "check": "fp8_parity", "preset": args.preset, "float8": args.float8, "moments": args.moments, "world_size": args.nproc,
         "steps": args.steps, "micro_batch": micro, "global_batch": global_batch, "trainer_extra": extra, **stats,
         "max_ratio": args.max_ratio, "parity": parity, "samples_per_s_per_gpu_bf16": rates["bf16"],
         "samples_per_s_per_gpu_other": rates[label], "loss_bf16": curves["bf16"], "loss_other": curves[label],

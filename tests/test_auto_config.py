@@ -118,9 +118,12 @@ def test_float8_runs_take_the_settings_measured_with_float8_then_the_bf16_ones(t
     # no float8 entry for libero-5b: its bf16 measurement (float8 took no more memory where both were measured)
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8), H100, 4)
     assert _mix(cfg) == ("selective", -1, "none", True, 8) and "measured 14.34" in line
-    # nothing measured fits 4 H100 for the 14B, with or without float8, nor is estimated to: refused
+    # the 14B on 4 H100, with or without float8, fits only with bf16 moments (measured without float8): refused
+    # with fp32 ones
+    cfg, line = resolve_auto(_cfg(tmp_path, *fp8, preset="droid-14b"), H100, 4)
+    assert cfg.optim.moments == "bf16" and "measured 0.251" in line
     with pytest.raises(SystemExit, match="droid-14b does not fit 4 GPUs of 79 GiB"):
-        resolve_auto(_cfg(tmp_path, *fp8, preset="droid-14b"), H100, 4)
+        resolve_auto(_cfg(tmp_path, *fp8, "--optim.moments", "fp32", preset="droid-14b"), H100, 4)
 
 
 def test_the_recompute_mix_and_gradient_reduction_given_are_kept(tmp_path):
@@ -143,12 +146,13 @@ def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_p
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", preset="droid-14b"), H100, 4)
     assert _mix(cfg) == ("full", -1, "none", True, 2) and cfg.parallel.reshard_after_forward is False
     assert "measured 0.13 samples/s/GPU at 59.9 GiB on 4 H100" in line
+    fp32 = ("--optim.moments", "fp32")
     with pytest.raises(SystemExit) as refusal:
-        resolve_auto(_cfg(tmp_path, preset="droid-14b"), H100, 4)
+        resolve_auto(_cfg(tmp_path, *fp32, preset="droid-14b"), H100, 4)
     assert "--parallel.cpu-offload (~19 GiB per GPU" in str(refusal.value.code)
     # ... but not to a float8 run, which cannot offload
     with pytest.raises(SystemExit) as refusal:
-        resolve_auto(_cfg(tmp_path, "--parallel.float8", "tensorwise", preset="droid-14b"), H100, 4)
+        resolve_auto(_cfg(tmp_path, *fp32, "--parallel.float8", "tensorwise", preset="droid-14b"), H100, 4)
     assert "cpu-offload" not in str(refusal.value.code)
     # the offloaded setting is never chosen for a run without the offload, however large its GPUs
     cfg, _ = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4)

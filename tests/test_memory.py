@@ -21,6 +21,8 @@ MEASURED_PEAKS = [
     ("droid-14b", 0, Plan("full", 1, True, True, 2, 4, ac_blocks=14, ac_others="selective"), 127.9),  # 4 H200
     ("droid-14b", 0, Plan("full", 1, True, True, 2, 4, cpu_offload=True), 18.3),  # 4 H100, state in host memory
     ("droid-14b", 0, Plan("full", 2, False, True, 1, 4, cpu_offload=True), 59.9),  # 4 H100, state in host memory
+    ("droid-14b", 0, Plan("full", 1, True, True, 2, 4, moment_bytes=4), 65.1),  # 4 H200, bf16 moments
+    ("droid-14b", 0, Plan("full", 1, True, True, 4, 2, moment_bytes=4), 110.6),  # 2 H200, bf16 moments
     ("libero-5b", 16, Plan("full", 32, True, False, 8, 1), 39.9),  # 1 H100, LoRA rank 16
     ("libero-5b", 0, Plan("selective", 8, False, False, 16, 2), 86.4),  # 2 H200
     ("libero-5b", 0, Plan("full", 32, True, True, 1, 1, cpu_offload=True), 17.2),  # 1 H100, state in host memory
@@ -47,19 +49,36 @@ def _cfg(tmp_path, preset, *flags):
     return parse_args(["--preset", preset, "--data.shards", str(tmp_path), *flags])
 
 
-@pytest.mark.parametrize("preset, gib, gpus, options", [
-    ("libero-5b", H100, 1, ["--lora.rank 16 (~39 GiB)", "--parallel.cpu-offload (~18 GiB per GPU", "2 GPUs"]),
-    ("droid-5b", H100, 1, ["--lora.rank 16", "--parallel.cpu-offload", "2 GPUs"]),
-    ("droid-14b", H100, 4, ["--lora.rank 16", "--parallel.cpu-offload", "8 GPUs"]),
-    ("droid-14b", H200, 2, ["--lora.rank 16", "--parallel.cpu-offload", "4 GPUs"]),
-    ("droid-14b", H200, 1, ["--lora.rank 16", "--parallel.cpu-offload", "4 GPUs"]),
+@pytest.mark.parametrize("preset, gib, gpus, flags, options", [
+    ("libero-5b", H100, 1, ["--optim.moments", "fp32"],
+     ["--optim.moments bf16 (~", "--lora.rank 16 (~39 GiB)", "--parallel.cpu-offload (~18 GiB per GPU", "2 GPUs"]),
+    ("droid-5b", H100, 1, ["--optim.moments", "fp32"], ["--optim.moments bf16", "--lora.rank 16", "2 GPUs"]),
+    ("droid-14b", H100, 4, ["--optim.moments", "fp32"], ["--optim.moments bf16", "--lora.rank 16", "8 GPUs"]),
+    ("droid-14b", H100, 2, [], ["--lora.rank 16", "--parallel.cpu-offload", "4 GPUs"]),
+    ("droid-14b", H200, 1, [], ["--lora.rank 16", "--parallel.cpu-offload", "2 GPUs"]),
 ])
-def test_what_cannot_fit_is_refused_in_one_line_naming_what_would(tmp_path, preset, gib, gpus, options):
+def test_what_cannot_fit_is_refused_in_one_line_naming_what_would(tmp_path, preset, gib, gpus, flags, options):
     with pytest.raises(SystemExit) as refusal:
-        resolve_auto(_cfg(tmp_path, preset), gib, gpus)
+        resolve_auto(_cfg(tmp_path, preset, *flags), gib, gpus)
     line = str(refusal.value.code)
     assert line.startswith(f"{preset} does not fit {gpus} GPU") and "\n" not in line
-    assert "of fp32 state" in line and all(option in line for option in options)
+    assert "of weights, moments and gradients" in line and all(option in line for option in options)
+
+
+@pytest.mark.parametrize("preset, gib, gpus, how", [
+    ("libero-5b", H100, 1, "estimated to fit, ~74 GiB"),  # full fine-tuning on one 80 GB card
+    ("droid-5b", H100, 1, "estimated to fit"),
+    ("droid-14b", H100, 4, "measured 0.251"),  # the measured bf16-moment entry
+    ("droid-14b", H200, 2, "estimated to fit, ~110 GiB"),  # measured: 110.6 GiB
+])
+def test_bf16_moments_are_chosen_only_where_fp32_ones_do_not_fit(tmp_path, preset, gib, gpus, how):
+    cfg, line = resolve_auto(_cfg(tmp_path, preset), gib, gpus)
+    assert cfg.optim.moments == "bf16" and "bf16 AdamW moments" in line and how in line
+    # where fp32 moments fit, they stay; a given choice is kept
+    cfg, _ = resolve_auto(_cfg(tmp_path, preset), H200, 8)
+    assert cfg.optim.moments == "fp32"
+    cfg, _ = resolve_auto(_cfg(tmp_path, preset, "--optim.moments", "bf16"), H200, 8)
+    assert cfg.optim.moments == "bf16"
 
 
 @pytest.mark.parametrize("preset, gib, gpus, flags", [

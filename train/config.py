@@ -164,8 +164,11 @@ class OptimConfig:
     skip_nonfinite: int = 0
     """Optimizer steps with a non-finite loss or gradient norm to skip over the whole run (the step's batches are
     dropped with a warning naming their samples); 0 = stop at the first (exit 1, nothing saved)."""
+    moments: Literal["auto", "fp32", "bf16"] = "auto"
+    """Storage of AdamW's two moments: fp32, or bf16 rounded stochastically (half their memory; loss parity in
+    docs/TRAINING.md). auto = fp32 unless the GPUs fit the run only with bf16 moments (the 14B on 80 GB cards)."""
     fused: bool | None = None
-    """Fused AdamW kernel; None = on for CUDA and for host-offloaded state (--parallel.cpu-offload: on the CPU it
+    """Fused AdamW kernel (fp32 moments only); None = on for CUDA and for host-offloaded state (--parallel.cpu-offload: on the CPU it
     steps ~14x faster than the unfused one)."""
 
 
@@ -316,6 +319,7 @@ class Throughput:
     ac_others: str = "none"
     reduce_every: bool = False  # --parallel.reduce-every-micro-batch
     gather_once: bool = False  # --parallel.gather-once-per-step (only without resharding after forward)
+    moments: str = "fp32"  # --optim.moments
 
     def describe(self) -> str:
         recompute = "no recompute" if self.ac == "none" else f"{self.ac} recompute"
@@ -324,8 +328,9 @@ class Throughput:
             recompute += f" on {self.ac_blocks} blocks ({others} on the others)"
         reduce = ", gradients reduced every micro-batch" if self.reduce_every else ""
         once = ", parameters gathered once per step" if self.gather_once else ""
+        moments = ", bf16 AdamW moments" if self.moments == "bf16" else ""
         return (f"{recompute}, micro-batch {self.micro}, {'' if self.reshard else 'no '}reshard after forward"
-                f"{reduce}{once}")
+                f"{reduce}{once}{moments}")
 
 
 @dataclass(frozen=True)
@@ -346,7 +351,7 @@ class Measured:
 def _measured(name: str, entry: dict) -> Measured:
     setting = Throughput(entry["ac"], entry["micro"], entry["reshard"], entry.get("ac_blocks", -1),
                          entry.get("ac_others", "none"), entry.get("reduce_every", False),
-                         entry.get("gather_once", False))
+                         entry.get("gather_once", False), entry.get("moments", "fp32"))
     return Measured(name, entry["min_gpus"], entry["min_gib"], setting, entry["evidence"], entry.get("float8", "none"),
                     entry.get("cpu_offload", False))
 
@@ -404,12 +409,17 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     auto = {"ac": p.activation_checkpoint == "auto", "micro": d.micro_batch_size == AUTO_MICRO,
             "reshard": p.reshard_after_forward is None, "reduce": p.reduce_every_micro_batch is None,
             "once": p.gather_once_per_step is None}
+    moments = cfg.optim.moments
     if not any(auto.values()):
-        return cfg, None
+        return cfg, None  # --optim.moments auto stays fp32
+    # a setting measured with fp32 moments fits bf16 ones too; one measured with bf16 moments needs them
     on_gpus = [m for m in MEASURED if m.preset == cfg.preset and gpu_mem_gib is not None
-               and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib and m.float8 in (p.float8, "none")]
+               and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib and m.float8 in (p.float8, "none")
+               and moments in ("auto", m.setting.moments, "bf16" if m.setting.moments == "fp32" else "")]
     # an offloaded setting fits only offloaded runs; an offloaded run fits any, its own kind first
-    fits = [m for m in on_gpus if m.cpu_offload == p.cpu_offload]
+    fits = [m for m in on_gpus if m.cpu_offload == p.cpu_offload
+            and (m.setting.moments == "fp32" or moments == "bf16"
+                 or not memory.fits_fp32_moments(cfg, m.setting, gpu_mem_gib, world_size))]
     # an offloaded run takes only settings measured offloaded: the others' small micro-batches each copy every
     # gradient to host memory (32 a step for libero-5b's one-H200 entry: no step within 8 minutes); without one,
     # the memory model sizes it (largest micro-batch first)
@@ -442,9 +452,11 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
         out.parallel.gather_once_per_step = chosen.gather_once and out.parallel.reshard_after_forward is False
     if auto["micro"]:
         out.data.micro_batch_size = _fitting_micro(chosen.micro, p.global_batch_size, world_size)
+    if moments == "auto":
+        out.optim.moments = chosen.moments
     result = Throughput(out.parallel.activation_checkpoint, out.data.micro_batch_size,
                         out.parallel.reshard_after_forward, out.parallel.ac_blocks, out.parallel.ac_others,
-                        out.parallel.reduce_every_micro_batch, out.parallel.gather_once_per_step)
+                        out.parallel.reduce_every_micro_batch, out.parallel.gather_once_per_step, out.optim.moments)
     given = [{"ac": "recompute", "micro": "micro-batch", "reshard": "resharding", "reduce": "gradient reduction",
               "once": "gathering"}[k] for k, a in auto.items() if not a]
     batch = f", global batch {p.global_batch_size}" if p.global_batch_size else ""

@@ -317,7 +317,7 @@ def train(cfg: Config) -> dict:
     if holds_all and cfg.model.init_from is not None and rank == 0:
         print(f"resuming from {found[-1][1]}, which holds every weight: --model.init-from is not read", flush=True)
     model = build(cfg, device, image_encoder, indexes, checkpoint_holds_all=holds_all)
-    optimizer = build_optimizer(model, cfg.optim, device, offloaded=cfg.parallel.cpu_offload)
+    optimizer = build_optimizer(model, cfg.optim, device, offloaded=cfg.parallel.cpu_offload, seed=cfg.seed)
     loader = ShardLoader(cfg.data, model.cfg, rank, world, device, indexes)
     gen = noise_generator(cfg, rank, device)
     fm = FlowMatchScheduler(cfg.loss.num_train_timesteps, cfg.loss.shift).to(device)

@@ -3,7 +3,7 @@ out of memory after a step, and a run that cannot fit refuses in one line naming
 
 Per GPU, in bytes, for P parameters (T of them trainable) sharded over N ranks:
 
-    state          fp32 master shards 4P/N, AdamW moments 8T/N (host memory with --parallel.cpu-offload)
+    state          fp32 master shards 4P/N, AdamW moments 8T/N, 4T/N in bf16 (host memory with --parallel.cpu-offload)
     gradients      fp32: the rank's shard 4T/N, or, accumulated over several micro-batches without
                    --parallel.reduce-every-micro-batch, FSDP2's unsharded buffer 4T (it replaces the shard)
     gathered       bf16 parameters: the whole model (2P) when nothing reshards after forward, else two blocks
@@ -31,6 +31,7 @@ GIB = 2**30
 KEPT_PER_BLOCK = {"full": 1.0, "selective": 14.5, "none": 34.0}
 WORKING_SET = 38.0  # the recomputed block's activations and gradients in backward, per sample (same unit)
 OVERHEAD = 4.5 * 10**9
+MOMENT_BYTES = {"fp32": 8, "bf16": 4}
 FIT_FRACTION = 0.95  # of the card's memory: what the allocator can hand out before fragmentation bites
 
 
@@ -64,6 +65,7 @@ class Plan:
     cpu_offload: bool = False
     ac_blocks: int = -1  # blocks under `ac` (the rest under ac_others); -1 = all
     ac_others: str = "none"
+    moment_bytes: int = 8  # both AdamW moments per trainable parameter: fp32 8, bf16 4 (--optim.moments)
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def run_size(cfg) -> ModelSize | None:
 
 def estimate(size: ModelSize, plan: Plan) -> Estimate:
     n, p, t = plan.world, size.params, size.trainable
-    state = 0 if plan.cpu_offload else 4 * p // n + 8 * t // n
+    state = 0 if plan.cpu_offload else 4 * p // n + plan.moment_bytes * t // n
     accumulating = plan.accumulation > 1 and not plan.reduce_every and n > 1
     if plan.cpu_offload:
         gradients = 4 * size.block_params  # a block's unsharded fp32 gradients on their way to the host
@@ -131,7 +133,16 @@ def fits(size: ModelSize, plan: Plan, gpu_gib: float) -> bool:
 def _plan(setting, cfg, world: int, offload: bool) -> Plan:
     global_batch = cfg.parallel.global_batch_size or setting.micro * world
     return Plan(setting.ac, setting.micro, setting.reshard, setting.reduce_every or offload,
-                max(1, global_batch // (setting.micro * world)), world, offload, setting.ac_blocks, setting.ac_others)
+                max(1, global_batch // (setting.micro * world)), world, offload, setting.ac_blocks, setting.ac_others,
+                MOMENT_BYTES[setting.moments])
+
+
+def fits_fp32_moments(cfg, setting, gpu_gib: float, world: int) -> bool:
+    """Whether `setting` is estimated to fit `world` GPUs of `gpu_gib` with fp32 AdamW moments (--optim.moments auto
+    takes a setting measured with bf16 moments only where they are needed)."""
+    size = run_size(cfg)
+    plan = _plan(replace(setting, moments="fp32"), cfg, world, cfg.parallel.cpu_offload)
+    return size is not None and fits(size, plan, gpu_gib)
 
 
 def _candidates(setting, auto: dict, global_batch: int, world: int, offload: bool):
@@ -168,7 +179,10 @@ def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, w
              "reshard": None if auto["reshard"] else p.reshard_after_forward,
              "reduce_every": None if auto["reduce"] else p.reduce_every_micro_batch}
     setting = replace(setting, **{k: v for k, v in given.items() if v is not None})
-    for candidate in _candidates(setting, auto, p.global_batch_size, world, p.cpu_offload):
+    # with --optim.moments auto: bf16 moments only where nothing fits with fp32 ones
+    moments = ["fp32", "bf16"] if cfg.optim.moments == "auto" else [cfg.optim.moments]
+    for candidate in (c for m in moments for c in _candidates(replace(setting, moments=m), auto,
+                                                            p.global_batch_size, world, p.cpu_offload)):
         plan = _plan(candidate, cfg, world, p.cpu_offload)
         if fits(size, plan, gpu_gib):
             return candidate, f"estimated to fit, {_gib(size, plan)} of {gpu_gib:.0f} (train/memory.py)"
@@ -179,6 +193,9 @@ def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, w
         as_given = _plan(setting, cfg, world, p.cpu_offload)
         if fits(lora, as_given, gpu_gib):
             options.append(f"--lora.rank 16 ({_gib(lora, as_given)})")
+    bf16 = replace(_plan(candidate, cfg, world, p.cpu_offload), moment_bytes=MOMENT_BYTES["bf16"])
+    if cfg.optim.moments == "fp32" and not p.cpu_offload and fits(size, bf16, gpu_gib):
+        options.append(f"--optim.moments bf16 ({_gib(size, bf16)})")
     offloaded = _plan(setting, cfg, world, True)
     if not p.cpu_offload and p.float8 == "none" and fits(size, offloaded, gpu_gib):
         options.append(f"--parallel.cpu-offload ({_gib(size, offloaded)} per GPU, the fp32 state's "
@@ -189,6 +206,6 @@ def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, w
         options.append(f"{more} GPUs of this size")
     gpus = f"{world} GPU{'s' if world > 1 else ''} of {gpu_gib:.0f} GiB"
     raise SystemExit(f"{cfg.preset} does not fit {gpus}: even {candidate.describe()} needs ~{need.gib:.0f} GiB per "
-                     f"GPU ({(need.state + need.gradients) / GIB:.0f} GiB of fp32 state); "
+                     f"GPU ({(need.state + need.gradients) / GIB:.0f} GiB of weights, moments and gradients); "
                      + (f"would fit: {', '.join(options)}" if options
                         else "neither LoRA, the host offload nor up to 64 such GPUs would fit it"))
