@@ -149,7 +149,7 @@ def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_p
     fp32 = ("--optim.moments", "fp32")
     with pytest.raises(SystemExit) as refusal:
         resolve_auto(_cfg(tmp_path, *fp32, preset="droid-14b"), H100, 4)
-    assert "--parallel.cpu-offload (~19 GiB per GPU" in str(refusal.value.code)
+    assert "--parallel.cpu-offload (~22 GiB per GPU" in str(refusal.value.code)
     # ... but not to a float8 run, which cannot offload
     with pytest.raises(SystemExit) as refusal:
         resolve_auto(_cfg(tmp_path, *fp32, "--parallel.float8", "tensorwise", preset="droid-14b"), H100, 4)

@@ -26,14 +26,18 @@ MEASURED_PEAKS = [
     ("libero-5b", 16, Plan("full", 32, True, False, 8, 1), 39.9),  # 1 H100, LoRA rank 16
     ("libero-5b", 0, Plan("selective", 8, False, False, 16, 2), 86.4),  # 2 H200
     ("libero-5b", 0, Plan("full", 32, True, True, 1, 1, cpu_offload=True), 17.2),  # 1 H100, state in host memory
+    ("libero-5b", 0, Plan("full", 128, True, True, 2, 1, cpu_offload=True), 65.0),  # 1 H100, state in host memory
+    ("libero-5b", 0, Plan("full", 256, True, True, 1, 1, cpu_offload=True), 128.3),  # 1 H200, state in host memory
+    ("libero-5b", 0, Plan("full", 16, True, True, 16, 1, moment_bytes=4), 72.4),  # 1 H100, bf16 moments
 ]
 
 
 @pytest.mark.parametrize("recipe, rank, plan, peak", MEASURED_PEAKS)
 def test_the_estimate_matches_each_measured_peak(recipe, rank, plan, peak):
     size = recipe_size(recipe, LoRAConfig(rank=rank) if rank else None)
-    # within a few percent below (what fragmentation the model leaves out) to ~10 % above (a safe margin)
-    assert 0.95 <= estimate(size, plan).gib / peak <= 1.10
+    # within a few percent below (what fragmentation the model leaves out) to ~10 % above (a safe margin); offloaded
+    # runs at a small micro-batch up to 30 % above (train/memory.py OFFLOADED_WORKING_SET)
+    assert 0.95 <= estimate(size, plan).gib / peak <= (1.30 if plan.cpu_offload and plan.micro < 64 else 1.10)
 
 
 @pytest.mark.parametrize("recipe, gib, gpus", [
@@ -51,7 +55,7 @@ def _cfg(tmp_path, preset, *flags):
 
 @pytest.mark.parametrize("preset, gib, gpus, flags, options", [
     ("libero-5b", H100, 1, ["--optim.moments", "fp32"],
-     ["--optim.moments bf16 (~", "--lora.rank 16 (~39 GiB)", "--parallel.cpu-offload (~18 GiB per GPU", "2 GPUs"]),
+     ["--optim.moments bf16 (~", "--lora.rank 16 (~39 GiB)", "--parallel.cpu-offload (~22 GiB per GPU", "2 GPUs"]),
     ("droid-5b", H100, 1, ["--optim.moments", "fp32"], ["--optim.moments bf16", "--lora.rank 16", "2 GPUs"]),
     ("droid-14b", H100, 4, ["--optim.moments", "fp32"], ["--optim.moments bf16", "--lora.rank 16", "8 GPUs"]),
     ("droid-14b", H100, 2, [], ["--lora.rank 16", "--parallel.cpu-offload", "4 GPUs"]),
@@ -66,7 +70,7 @@ def test_what_cannot_fit_is_refused_in_one_line_naming_what_would(tmp_path, pres
 
 
 @pytest.mark.parametrize("preset, gib, gpus, how", [
-    ("libero-5b", H100, 1, "estimated to fit, ~74 GiB"),  # full fine-tuning on one 80 GB card
+    ("libero-5b", H100, 1, "measured 12.12"),  # full fine-tuning on one 80 GB card
     ("droid-5b", H100, 1, "estimated to fit"),
     ("droid-14b", H100, 4, "measured 0.251"),  # the measured bf16-moment entry
     ("droid-14b", H200, 2, "estimated to fit, ~110 GiB"),  # measured: 110.6 GiB
@@ -108,9 +112,10 @@ def test_an_auto_part_trades_speed_for_memory_before_refusing(tmp_path):
 
 def test_a_host_offloaded_run_takes_the_largest_micro_batch_that_fits(tmp_path):
     # every micro-batch copies all gradients to host memory and adds them there: libero-5b's one-H200 setting
-    # (micro-batch 8, 32 a step) logged no step in 8 minutes offloaded; one micro-batch of 32 took ~7 s
+    # (micro-batch 8, 32 a step) logged no step in 8 minutes offloaded; one micro-batch of 32 took ~7 s, of 128
+    # ~41 s (6.2 samples/s on one H100). One of 256 peaked at 128.3 GiB on an H200: too close to its 140 to pick
     cfg, line = resolve_auto(_cfg(tmp_path, "libero-5b", "--parallel.cpu-offload"), H200, 1)
-    assert cfg.data.micro_batch_size == 256 and "nothing measured fits these GPUs: estimated to fit" in line
+    assert cfg.data.micro_batch_size == 128 and "nothing measured fits these GPUs: estimated to fit" in line
     cfg, _ = resolve_auto(_cfg(tmp_path, "libero-5b", "--parallel.cpu-offload"), H100, 1)
     assert cfg.data.micro_batch_size == 128 and cfg.parallel.reduce_every_micro_batch
     # a setting measured offloaded still wins
