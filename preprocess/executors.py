@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from typing import Iterator, Literal
+from typing import Iterator, Literal, NoReturn
 
 from preprocess.pipeline import Job, process_unit
 
@@ -51,6 +51,18 @@ def _pool(job: Job, units: dict[int, list[int]], workers: int) -> Iterator[dict]
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             raise
+
+
+def leave_child(*queues) -> NoReturn:
+    """End a spawned child process once what it put on `queues` is flushed, without the interpreter's teardown.
+    Why: a spawned child returns through sys.exit, whose teardown runs C++ static destructors while threads of CUDA,
+    torch.compile or the decoders may still exist, and aborts with "terminate called without an active exception"."""
+    for q in queues:
+        q.close()
+        q.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def die_with_parent(parent: int) -> None:

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from preprocess import write
 from preprocess.errors import DatasetError
-from preprocess.executors import die_with_parent
+from preprocess.executors import die_with_parent, leave_child
 from preprocess.pipeline import Encoders, Job, WindowSample, unit_report, unit_samples
 from preprocess.weights import WeightsError
 from shardformat.members import encode_sample
@@ -141,6 +141,7 @@ def _encoder_main(job: Job, device: str, requests, replies, results, parent: int
             replies[worker].put((seq, codes))
     except BaseException as err:  # noqa: BLE001 — reported to the run, which stops every process
         _report_failure(results, f"encoder on {device}", err)
+    leave_child(results)  # every reply was taken: the workers wait for theirs before they finish
 
 
 def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bool) -> None:
@@ -169,6 +170,7 @@ def _worker_main(job: Job, worker: int, todo, requests, replies, results, parent
             results.put(("unit", _stream_unit(job, unit, episodes, worker, requests, replies)))
     except BaseException as err:  # noqa: BLE001
         _report_failure(results, f"CPU worker {worker}", err)
+    leave_child(results)  # every request was answered (on failure the run stops every process)
 
 
 def _stream_unit(job: Job, unit: int, episodes: list[int], worker: int, requests, replies) -> dict:
