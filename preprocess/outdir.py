@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -127,26 +126,6 @@ def fingerprint(root: Path) -> str:
         if rel.startswith("meta/"):
             digest.update(path.read_bytes())
     return digest.hexdigest()
-
-
-def weights_sha256(*paths: Path, threads: int = 8) -> list[str]:
-    """sha256 of each weight file, or of each folder (a hash over its files' names and hashes). Every file of every
-    path is hashed in a pool of `threads` (hashlib works outside the GIL): a folder of many GB takes what its largest
-    file takes, not the sum."""
-    files = {path: [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) for path in paths}
-    every = sorted({f for fs in files.values() for f in fs})
-    with ThreadPoolExecutor(max(1, min(threads, len(every)))) as pool:
-        hashed = dict(zip(every, pool.map(sha256_file, every)))
-    out = []
-    for path in paths:
-        if path.is_file():
-            out.append(hashed[path])
-            continue
-        digest = hashlib.sha256()
-        for f in files[path]:
-            digest.update(f"{f.relative_to(path).as_posix()}\0{hashed[f]}\0".encode())
-        out.append(digest.hexdigest())
-    return out
 
 
 def unit_inputs(inputs: dict) -> dict:

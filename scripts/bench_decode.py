@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from devtools.sample_data import encode_mp4, render, simulate
 from preprocess.decode import BACKENDS, decode_video
-from preprocess.sample_data import encode_mp4, render, simulate
 
 
 def best_of(repeats: int, fn) -> float:

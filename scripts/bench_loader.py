@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 import configs
+from devtools.bench import emit, provenance, write_shards
 from preprocess.remote import remote_url
 from shardformat.storage import ShardStore, sync_up
-from train.bench import emit, provenance, write_shards
 from train.config import parse_args as parse_trainer_args
 from train.data import ShardLoader
 from train.main import model_config

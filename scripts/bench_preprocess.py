@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from preprocess.embodiments import get_embodiment
+from devtools.sample_data import write_sample_dataset
 from preprocess.lerobot import LeRobotDataset
 from preprocess.pipeline import Job, episode_samples
-from preprocess.sample_data import write_sample_dataset
 from preprocess.shards import DATASETS
+from shardformat.embodiments import get_embodiment
 from shardformat.members import encode_sample
 
 # (dataset preset, model recipe) -> encoder output shapes per sample (docs/REFERENCE.md#11-sizes-and-flops)

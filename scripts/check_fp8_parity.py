@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from devtools import bench
 from preprocess import synthetic
-from train import bench
 from train.config import device_memory_gib, resolve_auto
 from train.config import parse_args as parse_trainer_args
 from train.parallel import check_float8

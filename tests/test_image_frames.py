@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from encoders.image_encoder import load_image_encoder
 from preprocess import outdir
 from preprocess.check import check
-from preprocess.image_encoder import load_image_encoder
 from shardformat.manifest import MANIFEST, read_sealed_json, write_sealed_json
 from shardformat.members import decode_members
 from tests.conftest import ROOT, build, manifest, shard_samples

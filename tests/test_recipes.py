@@ -14,9 +14,9 @@ import tyro
 import configs
 from preprocess import shards as preprocess_shards
 from preprocess.__main__ import main as preprocess_main
-from preprocess.embodiments import get_embodiment
 from preprocess.pipeline import VAE_OF_MODEL
 from preprocess.synthetic import SHAPES, SUBKEY_DIMS, make_synthetic_shards
+from shardformat.embodiments import get_embodiment
 from train.config import PRESETS, Config, parse_args, preset_config
 from train.main import main as train_main
 from train.model import preset

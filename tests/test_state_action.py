@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from preprocess.embodiments import get_embodiment
 from preprocess.errors import DatasetError
 from preprocess.lerobot import LeRobotDataset
 from preprocess.state_action import columns_for, slice_keys, window_state_action
 from preprocess.stats import build_metadata
 from preprocess.windows import episode_windows
+from shardformat.embodiments import get_embodiment
 from shardformat.stats import normalize_q99, pad_with_mask, stat_vector, unnormalize_q99
 from train.model import DiTConfig
 
