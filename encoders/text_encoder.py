@@ -108,12 +108,6 @@ class TextEncoder:
             out.extend(hidden[j, :lengths[i + j]].clone() for j in range(hidden.shape[0]))
         return out
 
-    def encode_unique(self, prompts: list[str], batch_size: int = 8) -> tuple[list[str], list[torch.Tensor], list[int]]:
-        """Each distinct prompt once: (unique prompts in first-seen order, their embeddings, index of each input)."""
-        unique = list(dict.fromkeys(prompts))
-        index = {p: i for i, p in enumerate(unique)}
-        return unique, self.encode(unique, batch_size), [index[p] for p in prompts]
-
 
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer

@@ -38,8 +38,6 @@ LOCK = ".lock"
 STATISTICS = "metadata.json"
 # Inputs that change only the finalize stage (shards, text table, statistics); the rest change the units too.
 FINALIZE_INPUTS = ("samples_per_shard", "text_encoder", "tokenizer", "metadata")
-# Inputs added after builds were recorded without them, with the value those builds were made with: they resume.
-ADDED_INPUTS = {"image_features": "encoded", "vae_compile": False}
 FIXED_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TABLE, PROMPTS)  # the finalize outputs, manifest first
 NUMBERED = re.compile(rf"(shard|{WORK_DIR}/unit)-\d{{6,}}\.(tar|json)")  # SHARD_PATTERN, UNIT_PATTERN, their JSONs
 
@@ -153,7 +151,7 @@ def conflicts(out: Path, inputs: dict) -> tuple[list[str], bool]:
     units_differ = False
     recorded = out / INPUTS
     if recorded.is_file():
-        old = {**ADDED_INPUTS, **json.loads(recorded.read_text())}
+        old = json.loads(recorded.read_text())
         problems += differences(old, inputs)
         units_differ = unit_inputs(old) != unit_inputs(inputs)
     elif (out / MANIFEST).is_file():
@@ -165,7 +163,7 @@ def conflicts(out: Path, inputs: dict) -> tuple[list[str], bool]:
             problems.append(f"{index} records no inputs (an older wampipe wrote it)")
             units_differ = True
             continue
-        old = unit_inputs({**ADDED_INPUTS, **old})
+        old = unit_inputs(old)
         problems += differences(old, expected)
         units_differ |= old != expected
     return list(dict.fromkeys(problems)), units_differ

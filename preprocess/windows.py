@@ -34,9 +34,6 @@ class Window:
     action_rows: np.ndarray  # [K*H]
     state_rows: np.ndarray  # [K], one per chunk
 
-    def to_json(self) -> dict:
-        return {"start": self.start, "weight": self.weight}
-
 
 def window_at(start: int, pattern: WindowPattern, weight: int = 1) -> Window:
     """The aligned window starting at row `start`."""

@@ -46,12 +46,6 @@ def test_formats_shapes_and_batch_invariance(tiny_checkpoints):
     assert all(torch.equal(a, b) for a, b in zip(out, wan.encode(PROMPTS, batch_size=4)))  # deterministic
 
 
-def test_encode_unique(tiny_checkpoints):
-    wan, _ = encoders(tiny_checkpoints)
-    unique, embs, index = wan.encode_unique(PROMPTS)
-    assert unique == PROMPTS[:3] and index == [0, 1, 2, 1] and len(embs) == 3
-
-
 def test_strict_errors(tiny_checkpoints, tmp_path):
     tok = tiny_checkpoints / "umt5" / "tokenizer"
     state = read_state_dict(tiny_checkpoints / "umt5" / "models_t5_umt5-xxl-enc-bf16.pth")
