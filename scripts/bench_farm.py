@@ -26,6 +26,7 @@ import json
 import os
 import resource
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,6 +34,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 import configs
 from devtools.sample_data import write_sample_dataset

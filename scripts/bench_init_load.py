@@ -29,6 +29,8 @@ from typing import Literal
 import torch
 import tyro
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
 GIB = 1 << 30
 
 

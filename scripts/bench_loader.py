@@ -27,11 +27,14 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 import configs
 from devtools.bench import emit, provenance, write_shards

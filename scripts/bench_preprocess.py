@@ -19,12 +19,15 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from devtools.sample_data import write_sample_dataset
 from preprocess.lerobot import LeRobotDataset

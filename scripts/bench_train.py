@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
 from devtools.bench import (batch_sizes, check_same_resolution, device_name, emit, measured_window, provenance,
                          run_trainer, split_passthrough, trainer_argv, trainer_device, write_shards)
 from preprocess import synthetic

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
 from devtools import bench
 from preprocess import synthetic
 from train.config import device_memory_gib, resolve_auto

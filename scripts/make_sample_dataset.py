@@ -8,7 +8,10 @@ The cameras film a scene that moves with the robot (devtools/sample_data.py); de
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from devtools.sample_data import LAYOUTS, write_sample_dataset
 

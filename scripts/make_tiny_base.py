@@ -9,7 +9,12 @@ The layout written is listed in devtools/tiny_base.py.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from devtools.tiny_base import Args, write_base
 
