@@ -2,12 +2,14 @@
 and encoders/ (what both halves import) neither half, and no product package imports the devtools/ fixtures.
 
 Each package is walked in a fresh interpreter that imports every one of its modules and lists what got loaded; the
-source is read too, so an import inside a function (one that runs only when it is called) is caught as well."""
+source is read too, so an import inside a function (one that runs only when it is called) is caught as well. The
+wheel ships those five packages, not devtools/."""
 
 import json
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -46,3 +48,11 @@ def test_no_import_statement_names_a_package_it_must_not_import(package):
     found = [f"{path.relative_to(ROOT)}: {m.group().strip()}" for path in sorted((ROOT / package).rglob("*.py"))
              for m in statement.finditer(path.read_text())]
     assert found == []
+
+
+def test_the_wheel_ships_every_product_package_and_no_fixture():
+    from setuptools import find_packages
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = {name.split(".")[0] for name in find_packages(str(ROOT), include=include)}
+    assert shipped == set(FORBIDDEN) and (ROOT / "devtools" / "__init__.py").is_file()
