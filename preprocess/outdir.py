@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from preprocess.write import WORK_DIR
-from shardformat.files import (atomic_write_json, fsync_dir, is_temporary, lock_directory, sha256_file,
-                               temporary_path)
+from shardformat.files import atomic_write_json, fsync_dir, is_temporary, lock_directory, temporary_path
 from shardformat.manifest import MANIFEST, WIDS_INDEX, ShardFormatError, parse_sealed_json
 from shardformat.storage import INPUTS
 from shardformat.text import PROMPTS, TABLE
