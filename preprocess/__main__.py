@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         lines = [f"  {name:<8} {help_}" for name, (_, help_) in available.items()]
         print("usage: python -m preprocess <command> [--help]\n\ncommands:\n" + "\n".join(lines))
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    from encoders.weights import WeightsError
     from preprocess.errors import DatasetError
-    from preprocess.weights import WeightsError
 
     module = importlib.import_module(available[argv[0]][0])
     default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None  # e.g. shards' --config

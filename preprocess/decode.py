@@ -1,4 +1,5 @@
-"""Frame decoding: each video opened once and decoded front to back; torchcodec (default) or PyAV.
+"""Frame decoding: each video opened once and decoded front to back; torchcodec (default) or PyAV. `encode_mp4`
+writes frames back into an mp4 (the preview's videos).
 
 Both backends return the same uint8 RGB frames (tested). Every failure is a `DatasetError` naming the file, the
 episode and the reason: a missing, unreadable or short video, or a frame whose timestamp is not where the parquet
@@ -134,3 +135,23 @@ def decode_image_cells(cells: Sequence[bytes], path: str | Path, episode: int | 
         except Exception as err:  # PIL raises several types for damaged images
             raise DatasetError(path, episode, f"column {column!r} row {row}: cannot decode image: {err}") from err
     return np.stack(out)
+
+
+def encode_mp4(path: Path, frames: np.ndarray, fps: int, codec: str) -> None:
+    """H.264 as DROID's converter writes it, or AV1 (SVT-AV1, GOP 2) as LeRobot's default encoder does."""
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as out:
+        if codec == "h264":
+            stream = out.add_stream("libx264", rate=fps)
+            stream.options = {"crf": "23", "preset": "ultrafast", "tune": "zerolatency"}
+        else:
+            stream = out.add_stream("libsvtav1", rate=fps)
+            stream.options = {"crf": "30", "preset": "12", "svtav1-params": "lp=1"}
+            stream.codec_context.gop_size = 2
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        for img in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
+        out.mux(stream.encode())

@@ -11,10 +11,10 @@ import torch
 from tqdm import tqdm
 
 from preprocess import write
-from preprocess.embodiments import get_embodiment
 from preprocess.lerobot import LeRobotDataset
 from preprocess.outdir import STATISTICS
 from preprocess.pipeline import VAE_OF_MODEL, Job
+from shardformat.embodiments import get_embodiment
 from shardformat.files import atomic_write_bytes, sha256_file
 from shardformat.manifest import FORMAT_VERSION, Manifest
 from shardformat.text import write_text_table
@@ -75,7 +75,7 @@ def write_shards(out: Path, indexes: list[dict], job: Job) -> list[dict]:
 
 def encode_text_table(out: Path, prompts: dict[str, str], job: Job) -> dict:
     """umT5 output per unique prompt, trimmed to its token count, written as the shard directory's text table."""
-    from preprocess.text_encoder import load_text_encoder
+    from encoders.text_encoder import load_text_encoder
 
     ids = sorted(prompts)
     encoder = load_text_encoder(job.text_encoder, job.tokenizer, device=job.device, dtype=getattr(torch, job.dtype))

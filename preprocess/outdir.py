@@ -23,14 +23,12 @@ import hashlib
 import json
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from preprocess.write import WORK_DIR
-from shardformat.files import (atomic_write_json, fsync_dir, is_temporary, lock_directory, sha256_file,
-                               temporary_path)
+from shardformat.files import atomic_write_json, fsync_dir, is_temporary, lock_directory, temporary_path
 from shardformat.manifest import MANIFEST, WIDS_INDEX, ShardFormatError, parse_sealed_json
 from shardformat.storage import INPUTS
 from shardformat.text import PROMPTS, TABLE
@@ -39,8 +37,6 @@ LOCK = ".lock"
 STATISTICS = "metadata.json"
 # Inputs that change only the finalize stage (shards, text table, statistics); the rest change the units too.
 FINALIZE_INPUTS = ("samples_per_shard", "text_encoder", "tokenizer", "metadata")
-# Inputs added after builds were recorded without them, with the value those builds were made with: they resume.
-ADDED_INPUTS = {"image_features": "encoded", "vae_compile": False}
 FIXED_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TABLE, PROMPTS)  # the finalize outputs, manifest first
 NUMBERED = re.compile(rf"(shard|{WORK_DIR}/unit)-\d{{6,}}\.(tar|json)")  # SHARD_PATTERN, UNIT_PATTERN, their JSONs
 
@@ -129,26 +125,6 @@ def fingerprint(root: Path) -> str:
     return digest.hexdigest()
 
 
-def weights_sha256(*paths: Path, threads: int = 8) -> list[str]:
-    """sha256 of each weight file, or of each folder (a hash over its files' names and hashes). Every file of every
-    path is hashed in a pool of `threads` (hashlib works outside the GIL): a folder of many GB takes what its largest
-    file takes, not the sum."""
-    files = {path: [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) for path in paths}
-    every = sorted({f for fs in files.values() for f in fs})
-    with ThreadPoolExecutor(max(1, min(threads, len(every)))) as pool:
-        hashed = dict(zip(every, pool.map(sha256_file, every)))
-    out = []
-    for path in paths:
-        if path.is_file():
-            out.append(hashed[path])
-            continue
-        digest = hashlib.sha256()
-        for f in files[path]:
-            digest.update(f"{f.relative_to(path).as_posix()}\0{hashed[f]}\0".encode())
-        out.append(digest.hexdigest())
-    return out
-
-
 def unit_inputs(inputs: dict) -> dict:
     """The inputs that change a unit's bytes: all but the finalize-only ones, and the seed only with augmentation
     (without, it only permutes the shards)."""
@@ -174,7 +150,7 @@ def conflicts(out: Path, inputs: dict) -> tuple[list[str], bool]:
     units_differ = False
     recorded = out / INPUTS
     if recorded.is_file():
-        old = {**ADDED_INPUTS, **json.loads(recorded.read_text())}
+        old = json.loads(recorded.read_text())
         problems += differences(old, inputs)
         units_differ = unit_inputs(old) != unit_inputs(inputs)
     elif (out / MANIFEST).is_file():
@@ -186,7 +162,7 @@ def conflicts(out: Path, inputs: dict) -> tuple[list[str], bool]:
             problems.append(f"{index} records no inputs (an older wampipe wrote it)")
             units_differ = True
             continue
-        old = unit_inputs({**ADDED_INPUTS, **old})
+        old = unit_inputs(old)
         problems += differences(old, expected)
         units_differ |= old != expected
     return list(dict.fromkeys(problems)), units_differ

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from preprocess import write
-from preprocess.embodiments import Embodiment, get_embodiment
 from preprocess.errors import DatasetError
 from preprocess.lerobot import LeRobotDataset
 from preprocess.outdir import unit_inputs
@@ -25,6 +24,7 @@ from preprocess.prompts import prompt_id, window_prompts
 from preprocess.state_action import columns_for, slice_keys, window_state_action
 from preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
 from preprocess.windows import episode_windows
+from shardformat.embodiments import Embodiment, get_embodiment
 from shardformat.keys import IMAGE_MEMBER, sample_key
 from shardformat.members import encode_sample
 
@@ -59,7 +59,7 @@ class Job:
     fail_fast: bool
     inputs: dict  # what the build is made from (preprocess.outdir); units record their part in their JSON
     image_features: str = "encoded"  # encoded: CLIP's features; pixels: the tower's input (the trainer runs CLIP)
-    vae_compile: bool = False  # torch.compile the VAE encoder (preprocess.vae.WanVAE.compile)
+    vae_compile: bool = False  # torch.compile the VAE encoder (encoders.vae.WanVAE.compile)
 
 
 @dataclass
@@ -150,8 +150,8 @@ class Encoders:
     preprocessing runs: its output, the exact tensor the tower consumes, is stored in the compute dtype."""
 
     def __init__(self, job: Job):
-        from preprocess.image_encoder import load_image_encoder
-        from preprocess.vae import load_vae
+        from encoders.image_encoder import load_image_encoder
+        from encoders.vae import load_vae
 
         self.device, self.dtype = torch.device(job.device), getattr(torch, job.dtype)
         self.vae = load_vae(job.vae, variant=VAE_OF_MODEL[job.model], device=job.device, dtype=self.dtype)

@@ -16,11 +16,12 @@ import numpy as np
 import torch
 import tyro
 
-from preprocess.embodiments import Embodiment, get_embodiment
-from preprocess.image_encoder import CLIP_MEAN, CLIP_STD
-from preprocess.sample_data import encode_mp4
-from preprocess.vae import WanVAE, load_vae
+from encoders.image_encoder import CLIP_MEAN, CLIP_STD
+from encoders.vae import WanVAE, load_vae
+from encoders.weights import weights_sha256
+from preprocess.decode import encode_mp4
 from preprocess.windows import Window, window_at
+from shardformat.embodiments import Embodiment, get_embodiment
 from shardformat.index import ShardIndex, ShardReader
 from shardformat.manifest import Manifest, ShardFormatError
 from shardformat.stats import normalize_q99, pad_with_mask
@@ -79,8 +80,6 @@ def preview(args: Args) -> None:
 
 def build_decoder(path: Path, manifest: Manifest, shards: str, device: str) -> WanVAE:
     """The strict decoder of the VAE the shards were built with; refuses another file in one line."""
-    from preprocess.outdir import weights_sha256
-
     if not path.exists():
         raise SystemExit(f"--vae {path}: not found")
     built_with = manifest.encoders.get("vae")

@@ -2,20 +2,16 @@
 (docs/REFERENCE.md#4-prompts).
 
 Every annotation column is kept (DROID has three; the reference draws one per sample, so the trainer does too).
-`clean_text` is the umT5 tokenizer's text cleaning, reused by the text encoder.
 """
 
 from __future__ import annotations
 
 import hashlib
-import html
 import re
 
-import ftfy
-
-from preprocess.embodiments import Embodiment
 from preprocess.errors import DatasetError
 from preprocess.lerobot import Episode
+from shardformat.embodiments import Embodiment
 
 
 MAX_INSTRUCTION_CHARS = 10_000  # umT5 reads 512 tokens, a few thousand characters
@@ -111,12 +107,6 @@ def prompt_id(prompt: str) -> str:
     """Content-addressed id of a prompt: every unit (and the synthetic writer) names it the same way without
     coordination; the text table is keyed by it."""
     return hashlib.sha256(prompt.encode()).hexdigest()[:16]
-
-
-def clean_text(text: str) -> str:
-    """ftfy fix, HTML-unescape twice, collapse whitespace, strip (the umT5 tokenizer wrapper's 'whitespace' clean)."""
-    text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
-    return re.sub(r"\s+", " ", text).strip()
 
 
 def window_prompts(episode: Episode, start: int, embodiment: Embodiment) -> dict[str, str]:

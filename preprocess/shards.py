@@ -30,12 +30,13 @@ import torch
 from tqdm import tqdm
 
 import configs
+from encoders.weights import weights_sha256
 from preprocess import outdir, remote, write
-from preprocess.embodiments import get_embodiment
 from preprocess.executors import run_units
 from preprocess.finalize import finalize
 from preprocess.lerobot import LeRobotDataset
 from preprocess.pipeline import VAE_OF_MODEL, Job
+from shardformat.embodiments import get_embodiment
 from shardformat.files import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class DatasetPreset:
-    embodiment: str  # tag of the embodiment schema (preprocess/embodiments)
+    embodiment: str  # tag of the embodiment schema (shardformat/embodiments)
     model: str  # size preset of the embodiment (canvas, VAE variant) when neither --model nor --config gives one
     sample_layout: str  # scripts/make_sample_dataset.py --layout of its sample data (make demo-data)
 
@@ -207,9 +208,9 @@ def check_metadata(path: Path, tag: str) -> None:
 def check_weights(args: Args) -> None:
     """Load every encoder on the meta device: each file is read and checked key by key as for real, but no weight is
     materialized, so a missing or wrong file stops the run before any decoding (WeightsError)."""
-    from preprocess.image_encoder import load_image_encoder
-    from preprocess.text_encoder import load_text_encoder
-    from preprocess.vae import load_vae
+    from encoders.image_encoder import load_image_encoder
+    from encoders.text_encoder import load_text_encoder
+    from encoders.vae import load_vae
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
@@ -223,7 +224,7 @@ def build_inputs(args: Args, threads: int) -> dict:
     bytes, and the sha256 of each encoder and of --metadata. Keys are argument names."""
     same = ("dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend", "dtype",
             "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes", "samples_per_shard")
-    hashes = dict(zip(ENCODERS, outdir.weights_sha256(*(Path(getattr(args, name)) for name in ENCODERS))))
+    hashes = dict(zip(ENCODERS, weights_sha256(*(Path(getattr(args, name)) for name in ENCODERS))))
     return {"src": outdir.fingerprint(args.src), **{name: getattr(args, name) for name in same},
             "threads_per_worker": threads, "device": torch.device(args.device).type, **hashes,
             "metadata": None if args.metadata is None else sha256_file(args.metadata)}

@@ -10,10 +10,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from preprocess.embodiments import Embodiment
 from preprocess.errors import DatasetError
 from preprocess.lerobot import Episode, ModalityEntry
 from preprocess.windows import Window
+from shardformat.embodiments import Embodiment
 
 
 # ---------------------------------------------------------------- slicing

@@ -22,9 +22,9 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
-from preprocess.embodiments import Embodiment, get_embodiment
 from preprocess.errors import DatasetError
 from preprocess.lerobot import LeRobotDataset
+from shardformat.embodiments import Embodiment, get_embodiment
 from shardformat.files import atomic_write_bytes
 
 STAT_NAMES = ("max", "min", "mean", "std", "q01", "q99")  # the official DatasetStatisticalValues field order

@@ -31,11 +31,11 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
+from encoders.weights import WeightsError
 from preprocess import write
 from preprocess.errors import DatasetError
 from preprocess.executors import die_with_parent, leave_child
 from preprocess.pipeline import Encoders, Job, WindowSample, unit_report, unit_samples
-from preprocess.weights import WeightsError
 from shardformat.members import encode_sample
 
 IN_FLIGHT = 2  # batches a worker submits before it waits for the oldest one's codes

@@ -18,9 +18,9 @@ import torch
 
 import configs
 from preprocess import write
-from preprocess.embodiments import get_embodiment
 from preprocess.prompts import prompt_id
 from preprocess.stats import summarize
+from shardformat.embodiments import get_embodiment
 from shardformat.files import atomic_write_json, sha256_file
 from shardformat.keys import sample_key
 from shardformat.manifest import FORMAT_VERSION, MANIFEST, Manifest

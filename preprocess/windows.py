@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from preprocess.embodiments import WindowPattern
+from shardformat.embodiments import WindowPattern
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,9 +33,6 @@ class Window:
     video_rows: np.ndarray  # [8K+1] frames
     action_rows: np.ndarray  # [K*H]
     state_rows: np.ndarray  # [K], one per chunk
-
-    def to_json(self) -> dict:
-        return {"start": self.start, "weight": self.weight}
 
 
 def window_at(start: int, pattern: WindowPattern, weight: int = 1) -> Window:

@@ -15,14 +15,17 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
+from devtools.sample_data import encode_mp4, render, simulate
 from preprocess.decode import BACKENDS, decode_video
-from preprocess.sample_data import encode_mp4, render, simulate
 
 
 def best_of(repeats: int, fn) -> float:

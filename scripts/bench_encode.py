@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from preprocess.image_encoder import VIT_H_14, ImageEncoder
-from preprocess.text_encoder import UMT5_XXL, TextEncoder
-from preprocess.vae import VARIANTS, VaeInfo, WanVAE
+from encoders.image_encoder import VIT_H_14, ImageEncoder
+from encoders.text_encoder import UMT5_XXL, TextEncoder
+from encoders.vae import VARIANTS, VaeInfo, WanVAE
 
 
 def timed(fn, device: str, warmup: int, iters: int) -> float:

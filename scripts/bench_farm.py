@@ -26,6 +26,7 @@ import json
 import os
 import resource
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -34,10 +35,12 @@ from types import SimpleNamespace
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
 import configs
-from preprocess.sample_data import write_sample_dataset
+from devtools.sample_data import write_sample_dataset
+from devtools.tiny_checkpoints import write_tiny_checkpoints
 from preprocess.shards import DATASETS
-from preprocess.tiny_checkpoints import write_tiny_checkpoints
 
 # the recipes whose preprocess section names a model (configs/<name>.yaml): name -> (dataset, model, sample layout)
 RECIPES = {name: (pre["dataset"], pre["model"], DATASETS[pre["dataset"]].sample_layout)
@@ -102,8 +105,8 @@ def cpu_seconds() -> float:
 def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
     """Samples/s of the run's encoders alone (its weights, device and dtype) on random videos of the recipe's shape,
     in batches of the run's batch size."""
-    from preprocess.embodiments import get_embodiment
     from preprocess.pipeline import Encoders
+    from shardformat.embodiments import get_embodiment
 
     device = "cuda:0" if cli.device == "cuda" else cli.device
     encoders = Encoders(SimpleNamespace(vae=str(cli.vae), image_encoder=str(cli.image_encoder), model=cli.model,

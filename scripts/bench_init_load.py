@@ -4,7 +4,7 @@
     python scripts/bench_init_load.py --preset tiny --nproc 2 --dir /tmp/bench-init      # CPU smoke run, gloo
 
 1. Unless DIR/base-<preset>-<layers>L holds one already: random weights in the official layout, written by
-   train/tiny_base.py (the DiT in bf16 under `action_head.model.`, 5 GB files + index; 33 GB for the 14B).
+   devtools/tiny_base.py (the DiT in bf16 under `action_head.model.`, 5 GB files + index; 33 GB for the 14B).
 2. `torchrun --nproc-per-node N` of this script's worker: every rank builds the DiT as the trainer does
    (`train.main.sharded_model`: meta device, FSDP2, materialized on its device, then `load_weights` reads only the
    rows of its own shards from the memory-mapped files), while a thread samples its RSS every 10 ms.
@@ -28,6 +28,8 @@ from typing import Literal
 
 import torch
 import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 GIB = 1 << 30
 
@@ -130,7 +132,7 @@ def main(args: Args) -> None:
     base = base_dir(args)
     write_s = None
     if not (base / "config.json").is_file():
-        from train import tiny_base  # here, not at the top: the ranks' measured RSS holds only what they import
+        from devtools import tiny_base  # here, not at the top: the ranks' measured RSS holds only what they import
 
         start = time.perf_counter()
         tiny_base.write_base(tiny_base.Args(out=base, preset=args.preset, num_layers=args.num_layers))

@@ -27,16 +27,19 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
 import configs
+from devtools.bench import emit, provenance, write_shards
 from preprocess.remote import remote_url
 from shardformat.storage import ShardStore, sync_up
-from train.bench import emit, provenance, write_shards
 from train.config import parse_args as parse_trainer_args
 from train.data import ShardLoader
 from train.main import model_config

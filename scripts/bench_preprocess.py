@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,11 +27,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from preprocess.embodiments import get_embodiment
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
+from devtools.sample_data import write_sample_dataset
 from preprocess.lerobot import LeRobotDataset
 from preprocess.pipeline import Job, episode_samples
-from preprocess.sample_data import write_sample_dataset
 from preprocess.shards import DATASETS
+from shardformat.embodiments import get_embodiment
 from shardformat.members import encode_sample
 
 # (dataset preset, model recipe) -> encoder output shapes per sample (docs/REFERENCE.md#11-sizes-and-flops)

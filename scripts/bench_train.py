@@ -35,10 +35,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
+from devtools.bench import (batch_sizes, check_same_resolution, device_name, emit, measured_window, provenance,
+                         run_trainer, split_passthrough, trainer_argv, trainer_device, write_shards)
 from preprocess import synthetic
 from train.attention import make_attention_mask
-from train.bench import (batch_sizes, check_same_resolution, device_name, emit, measured_window, provenance,
-                         run_trainer, split_passthrough, trainer_argv, trainer_device, write_shards)
 from train.config import device_memory_gib, resolve_auto
 from train.config import parse_args as parse_trainer_args
 from train.data import data_dims

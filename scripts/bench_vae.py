@@ -5,7 +5,7 @@ whether the levers that keep the math change its speed. One JSON line.
     python scripts/bench_vae.py --device cpu --quick --iters 1       # smoke run of this script
 
 For each clip shape: FLOPs of one encode counted by torch.utils.flop_counter (convolutions, attention, matmuls),
-clips/s and TFLOP/s of the encoder as preprocessing runs it (`preprocess.vae.WanVAE`, bf16, random init at the
+clips/s and TFLOP/s of the encoder as preprocessing runs it (`encoders.vae.WanVAE`, bf16, random init at the
 released widths: speed does not depend on the weights), the top kernels by GPU time (torch.profiler), and each
 lever's clips/s with its largest deviation from the baseline latents and whether two runs of it give the same bits:
 
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from preprocess.vae import VARIANTS, VaeInfo, WanVAE
+from encoders.vae import VARIANTS, VaeInfo, WanVAE
 
 SHAPES = {  # recipe -> (VAE variant, frames, height, width): the clips preprocessing encodes
     "libero-5b": ("wan2.2", 33, 160, 320),

@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
+from devtools import bench
 from preprocess import synthetic
-from train import bench
 from train.config import device_memory_gib, resolve_auto
 from train.config import parse_args as parse_trainer_args
 from train.parallel import check_float8

@@ -1,6 +1,6 @@
 """Write a small but genuine LeRobot dataset: the on-disk layouts of DROID (v2.1), LIBERO (v2.0) and LIBERO (v3.0).
 
-The cameras film a scene that moves with the robot (preprocess/sample_data.py); deterministic for a seed.
+The cameras film a scene that moves with the robot (devtools/sample_data.py); deterministic for a seed.
 
     python scripts/make_sample_dataset.py --layout droid --out sample_data/droid --episodes 4 --seed 0
 """
@@ -8,9 +8,12 @@ The cameras film a scene that moves with the robot (preprocess/sample_data.py); 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from preprocess.sample_data import LAYOUTS, write_sample_dataset
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
+from devtools.sample_data import LAYOUTS, write_sample_dataset
 
 
 def main(argv: list[str] | None = None) -> None:

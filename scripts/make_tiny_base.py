@@ -4,14 +4,19 @@
     python scripts/make_tiny_base.py --out build/demo/base --shards build/demo/droid --also libero_sim  # the demo's
     python scripts/make_tiny_base.py --out /scratch/base-14b --preset droid-14b               # full-size DiT, 33 GB bf16
 
-The layout written is listed in train/tiny_base.py.
+The layout written is listed in devtools/tiny_base.py.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import tyro
 
-from train.tiny_base import Args, write_base
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
+from devtools.tiny_base import Args, write_base
 
 
 def main(args: Args) -> None:

@@ -1,5 +1,5 @@
 """Write tiny random-init frozen-encoder checkpoints in every on-disk format the loaders accept
-(the layout is listed in preprocess/tiny_checkpoints.py).
+(the layout is listed in devtools/tiny_checkpoints.py).
 
     python scripts/make_tiny_checkpoints.py --out DIR [--size full]
 """
@@ -7,9 +7,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from preprocess.tiny_checkpoints import write_tiny_checkpoints
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
+from devtools.tiny_checkpoints import write_tiny_checkpoints
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ files     durable writes and hashing          keys      sample keys and window n
 members   a sample's tar members              shard     a shard's JSON: offsets, CRC-32, verified reads
 manifest  version, sealed JSON, the manifest  text      the prompt embedding table
 stats     q99 normalization and padding       wds       `webdataset_decoder` for webdataset / wids
+embodiments  what a sample of each robot holds (windows, views, state/action keys, prompt templates)
 """
 
 from shardformat.manifest import FORMAT_VERSION, Manifest, ShardFormatError

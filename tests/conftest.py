@@ -22,8 +22,8 @@ FAST = ["--anchor-stride", "16", "--samples-per-shard", "4", "--episodes-per-uni
 
 def shards_cmd(src: Path, out: Path | str, dataset: str, tiny: Path, *extra: str, model: str = "5b") -> list[str]:
     """`python -m preprocess shards` of `src` with the tiny checkpoints and FAST settings."""
+    from devtools.tiny_checkpoints import tiny_checkpoint_paths
     from preprocess.pipeline import VAE_OF_MODEL
-    from preprocess.tiny_checkpoints import tiny_checkpoint_paths
 
     paths = tiny_checkpoint_paths(tiny, VAE_OF_MODEL[model])
     weights = [a for name, p in paths.items() for a in (f"--{name.replace('_', '-')}", str(p))]
@@ -59,7 +59,7 @@ def shard_samples(tar: Path) -> list[tuple[str, dict[str, bytes]]]:
 @pytest.fixture(scope="session")
 def droid_root(tmp_path_factory) -> Path:
     """DROID layout (LeRobot v2.1, 3 H.264 cameras 180x320, 15 fps), 4 episodes of lengths 192, 62, 97, 133."""
-    from preprocess.sample_data import write_sample_dataset
+    from devtools.sample_data import write_sample_dataset
 
     return write_sample_dataset(tmp_path_factory.mktemp("data") / "droid", "droid")
 
@@ -67,7 +67,7 @@ def droid_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def libero_root(tmp_path_factory) -> Path:
     """LIBERO layout (LeRobot v2.0, 2 PNG cameras 256x256 in parquet, 10 fps), episodes of 168, 47, 73, 109 frames."""
-    from preprocess.sample_data import write_sample_dataset
+    from devtools.sample_data import write_sample_dataset
 
     return write_sample_dataset(tmp_path_factory.mktemp("data") / "libero", "libero")
 
@@ -75,7 +75,7 @@ def libero_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def libero_v3_root(tmp_path_factory) -> Path:
     """The LIBERO content in the LeRobot v3.0 layout (multi-episode parquet and mp4 files)."""
-    from preprocess.sample_data import write_sample_dataset
+    from devtools.sample_data import write_sample_dataset
 
     return write_sample_dataset(tmp_path_factory.mktemp("data") / "libero_v3", "libero-v3")
 
@@ -83,7 +83,7 @@ def libero_v3_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> Path:
     """Every supported encoder format: Wan .pth files and Diffusers/transformers folders, a umT5-format tokenizer."""
-    from preprocess.tiny_checkpoints import write_tiny_checkpoints
+    from devtools.tiny_checkpoints import write_tiny_checkpoints
 
     return write_tiny_checkpoints(tmp_path_factory.mktemp("tiny") / "ckpt")
 
@@ -122,7 +122,7 @@ def small_shards(tmp_path_factory) -> Path:
 def official_base(tmp_path_factory, small_shards) -> Path:
     """A random-weight checkpoint folder in the official DreamZero layout (several files + index) for the DiT the
     trainer builds for `small_shards`."""
-    from train import tiny_base
+    from devtools import tiny_base
 
     return tiny_base.write_base(tiny_base.Args(out=tmp_path_factory.mktemp("base") / "base", shards=small_shards,
                                                max_shard_mb=0.05, seed=5))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from train import bench
+from devtools import bench
 from train.config import parse_args
 from train.data import data_dims
 

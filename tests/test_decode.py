@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from devtools.sample_data import write_sample_dataset
 from preprocess.decode import BACKENDS, decode_video
 from preprocess.errors import DatasetError
 from preprocess.lerobot import LeRobotDataset
-from preprocess.sample_data import write_sample_dataset
 
 
 def window_rows(start: int) -> np.ndarray:

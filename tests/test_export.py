@@ -25,7 +25,8 @@ import yaml
 from safetensors import safe_open
 
 from tests.test_init_load import ROOT, _rewrite
-from train import checkpoint, tiny_base
+from devtools import tiny_base
+from train import checkpoint
 from train.config import CheckpointConfig, Config, DataConfig, ModelConfig
 from train.export import check_base, export_weights
 from train.model import build_model
@@ -288,7 +289,7 @@ OFFICIAL_HEAD_FIELDS = {"action_dim": "action_dim", "max_action_dim": "action_di
 
 
 def _check_official_fields(config: dict, cfg, tag: str, conf: dict, latent_frames: int) -> None:
-    from preprocess.embodiments import get_embodiment
+    from shardformat.embodiments import get_embodiment
 
     head = config["action_head_cfg"]["config"]
     dm = head["diffusion_model_cfg"]

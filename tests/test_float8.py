@@ -24,7 +24,8 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from preprocess import synthetic
 from tests.conftest import tiny_model
-from train import bench, checkpoint
+from devtools import bench
+from train import checkpoint
 from train.config import CheckpointConfig, Config, OptimConfig, parse_args, resolve_auto
 from train.export import export_weights
 from train.loss import FlowMatchScheduler, flow_matching_loss

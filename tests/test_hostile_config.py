@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from devtools.sample_data import write_sample_dataset
 from preprocess.check import check
 from preprocess.lerobot import LeRobotDataset
 from preprocess.prompts import BadInstruction, instruction_text
-from preprocess.sample_data import write_sample_dataset
 from tests.conftest import build, manifest, tiny_model
 from train.loss import FlowMatchScheduler, LossConfig, flow_matching_loss, sample_timestep_ids
 from train.model import random_batch

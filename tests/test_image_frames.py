@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from encoders.image_encoder import load_image_encoder
 from preprocess import outdir
 from preprocess.check import check
-from preprocess.image_encoder import load_image_encoder
 from shardformat.manifest import MANIFEST, read_sealed_json, write_sealed_json
 from shardformat.members import decode_members
 from tests.conftest import ROOT, build, manifest, shard_samples
@@ -121,17 +121,10 @@ def test_the_trainer_refuses_pixel_shards_without_their_clip_weights(pixel_shard
         frozen_image_encoder(missing, cpu)
 
 
-def test_a_rerun_with_the_other_choice_is_refused_and_older_builds_resume(pixel_shards, droid_shards, tmp_path):
+def test_a_rerun_with_the_other_choice_is_refused(pixel_shards):
     recorded = json.loads((pixel_shards / "inputs.json").read_text())
     problems, units_differ = outdir.conflicts(pixel_shards, {**recorded, "image_features": "encoded"})
     assert problems == ["--image-features: pixels -> encoded"] and units_differ
-    # a build recorded before the choice existed holds features: the same inputs with the default resume it
-    older = tmp_path / "older"
-    (older / "work").mkdir(parents=True)
-    inputs = json.loads((droid_shards / "inputs.json").read_text())
-    (older / "inputs.json").write_text(json.dumps({k: v for k, v in inputs.items() if k != "image_features"}))
-    assert outdir.conflicts(older, inputs) == ([], False)
-    assert outdir.conflicts(older, {**inputs, "image_features": "pixels"})[0] == ["--image-features: encoded -> pixels"]
 
 
 def test_check_catches_frame_0_stored_otherwise_than_the_manifest_says(pixel_shards, tmp_path):

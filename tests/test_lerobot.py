@@ -147,7 +147,7 @@ def test_inspect_cli(droid_root):
 
 @pytest.mark.parametrize("layout", ["droid", "libero"])
 def test_sample_dataset_same_files_with_worker_processes(tmp_path, layout, droid_root, libero_root):
-    from preprocess.sample_data import write_sample_dataset
+    from devtools.sample_data import write_sample_dataset
 
     serial = {"droid": droid_root, "libero": libero_root}[layout]  # the session fixtures: one process, seed 0
     parallel = write_sample_dataset(tmp_path / layout, layout, workers=2)
@@ -158,7 +158,7 @@ def test_sample_dataset_same_files_with_worker_processes(tmp_path, layout, droid
 
 
 def test_sample_dataset_refuses_no_workers(tmp_path):
-    from preprocess.sample_data import write_sample_dataset
+    from devtools.sample_data import write_sample_dataset
 
     with pytest.raises(ValueError, match="workers must be at least 1"):
         write_sample_dataset(tmp_path / "x", "libero", workers=0)

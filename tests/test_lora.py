@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from train.export import export_weights
-from train.lora import ADAPTERS, PEFT_PREFIX, TRAINABLE, LoRAConfig, LoRALinear, apply_lora, init_lora, merge_lora
+from train.lora import ADAPTERS, PEFT_PREFIX, TRAINABLE, LoRAConfig, LoRALinear, apply_lora, fold, init_lora
 from train.loss import FlowMatchScheduler, LossConfig, flow_matching_loss
 from train.model import build_model, random_batch
 from train.weights import DREAMZERO_PREFIX
@@ -29,6 +29,18 @@ from train.weights import DREAMZERO_PREFIX
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = LoRAConfig(rank=4, alpha=4.0)
 STEPS = 6
+
+
+def merge_lora(state_dict: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """A full state dict with `<layer>.lora_A` / `<layer>.lora_B` folded into `<layer>.weight` (scale alpha / rank,
+    the rank read from lora_A) and the adapter keys dropped: plain weights."""
+    out = {k: v for k, v in state_dict.items() if not k.endswith(tuple("." + a for a in ADAPTERS))}
+    for key, a in state_dict.items():
+        if key.endswith(".lora_A"):
+            layer = key[: -len(".lora_A")]
+            out[layer + ".weight"] = fold(state_dict[layer + ".weight"], a, state_dict[layer + ".lora_B"],
+                                          alpha / a.shape[0]).to(state_dict[layer + ".weight"].dtype)
+    return out
 
 
 def _lora_model(cfg: LoRAConfig = RECIPE, seed: int = 0) -> nn.Module:

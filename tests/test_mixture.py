@@ -225,7 +225,7 @@ def _wait_until_free(lock: Path, timeout: float = 60) -> None:
 
 
 def test_sigkilled_mixture_run_resumes_to_the_same_losses_and_samples(droid_shards, libero_shards, tmp_path):
-    from train import tiny_base
+    from devtools import tiny_base
 
     base = tiny_base.write_base(tiny_base.Args(out=tmp_path / "base", shards=droid_shards, also=("libero_sim",)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -1,7 +1,7 @@
 """The Wan VAE decoder against the official decoder, and `python -m preprocess preview` on a real build.
 
 tests/assets/wan_vae_decode.safetensors holds, per variant, bf16 latents [1, C, 3, 2, 3] (seeded normal) and what the
-official Wan code decodes from them on the tiny VAE weights this project writes (preprocess.tiny_checkpoints, seed 0),
+official Wan code decodes from them on the tiny VAE weights this project writes (devtools.tiny_checkpoints, seed 0),
 in float32 on CPU: Wan2.1 `wan/modules/vae.py` and Wan2.2 `wan/modules/vae2_2.py`, `_video_vae(pth).decode(z, [mean,
 1 / std])` then `.float().clamp_(-1, 1)` as their `WanVAE.decode` / `Wan2_2_VAE.decode` do, loading the original-layout
 `.pth` strictly.
@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from encoders.vae import load_vae
 from preprocess.preview import clip_input_image, first_samples, to_canvas_frames
-from preprocess.vae import load_vae
 from shardformat.members import decode_members
 from tests.conftest import ROOT, manifest, shard_samples
 
@@ -135,7 +135,7 @@ def test_preview_refuses_shards_without_a_vae(tiny_shards, tiny_checkpoints, tmp
 
 
 def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
-    from preprocess.image_encoder import load_image_encoder
+    from encoders.image_encoder import load_image_encoder
 
     clip = load_image_encoder(tiny_checkpoints / "clip" / "image_encoder", dtype=torch.float32)
     size = clip.image_size  # the stored pixels' size: bicubic to it is the identity here

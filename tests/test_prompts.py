@@ -1,8 +1,8 @@
-"""Prompt templates (docs/REFERENCE.md#4-prompts), instruction parsing and the umT5 text cleaning."""
+"""Prompt templates (docs/REFERENCE.md#4-prompts) and instruction parsing."""
 
-from preprocess.embodiments import get_embodiment
 from preprocess.lerobot import LeRobotDataset
-from preprocess.prompts import clean_text, format_prompt, instruction_text, window_prompts
+from preprocess.prompts import format_prompt, instruction_text, window_prompts
+from shardformat.embodiments import get_embodiment
 
 DROID = ("A multi-view video shows that a robot put the marker in the cup The video is split into three views: The top "
          "view shows the camera view from the robot's wrist, the bottom-left view shows the camera view from the left "
@@ -26,12 +26,6 @@ def test_instruction_literals():
     assert instruction_text("'quoted'") == "quoted"
     assert instruction_text("42") == "42"
     assert format_prompt("['Open The Drawer']", get_embodiment("libero_sim")).endswith("The robot open the drawer")
-
-
-def test_clean_text():
-    assert clean_text("  pick&amp;amp;place \n\t the  cup  ") == "pick&place the cup"
-    assert clean_text("caf\u00c3\u00a9") == "caf\u00e9"  # ftfy repairs mojibake
-    assert clean_text("a&lt;b") == "a<b"
 
 
 def test_droid_keeps_all_three_columns(droid_root):

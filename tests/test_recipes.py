@@ -14,9 +14,9 @@ import tyro
 import configs
 from preprocess import shards as preprocess_shards
 from preprocess.__main__ import main as preprocess_main
-from preprocess.embodiments import get_embodiment
 from preprocess.pipeline import VAE_OF_MODEL
 from preprocess.synthetic import SHAPES, SUBKEY_DIMS, make_synthetic_shards
+from shardformat.embodiments import get_embodiment
 from train.config import PRESETS, Config, parse_args, preset_config
 from train.main import main as train_main
 from train.model import preset
@@ -93,12 +93,10 @@ def test_bad_trainer_files_stop_with_one_line(tmp_path, text, error):
         parse_args(["--config", str(tmp_path / "mine.yaml"), "--data.shards", "s"])
 
 
-def test_unknown_names_and_old_spellings_stop_with_one_line():
+def test_unknown_names_stop_with_one_line():
     with pytest.raises(SystemExit, match=r"^--config nope: no such file and no such recipe \(recipes: droid-14b, "):
         parse_args(["--config", "nope"])
-    with pytest.raises(SystemExit, match=r"^--model.name 5b-libero is now called libero-5b"):
-        parse_args(["--model.name", "5b-libero"])
-    with pytest.raises(SystemExit, match=r"^unknown DiT preset '14b' \(now 'droid-14b'\); choose one of"):
+    with pytest.raises(SystemExit, match=r"^unknown DiT preset '14b'; choose one of"):
         preset("14b")
     with pytest.raises(SystemExit, match=r"^unknown recipe 'libero'; choose one of"):
         make_synthetic_shards(Path("unused"), "libero")

@@ -13,8 +13,8 @@ import pytest
 
 from preprocess.__main__ import main
 from preprocess.__main__ import main as preprocess_main
-from preprocess.embodiments import get_embodiment
 from preprocess.stats import build_metadata, merge_metadata
+from shardformat.embodiments import get_embodiment
 
 ROOT = Path(__file__).resolve().parents[1]
 

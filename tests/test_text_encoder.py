@@ -1,9 +1,8 @@
 import pytest
 import torch
 
-from preprocess.prompts import clean_text as clean_prompt
-from preprocess.text_encoder import MAX_LENGTH, load_text_encoder
-from preprocess.weights import WeightsError, read_state_dict
+from encoders.text_encoder import MAX_LENGTH, clean_text, load_text_encoder
+from encoders.weights import WeightsError, read_state_dict
 
 PROMPTS = ["Pick up the red cup and put it in the sink.", "put the bowl on the stove",
            "A multi-view video shows that a robot open the drawer The robot open the drawer", "put the bowl on the stove"]
@@ -15,9 +14,10 @@ def encoders(tiny_checkpoints):
             load_text_encoder(tiny_checkpoints / "umt5" / "text_encoder", tok))
 
 
-def test_clean_prompt():
-    assert clean_prompt("  put&amp;amp;the\n\tcup   down ") == "put&the cup down"
-    assert clean_prompt("caf\u00c3\u00a9 table") == "café table"  # ftfy repairs mojibake
+def test_clean_text():
+    assert clean_text("  put&amp;amp;the\n\tcup   down ") == "put&the cup down"
+    assert clean_text("caf\u00c3\u00a9 table") == "café table"  # ftfy repairs mojibake
+    assert clean_text("a&lt;b") == "a<b"
 
 
 def test_tokenize_like_reference(tiny_checkpoints):
@@ -44,12 +44,6 @@ def test_formats_shapes_and_batch_invariance(tiny_checkpoints):
     for a, b in zip(out, wan.encode(PROMPTS, batch_size=1)):
         torch.testing.assert_close(a.float(), b.float(), atol=0.06, rtol=0.02)
     assert all(torch.equal(a, b) for a, b in zip(out, wan.encode(PROMPTS, batch_size=4)))  # deterministic
-
-
-def test_encode_unique(tiny_checkpoints):
-    wan, _ = encoders(tiny_checkpoints)
-    unique, embs, index = wan.encode_unique(PROMPTS)
-    assert unique == PROMPTS[:3] and index == [0, 1, 2, 1] and len(embs) == 3
 
 
 def test_strict_errors(tiny_checkpoints, tmp_path):

@@ -108,8 +108,7 @@ def _claim(root: Path, export: bool) -> int:
         ours = sorted(p.name for p in root.iterdir() if p.name != LOCK and any(fnmatch(p.name, f) for f in RUN_FILES))
         if ours:
             raise RunError(f"{root} holds {', '.join(ours[:5])} but is not a wampipe run directory (no {MARKER}): "
-                           f"pass a new or empty --checkpoint.dir (one written by a wampipe trainer older than the "
-                           f"marker resumes after `touch {root / MARKER}`)")
+                           f"pass a new or empty --checkpoint.dir")
     foreign = foreign_files(root / "export") if export else []
     if foreign:
         raise RunError(f"{root / 'export'} holds {', '.join(foreign[:5])}, which no export writes: the export would "
@@ -304,10 +303,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     path = Path(path)
     saved_world = len(list(path.glob("rank-*.json")))
     if saved_world == 0:
-        pickles = sorted(p.name for p in path.glob("rank-*.pt"))
-        raise RunError(f"{path}: no rank-00000.json" + (
-            f"; its per-rank state is pickled ({pickles[0]}, an older trainer's format), which is not loaded since "
-            f"unpickling can run code: start a new --checkpoint.dir" if pickles else ""))
+        raise RunError(f"{path}: no rank-00000.json")
     own = path / f"rank-{dist.get_rank():05d}.json"
     source = own if own.is_file() and saved_world == dist.get_world_size() else path / "rank-00000.json"
     state = json.loads(source.read_text()) | load_file(source.with_suffix(".safetensors"))

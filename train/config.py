@@ -23,7 +23,6 @@ import configs
 from train import memory
 from train.lora import LoRAConfig
 from train.loss import LossConfig
-from train.model import RENAMED
 
 RecipeName = Literal[tuple(configs.names())]  # type: ignore[valid-type]
 
@@ -372,12 +371,12 @@ def preset_config(name: str) -> Config:
 
 def file_config(name_or_file: str, preset: str | None = None) -> Config:
     """The train section of a recipe or config file over the defaults of `preset`, else of the file's own preset
-    (a recipe file: its name; else tiny). A run's older flat config.json is its train section as a whole."""
+    (a recipe file: its name; else tiny)."""
     path = configs.path_of(name_or_file)
     data = configs.read(path)
-    if "train" not in data and "preset" not in data:
+    if "train" not in data:
         raise SystemExit(f"{path}: no train section")
-    train = configs.section(data, "train", path) if "train" in data else data
+    train = configs.section(data, "train", path)
     own = path.stem if path.parent.resolve() == configs.DIR else "tiny"
     return configs.apply(preset_config(preset or train.get("preset") or own), train, f"{path}: train")
 
@@ -557,9 +556,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
     """The preset's defaults, then --config's train section, then every flag on top (tyro); without --data.shards
     the trainer reads `make shards`' output, shards/droid. Invalid settings exit with one line."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    old = configs.flag_value(argv, "--model.name")
-    if old in RENAMED:
-        raise SystemExit(f"--model.name {old} is now called {RENAMED[old]} (the recipe of that DiT)")
     preset, file = configs.flag_value(argv, "--preset"), configs.flag_value(argv, "--config")
     default = file_config(file, preset) if file else preset_config(preset or "tiny")
     cfg = tyro.cli(Config, default=default, args=argv, description=__doc__)

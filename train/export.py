@@ -226,7 +226,7 @@ def diffusion_model_fields(cfg) -> dict:
 def window_fields(tags: list[str]) -> dict:
     """Action-head fields set by the embodiments' window (video frames into the VAE, actions per chunk) on which
     every tag agrees; a field they disagree on is left as the base has it (the official head has one value)."""
-    from preprocess.embodiments import get_embodiment
+    from shardformat.embodiments import get_embodiment
 
     windows = [get_embodiment(tag).window for tag in tags]
     fields = {"num_frames": {w.num_frames for w in windows}, "action_horizon": {w.action_horizon for w in windows}}

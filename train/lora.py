@@ -113,18 +113,6 @@ def fold(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale
     return weight.float() + scale * (lora_B.float() @ lora_A.float())
 
 
-def merge_lora(state_dict: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
-    """A full state dict with `<layer>.lora_A` / `<layer>.lora_B` folded into `<layer>.weight` (scale alpha / rank,
-    the rank read from lora_A) and the adapter keys dropped: plain weights."""
-    out = {k: v for k, v in state_dict.items() if not k.endswith(tuple("." + a for a in ADAPTERS))}
-    for key, a in state_dict.items():
-        if key.endswith(".lora_A"):
-            layer = key[: -len(".lora_A")]
-            out[layer + ".weight"] = fold(state_dict[layer + ".weight"], a, state_dict[layer + ".lora_B"],
-                                          alpha / a.shape[0]).to(state_dict[layer + ".weight"].dtype)
-    return out
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 

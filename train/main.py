@@ -91,8 +91,8 @@ def frozen_image_encoder(cfg: Config, device: torch.device):
     built_with, path = manifest.encoders["image_encoder"], cfg.model.image_encoder
     if path is None:
         raise SystemExit(NEEDS_CLIP.format(shards=shards, path=built_with["path"]))
-    from preprocess.image_encoder import load_image_encoder  # preprocessing code only for these shards
-    from preprocess.outdir import weights_sha256
+    from encoders.image_encoder import load_image_encoder  # transformers' CLIP only for these shards
+    from encoders.weights import weights_sha256
 
     if not path.exists():
         raise SystemExit(f"--model.image-encoder {path}: not found")

@@ -107,13 +107,11 @@ class DiTConfig:
 # DiT shapes of the recipes (configs/<name>.yaml, section dit) by recipe name
 PRESETS = {name: configs.apply(DiTConfig(), configs.section(configs.recipe(name), "dit", name),
                                f"configs/{name}.yaml: dit") for name in configs.names()}
-RENAMED = {"5b": "droid-5b", "5b-libero": "libero-5b", "14b": "droid-14b"}  # the names before recipes
 
 
 def preset(name: str, **overrides) -> DiTConfig:
     if name not in PRESETS:
-        now = f" (now {RENAMED[name]!r})" if name in RENAMED else ""
-        raise SystemExit(f"unknown DiT preset {name!r}{now}; choose one of {sorted(PRESETS)}")
+        raise SystemExit(f"unknown DiT preset {name!r}; choose one of {sorted(PRESETS)}")
     return replace(PRESETS[name], **overrides)
 
 

@@ -8,7 +8,6 @@ torch.distributed.checkpoint's state-dict helpers, which checkpoint.py uses for 
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from dataclasses import replace
 
 import torch
@@ -267,11 +266,3 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh=None) -> nn.Module:
         apply_compile(model)
     apply_fsdp(model, cfg, mesh)
     return model
-
-
-def param_summary(model: nn.Module) -> dict[str, int]:
-    """Parameter count per top-level module (over the full, unsharded shapes)."""
-    counts: dict[str, int] = defaultdict(int)
-    for name, p in model.named_parameters():
-        counts[name.split(".", 1)[0]] += p.numel()
-    return dict(counts)

@@ -13,13 +13,14 @@ Loads a Diffusers `text_encoder/` folder (or any transformers UMT5 folder) and W
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 
+import ftfy
 import torch
 
-from preprocess.prompts import clean_text
-from preprocess.weights import WeightsError, check_keys, expect_kind, folder_config, load_strict, read_state_dict
+from encoders.weights import WeightsError, check_keys, expect_kind, folder_config, load_strict, read_state_dict
 
 MAX_LENGTH = 512
 # umt5-xxl, as built by Wan's T5 encoder (24 layers, d 4096, ffn 10240, 64 heads of 64, 32 buckets, vocab 256384)
@@ -40,6 +41,12 @@ _WAN_TO_HF = [  # Wan T5 encoder name -> transformers UMT5EncoderModel name
     (r"^blocks\.(\d+)\.ffn\.fc2\.weight$", r"encoder.block.\1.layer.1.DenseReluDense.wo.weight"),
 ]
 TIED = {"encoder.embed_tokens.weight": "shared.weight"}
+
+
+def clean_text(text: str) -> str:
+    """ftfy fix, HTML-unescape twice, collapse whitespace, strip (the umT5 tokenizer wrapper's 'whitespace' clean)."""
+    text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+    return re.sub(r"\s+", " ", text).strip()
 
 
 def hf_umt5_key(wan_key: str) -> str | None:
@@ -100,12 +107,6 @@ class TextEncoder:
             hidden = hidden.to(torch.bfloat16).cpu()
             out.extend(hidden[j, :lengths[i + j]].clone() for j in range(hidden.shape[0]))
         return out
-
-    def encode_unique(self, prompts: list[str], batch_size: int = 8) -> tuple[list[str], list[torch.Tensor], list[int]]:
-        """Each distinct prompt once: (unique prompts in first-seen order, their embeddings, index of each input)."""
-        unique = list(dict.fromkeys(prompts))
-        index = {p: i for i, p in enumerate(unique)}
-        return unique, self.encode(unique, batch_size), [index[p] for p in prompts]
 
 
 def load_tokenizer(path: str | Path):

@@ -1,4 +1,5 @@
-"""Strict weight loading shared by the frozen encoders: read a checkpoint, recognize what it holds, check every key.
+"""Strict weight loading shared by the frozen encoders: read a checkpoint, recognize what it holds, check every key;
+and the sha256 of weight files and folders that a build records and a reader checks (`weights_sha256`).
 
 Real checkpoints come as Wan `.pth` files (a plain state dict, sometimes wrapped in `state_dict`/`model_state`),
 single `.safetensors` files, or Hugging Face folders with a sharded `*.safetensors.index.json`. Every loader here
@@ -8,10 +9,14 @@ loudly at start-up instead of producing subtly wrong shards.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from shardformat.files import sha256_file
 
 # Probe keys that identify a checkpoint's kind. Order matters: the first match wins.
 KINDS: list[tuple[str, str, tuple[str, ...]]] = [
@@ -144,3 +149,23 @@ def load_strict(module: torch.nn.Module, path: str | Path, state: dict[str, torc
     check_keys(path, state, expected, set(aliases))
     filled = {a: state[src] for a, src in aliases.items() if a not in state and a in expected}
     module.load_state_dict({**state, **filled}, strict=True)
+
+
+def weights_sha256(*paths: Path, threads: int = 8) -> list[str]:
+    """sha256 of each weight file, or of each folder (a hash over its files' names and hashes). Every file of every
+    path is hashed in a pool of `threads` (hashlib works outside the GIL): a folder of many GB takes what its largest
+    file takes, not the sum."""
+    files = {path: [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) for path in paths}
+    every = sorted({f for fs in files.values() for f in fs})
+    with ThreadPoolExecutor(max(1, min(threads, len(every)))) as pool:
+        hashed = dict(zip(every, pool.map(sha256_file, every)))
+    out = []
+    for path in paths:
+        if path.is_file():
+            out.append(hashed[path])
+            continue
+        digest = hashlib.sha256()
+        for f in files[path]:
+            digest.update(f"{f.relative_to(path).as_posix()}\0{hashed[f]}\0".encode())
+        out.append(digest.hexdigest())
+    return out

@@ -21,7 +21,7 @@ from preprocess import synthetic
 from train.config import Config
 from train.parallel import computes_on_cuda
 
-MAIN = Path(__file__).resolve().parent / "main.py"
+MAIN = Path(__file__).resolve().parents[1] / "train" / "main.py"
 
 
 def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -16,11 +16,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-import av
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
+
+from preprocess.decode import encode_mp4
 
 DROID_CAMERAS = ("exterior_image_1_left", "exterior_image_2_left", "wrist_image_left")
 LIBERO_CAMERAS = ("image", "wrist_image")
@@ -89,24 +90,6 @@ def render(traj: Trajectory, length: int, camera: int, height: int, width: int, 
         img[disc] = (255.0 * traj.gripper[i], 80.0, 255.0 * (1 - traj.gripper[i]))
         frames[i] = np.clip(img, 0, 255).astype(np.uint8)
     return frames
-
-
-def encode_mp4(path: Path, frames: np.ndarray, fps: int, codec: str) -> None:
-    """H.264 as DROID's converter writes it, or AV1 (SVT-AV1, GOP 2) as LeRobot's default encoder does."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), "w") as out:
-        if codec == "h264":
-            stream = out.add_stream("libx264", rate=fps)
-            stream.options = {"crf": "23", "preset": "ultrafast", "tune": "zerolatency"}
-        else:
-            stream = out.add_stream("libsvtav1", rate=fps)
-            stream.options = {"crf": "30", "preset": "12", "svtav1-params": "lp=1"}
-            stream.codec_context.gop_size = 2
-        stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = "yuv420p"
-        for img in frames:
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
-        out.mux(stream.encode())
 
 
 def png_cell(img: np.ndarray) -> dict:

@@ -98,11 +98,6 @@ class Embodiment:
             return self.view_hw
         return self.preset(preset).view_hw  # type: ignore[return-value]
 
-    def canvas_size(self, preset: str | None = None) -> tuple[int, int]:
-        """(H, W) of the canvas before the model-resolution resize."""
-        h, w = self.view_size(preset)
-        return (2 * h, 2 * w) if self.layout == "droid_2x2" else (h, len(self.cameras) * w)
-
 
 # One line per robot module; each defines `EMBODIMENT`.
 _MODULES = (

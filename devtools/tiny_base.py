@@ -28,7 +28,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from preprocess.embodiments import get_embodiment
+from shardformat.embodiments import get_embodiment
 from train.config import Config, DataConfig, ModelConfig
 from train.export import eval_config, shard_statistics
 from train.main import model_config

@@ -3,8 +3,8 @@ docs/REFERENCE.md, Windows and Views."""
 
 from dataclasses import replace
 
-from preprocess.embodiments import WindowPattern
-from preprocess.embodiments.libero_sim import EMBODIMENT as LIBERO
+from shardformat.embodiments import WindowPattern
+from shardformat.embodiments.libero_sim import EMBODIMENT as LIBERO
 
 EMBODIMENT = replace(
     LIBERO,
