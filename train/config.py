@@ -4,28 +4,28 @@
     torchrun --nproc-per-node=8 train/main.py --config checkpoints/libero-5b/config.yaml --checkpoint.dir again
 
 `--preset` picks the defaults (configs/<preset>.yaml, section train); `--config FILE` overrides them with a file's
-train section (a run directory's config.yaml reproduces that run); every other flag overrides one field on top.
-`--help` lists them all.
+train section (a run directory's config.yaml reproduces that run); every other flag overrides one field on top (all
+listed by `--help`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import torch
 import tyro
 
 import configs
-from train import memory
-from train.lora import LoRAConfig
-from train.loss import LossConfig
-from train.model import RENAMED
+
+if TYPE_CHECKING:
+    import torch
 
 RecipeName = Literal[tuple(configs.names())]  # type: ignore[valid-type]
+RENAMED = {"5b": "droid-5b", "5b-libero": "libero-5b", "14b": "droid-14b"}  # the recipe names before recipes
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class ModelConfig:
     """The DiT (train/model.py)."""
 
     name: RecipeName = "tiny"
-    """DiT shape: the recipe's of this name (configs/<name>.yaml, section dit; train/model.py PRESETS)."""
+    """DiT shape: the recipe's of this name (configs/<name>.yaml, section dit; train/model.py preset)."""
     num_layers: int = 0
     """Override the preset's block count (0 = the preset's): a shallower real-width model for debugging and
     benchmarks on fewer GPUs. Weights from --model.init-from must match."""
@@ -139,6 +139,36 @@ class ModelConfig:
     def flex_mask_options(self) -> dict:
         """`flex_block_mask` keyword arguments of these settings."""
         return {"lookup": self.flex_mask == "lookup", "block_size": self.flex_block_size}
+
+
+@dataclass
+class LossConfig:
+    """Flow-matching loss options."""
+
+    shift: float = 5.0
+    """Timestep shift of the schedule."""
+    num_train_timesteps: int = 1000
+    """Discrete training timesteps."""
+    action_loss_over_all_dims: bool = True
+    """Reference quirk: divide the action loss by all padded dims (32); False = by the real dims of each token."""
+    action_weight: float = 1.0
+    """Weight of the action loss relative to the dynamics loss (reference: 1)."""
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA fine-tuning (train/lora.py); the official LoRA recipe is --lora.rank 4 --lora.alpha 4."""
+
+    rank: int = 0
+    """Rank of the update; 0 = off (full fine-tuning)."""
+    alpha: float = 4.0
+    """Scale numerator: the update is multiplied by alpha / rank."""
+    targets: str = "q,k,v,o,ffn.0,ffn.2"
+    """Comma-separated suffixes of the module names to adapt (PEFT's matching: the name equals one or ends in
+    '.' + one); only nn.Linear layers are adapted."""
+
+    def suffixes(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
 
 
 @dataclass
@@ -382,6 +412,26 @@ def save_config(cfg: Config, path: Path) -> None:
     configs.write(path, {"train": configs.plain(cfg)}, f"torchrun train/main.py --config {path}: this run's settings")
 
 
+@dataclass(frozen=True)
+class BatchPlan:
+    """One optimizer step: `accum` micro-batches of `micro` samples on each of the ranks, `global_batch` in all."""
+
+    micro: int
+    global_batch: int
+    accum: int
+
+
+def batch_plan(cfg: Config, world_size: int) -> BatchPlan:
+    """The step's batch plan: accum = global batch / (micro-batch x world size), the global batch being
+    --parallel.global-batch-size or else one micro-batch per rank; one line when that is no whole number."""
+    micro = cfg.data.micro_batch_size
+    global_batch = cfg.parallel.global_batch_size or micro * world_size
+    accum, rem = divmod(global_batch, micro * world_size)
+    if rem or accum < 1:
+        raise SystemExit(f"global batch {global_batch} is not a multiple of micro-batch {micro} x {world_size} ranks")
+    return BatchPlan(micro, global_batch, accum)
+
+
 def _fitting_micro(micro: int, global_batch: int, world_size: int) -> int:
     """The largest micro-batch <= `micro` that keeps the recipe's global batch (a whole number of micro-batches per
     rank and step); `micro` itself when none does (the trainer then says why)."""
@@ -419,6 +469,8 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
     why = (f"measured {fits[0].evidence}" if fits else
            "the preset's recipe" if gpu_mem_gib is None else "nothing measured fits these GPUs: the preset's recipe")
+    from train import memory  # builds models on the meta device: torch, needed only here
+
     size = memory.run_size(cfg) if not fits and gpu_mem_gib is not None else None
     if size is not None:  # sized by the memory model instead: a setting estimated to fit, or a refusal now
         chosen, estimated = memory.fitting_setting(cfg, size, chosen, auto, gpu_mem_gib, world_size)
@@ -456,6 +508,8 @@ def device_memory_gib(device: torch.device) -> float | None:
     """Total memory of a CUDA device in GiB (what resolve_auto sizes by); None for any other device."""
     if device.type != "cuda":
         return None
+    import torch  # here only: parsing the flags (and --help) does without it
+
     return torch.cuda.get_device_properties(device).total_memory / 2**30
 
 
@@ -541,6 +595,22 @@ def validate(cfg: Config) -> None:
         raise SystemExit("invalid settings: " + "; ".join(bad))
 
 
+@functools.cache
+def _help_as_paragraphs(cls: type | None = None) -> None:
+    """Each field docstring of `cls` (default Config) and its groups given to tyro as the flag's help, one paragraph:
+    tyro keeps the line breaks of a docstring's indented lines, which --help printed as lines broken mid-sentence."""
+    import docstring_parser  # tyro's own docstring reader
+
+    cls = cls or Config
+    for param in docstring_parser.parse_from_object(cls).params:
+        name, help = param.arg_name, " ".join((param.description or "").split())
+        if name in cls.__annotations__ and help:
+            cls.__annotations__[name] = Annotated[cls.__annotations__[name], tyro.conf.arg(help=help)]
+    for f in fields(cls):
+        if is_dataclass(f.default_factory):
+            _help_as_paragraphs(f.default_factory)
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     """The preset's defaults, then --config's train section, then every flag on top (tyro); without --data.shards
     the trainer reads `make shards`' output, shards/droid. Invalid settings exit with one line."""
@@ -550,6 +620,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         raise SystemExit(f"--model.name {old} is now called {RENAMED[old]} (the recipe of that DiT)")
     preset, file = configs.flag_value(argv, "--preset"), configs.flag_value(argv, "--config")
     default = file_config(file, preset) if file else preset_config(preset or "tiny")
+    _help_as_paragraphs()
     cfg = tyro.cli(Config, default=default, args=argv, description=__doc__)
     if cfg.data.shards is None and not cfg.data.mixture:
         cfg.data.shards = default_shards()
