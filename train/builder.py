@@ -26,8 +26,8 @@ from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.metrics import MetricsLogger, StepProfiler, device_peak_flops
 from train.model import MODEL_INPUTS, CausalWanModel, DiTBatch, DiTConfig, preset
 from train.optim import apply_hyperparameters, build_optimizer, build_scheduler, warmup_steps
-from train.parallel import (check_host_memory, computes_on_cuda, host_memory_available, offload_host_bytes,
-                            parallelize, prepare_micro_batch, recomputed_blocks)
+from train.parallel import (check_host_memory, computes_on_cuda, float8_after_step, host_memory_available,
+                            offload_host_bytes, parallelize, prepare_micro_batch, recomputed_blocks)
 from train.state import TrainState
 from train.weights import WeightsError, load_weights
 
@@ -188,6 +188,15 @@ class Run:
         loss, terms = flow_matching_loss(self.model, inputs, self.flow, cfg.loss, generator=self.state.noise)
         (loss / plan.accum).backward()
         return terms
+
+    def optimizer_step(self, cfg: Config) -> float:
+        """The optimizer step at the schedule's lr (returned), float8 scales refreshed, the gradients freed."""
+        lr = self.lr_schedule.get_last_lr()[0]
+        self.optimizer.step()
+        float8_after_step(self.model, cfg.parallel.float8)
+        self.lr_schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
 
 
 def build_run(cfg: Config, rank: int, world: int, device: torch.device) -> Run:

@@ -29,7 +29,6 @@ def train(cfg: Config) -> dict:
     from train import checkpoint, runtime
     from train.builder import announce, build_run, open_metrics
     from train.optim import clip_grad_norm
-    from train.parallel import float8_after_step
 
     preemption, rank, world, device = runtime.start(cfg)
     cfg, plan = runtime.settle(cfg, device, world, rank)
@@ -52,17 +51,13 @@ def train(cfg: Config) -> dict:
                 micro_batches.append((batch, run.forward_backward(cfg, batch, i, plan)))
             grad_norm = clip_grad_norm(model, cfg.optim.grad_clip).to(device)  # host-offloaded: a host tensor
             # checked before the optimizer step, so no NaN ever reaches the weights (one host sync per step)
-            losses = [(batch, terms["loss"]) for batch, terms in micro_batches]
-            nonfinite, stop = runtime.step_flags([loss for _, loss in losses], grad_norm, preemption.requested)
+            losses = [terms["loss"] for _, terms in micro_batches]
+            nonfinite, stop = runtime.step_flags(losses, grad_norm, preemption.requested)
             if nonfinite:
-                runtime.drop_step(cfg, state, losses, grad_norm, run.loader.indexes)
+                runtime.drop_step(cfg, state, micro_batches, grad_norm, run.loader.indexes)
                 optimizer.zero_grad(set_to_none=True)
             else:
-                lr = run.lr_schedule.get_last_lr()[0]
-                optimizer.step()
-                float8_after_step(model, cfg.parallel.float8)
-                run.lr_schedule.step()
-                optimizer.zero_grad(set_to_none=True)
+                lr = run.optimizer_step(cfg)
                 state.step += 1
                 per_set = [(int(batch["set"]), terms) for batch, terms in micro_batches]
                 mean = {k: sum(terms[k] for _, terms in per_set) / plan.accum for k in per_set[0][1]}

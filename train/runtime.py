@@ -127,7 +127,7 @@ def step_flags(losses: list[torch.Tensor], grad_norm: torch.Tensor, preempted: b
     return nonfinite > 0, stop > 0
 
 
-def drop_step(cfg: Config, state: TrainState, micro_batches: list[tuple[dict, torch.Tensor]],
+def drop_step(cfg: Config, state: TrainState, micro_batches: list[tuple[dict, dict]],
               grad_norm: torch.Tensor, indexes: list[ShardIndex]) -> None:
     """Collective, for a step with a non-finite loss or gradient norm: its batches dropped with a warning naming
     them, or the run stopped (nothing saved) beyond --optim.skip-nonfinite such steps."""
@@ -157,11 +157,12 @@ def describe_samples(batch: dict, indexes: list[ShardIndex]) -> list[str]:
     return [d for bad, d in described if bad] or [d for _, d in described]
 
 
-def nonfinite_report(step: int, micro_batches: list[tuple[dict, torch.Tensor]], grad_norm: torch.Tensor,
+def nonfinite_report(step: int, micro_batches: list[tuple[dict, dict]], grad_norm: torch.Tensor,
                      indexes: list[ShardIndex]) -> str:
     """Collective (the error path only): one line naming the step and, over all ranks, the samples whose loss went
-    non-finite."""
-    mine = [d for batch, loss in micro_batches if not torch.isfinite(loss) for d in describe_samples(batch, indexes)]
+    non-finite; `micro_batches`: the step's (batch, loss terms)."""
+    mine = [d for batch, terms in micro_batches if not torch.isfinite(terms["loss"])
+            for d in describe_samples(batch, indexes)]
     gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
     samples = [d for part in gathered for d in part]
