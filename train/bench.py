@@ -53,7 +53,7 @@ def trainer_argv(args, shards: Path, run_dir: Path, extra: list[str]) -> list[st
 
 
 def trainer_device(cfg: Config) -> torch.device:
-    """The device the trainer's rank 0 trains on (train/runtime.py setup_distributed): what its auto settings size by."""
+    """The device the trainer's rank 0 trains on (train/runtime.py setup_distributed): what auto settings size by."""
     return torch.device("cuda", 0) if computes_on_cuda(cfg.parallel) else torch.device("cpu")
 
 

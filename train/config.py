@@ -328,8 +328,10 @@ class Config:
 AUTO_MICRO = 0  # --data.micro-batch-size 0: resolved with the recompute mode (resolve_auto)
 
 
+@functools.cache
 def recipe_config(name: str) -> Config:
-    """The preset `name`: the defaults above with its recipe's train section (configs/<name>.yaml)."""
+    """The preset `name`: the defaults above with its recipe's train section (configs/<name>.yaml), read once; shared,
+    so callers take `preset_config`'s copy."""
     base = Config(preset=name, model=ModelConfig(name=name),
                   checkpoint=CheckpointConfig(dir=Path("checkpoints") / name))
     return configs.apply(base, configs.section(configs.recipe(name), "train", name), f"configs/{name}.yaml: train")
@@ -381,18 +383,21 @@ def _measured(name: str, entry: dict) -> Measured:
                     entry.get("cpu_offload", False))
 
 
-# Per recipe (configs/<name>.yaml, section throughput): the measured settings, fastest first, and the fallback
-# where nothing measured fits, and on CPU: the preset's batch recipe with full recompute, the safest (tiny: none).
-_THROUGHPUT = {name: configs.section(configs.recipe(name), "throughput", name) for name in configs.names()}
-MEASURED = [_measured(name, entry) for name, table in _THROUGHPUT.items() for entry in table.get("measured", [])]
-RECIPES = {name: Throughput(**table["recipe"]) for name, table in _THROUGHPUT.items()}
-PRESETS = {name: recipe_config(name) for name in configs.names()}
+@functools.cache
+def throughput_table() -> tuple[list[Measured], dict[str, Throughput]]:
+    """Per recipe (configs/<name>.yaml, section throughput, read on first use): the measured settings, fastest first,
+    and the fallback where nothing measured fits, and on CPU: the preset's batch recipe with full recompute, the
+    safest (tiny: none)."""
+    tables = {name: configs.section(configs.recipe(name), "throughput", name) for name in configs.names()}
+    measured = [_measured(name, entry) for name, table in tables.items() for entry in table.get("measured", [])]
+    return measured, {name: Throughput(**table["recipe"]) for name, table in tables.items()}
 
 
 def preset_config(name: str) -> Config:
-    if name not in PRESETS:
-        raise SystemExit(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return copy.deepcopy(PRESETS[name])
+    """A fresh copy of the preset `name` (its recipe read on first use)."""
+    if name not in configs.names():
+        raise SystemExit(f"unknown preset {name!r}; choose one of {configs.names()}")
+    return copy.deepcopy(recipe_config(name))
 
 
 def file_config(name_or_file: str, preset: str | None = None) -> Config:
@@ -443,8 +448,8 @@ def _fitting_micro(micro: int, global_batch: int, world_size: int) -> int:
 def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tuple[Config, str | None]:
     """A copy of `cfg` whose auto parts (--parallel.activation-checkpoint auto, --data.micro-batch-size 0, unset
     --parallel.[no-]reshard-after-forward, --parallel.[no-]reduce-every-micro-batch and
-    --parallel.[no-]gather-once-per-step) take the fastest MEASURED
-    setting for the preset that fits `world_size` GPUs of `gpu_mem_gib` each, else the preset's RECIPES entry (None =
+    --parallel.[no-]gather-once-per-step) take the fastest measured
+    setting for the preset that fits `world_size` GPUs of `gpu_mem_gib` each, else the preset's recipe entry (None =
     CPU: the recipe). Settings measured with the run's --parallel.float8 come first, then the bf16 ones (float8 did
     not take more memory where both were measured). The recompute mode brings its entry's --parallel.ac-blocks and
     --parallel.ac-others unless those are given. Given parts are kept. Returns the copy and one line saying what was
@@ -456,7 +461,8 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
             "once": p.gather_once_per_step is None}
     if not any(auto.values()):
         return cfg, None
-    on_gpus = [m for m in MEASURED if m.preset == cfg.preset and gpu_mem_gib is not None
+    measured, recipes = throughput_table()
+    on_gpus = [m for m in measured if m.preset == cfg.preset and gpu_mem_gib is not None
                and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib and m.float8 in (p.float8, "none")]
     # an offloaded setting fits only offloaded runs; an offloaded run fits any, its own kind first
     fits = [m for m in on_gpus if m.cpu_offload == p.cpu_offload]
@@ -464,7 +470,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     # gradient to host memory (32 a step for libero-5b's one-H200 entry: no step within 8 minutes); without one,
     # the memory model sizes it (largest micro-batch first)
     fits.sort(key=lambda m: m.float8 != p.float8)  # stable: fastest first of each
-    chosen = fits[0].setting if fits else RECIPES[cfg.preset]
+    chosen = fits[0].setting if fits else recipes[cfg.preset]
     gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
     where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
     why = (f"measured {fits[0].evidence}" if fits else
