@@ -53,7 +53,7 @@ def trainer_argv(args, shards: Path, run_dir: Path, extra: list[str]) -> list[st
 
 
 def trainer_device(cfg: Config) -> torch.device:
-    """The device the trainer's rank 0 trains on (train/main.py setup_distributed): what its auto settings size by."""
+    """The device the trainer's rank 0 trains on (train/runtime.py setup_distributed): what auto settings size by."""
     return torch.device("cuda", 0) if computes_on_cuda(cfg.parallel) else torch.device("cpu")
 
 
@@ -67,15 +67,6 @@ def check_same_resolution(cfg: Config, run_dir: Path) -> None:
     differ = [f"{g}.{k} {theirs[g][k]} (here {ours[g][k]})" for g, k in parts if theirs[g][k] != ours[g][k]]
     if differ:
         raise SystemExit(f"{path}: the trainer resolved other settings than the bound uses: {'; '.join(differ)}")
-
-
-def batch_sizes(cfg: Config, world: int) -> tuple[int, int, int]:
-    micro = cfg.data.micro_batch_size
-    global_batch = cfg.parallel.global_batch_size or micro * world
-    accum, rem = divmod(global_batch, micro * world)
-    if rem or accum < 1:
-        raise SystemExit(f"global batch {global_batch} is not a multiple of micro-batch {micro} x {world} ranks")
-    return micro, global_batch, accum
 
 
 def write_shards(cfg: Config, preset: str, shards: Path, windows: int) -> None:

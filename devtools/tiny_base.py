@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from shardformat.embodiments import get_embodiment
 from train.config import Config, DataConfig, ModelConfig
 from train.export import eval_config, shard_statistics
-from train.main import model_config
+from train.builder import model_config
 from train.model import CausalWanModel, DiTConfig, preset
 from train.weights import DREAMZERO_PREFIX, shard_file_names, shard_groups, write_index
 

@@ -6,7 +6,7 @@
 1. Unless DIR/base-<preset>-<layers>L holds one already: random weights in the official layout, written by
    devtools/tiny_base.py (the DiT in bf16 under `action_head.model.`, 5 GB files + index; 33 GB for the 14B).
 2. `torchrun --nproc-per-node N` of this script's worker: every rank builds the DiT as the trainer does
-   (`train.main.sharded_model`: meta device, FSDP2, materialized on its device, then `load_weights` reads only the
+   (`train.builder.sharded_model`: meta device, FSDP2, materialized on its device, then `load_weights` reads only the
    rows of its own shards from the memory-mapped files), while a thread samples its RSS every 10 ms.
 3. One JSON line (also DIR/result.json): per rank the build+load seconds, peak RSS (VmHWM: anonymous memory plus
    the file pages it mapped), peak anonymous RSS (sampled RssAnon: memory the rank itself holds) and device memory;
@@ -85,7 +85,7 @@ def worker(args: Args) -> None:
     import torch.distributed as dist
 
     from train.config import Config, ModelConfig, ParallelConfig
-    from train.main import sharded_model
+    from train.builder import sharded_model
     from train.model import preset
 
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])

@@ -40,9 +40,9 @@ import configs
 from devtools.bench import emit, provenance, write_shards
 from preprocess.remote import remote_url
 from shardformat.storage import ShardStore, sync_up
+from train.builder import model_config
 from train.config import parse_args as parse_trainer_args
 from train.data import ShardLoader
-from train.main import model_config
 
 # samples/s per GPU the loader has to feed: each recipe's measured or target training rate
 GPU_RATE = {name: configs.recipe(name)["throughput"]["gpu_samples_per_s"] for name in configs.names()}

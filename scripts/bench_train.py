@@ -37,18 +37,19 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
-from devtools.bench import (batch_sizes, check_same_resolution, device_name, emit, measured_window, provenance,
+from devtools.bench import (check_same_resolution, device_name, emit, measured_window, provenance,
                          run_trainer, split_passthrough, trainer_argv, trainer_device, write_shards)
 from preprocess import synthetic
 from train.attention import make_attention_mask
-from train.config import device_memory_gib, resolve_auto
+from train.builder import model_config
+from train.config import batch_plan, device_memory_gib, resolve_auto
 from train.config import parse_args as parse_trainer_args
 from train.data import data_dims
 from train.flops import dit_flops
-from train.main import model_config
 from train.metrics import device_peak_flops
-from train.model import Block, DiTConfig, compact_text_rows, rope_tables, text_key_log_weight
+from train.model import Block, DiTConfig, rope_tables, text_key_log_weight
 from train.parallel import apply_ac, apply_compile, apply_float8, recomputed_blocks, use_expandable_segments
+from train.text import compact_text_rows
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -212,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg, auto = resolve_auto(cfg, device_memory_gib(trainer_device(cfg)), args.nproc)
     if auto:
         print(auto, flush=True)
-    micro, global_batch, accum = batch_sizes(cfg, args.nproc)
+    plan = batch_plan(cfg, args.nproc)
+    micro, global_batch, accum = plan.micro, plan.global_batch, plan.accum
     total_steps = args.warmup_steps + args.steps
     result: dict = {"bench": "train", "preset": args.preset, "mix": args.mix, "model": cfg.model.name, "world_size": args.nproc,
                     "micro_batch": micro, "global_batch": global_batch, "accum": accum,

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtu
 
 from devtools import bench
 from preprocess import synthetic
-from train.config import device_memory_gib, resolve_auto
+from train.config import batch_plan, device_memory_gib, resolve_auto
 from train.config import parse_args as parse_trainer_args
 from train.parallel import check_float8
 
@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = bench.trainer_device(cfg)
     check_float8(args.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     cfg, _ = resolve_auto(cfg, device_memory_gib(device), args.nproc)
-    micro, global_batch, _ = bench.batch_sizes(cfg, args.nproc)
+    plan = batch_plan(cfg, args.nproc)
+    micro, global_batch = plan.micro, plan.global_batch
     try:
         ahead = (cfg.data.num_workers * cfg.data.prefetch_factor + 2) * micro * args.nproc
         windows = min(args.steps * global_batch + ahead, max(args.max_windows, micro * args.nproc))

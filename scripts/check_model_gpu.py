@@ -19,7 +19,8 @@ import torch
 from train.attention import dense_mask, flex_block_mask, masked_attention
 from train.flops import dit_flops
 from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.model import build_model, compact_text, preset, random_batch
+from train.model import build_model, preset, random_batch
+from train.text import compact_text
 
 
 @dataclass

@@ -131,8 +131,8 @@ def official_base(tmp_path_factory, small_shards) -> Path:
 @pytest.fixture(scope="session")
 def small_dit(small_shards) -> DiTConfig:
     """The DiT the trainer builds for `small_shards` (the tiny preset takes its widths from them)."""
+    from train.builder import model_config
     from train.config import Config, DataConfig
-    from train.main import model_config
 
     return model_config(Config(data=DataConfig(shards=small_shards)))
 

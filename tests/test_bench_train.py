@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from devtools import bench
-from train.config import parse_args
+from train.config import BatchPlan, batch_plan, parse_args
 from train.data import data_dims
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,4 +93,4 @@ def test_trainer_flags_put_warmup_in_its_own_records_and_pass_extra_flags_last(t
     assert (cfg.data.micro_batch_size, cfg.parallel.global_batch_size) == (16, 256)  # global: the preset's
     assert (cfg.parallel.activation_checkpoint, cfg.parallel.compile, cfg.data.num_workers) == ("selective", False, 8)
     assert not (cfg.checkpoint.save_final or cfg.checkpoint.export or cfg.checkpoint.resume)
-    assert bench.batch_sizes(cfg, 2) == (16, 256, 8)
+    assert batch_plan(cfg, 2) == BatchPlan(micro=16, global_batch=256, accum=8)

@@ -69,7 +69,7 @@ def _config_only(base: Path, out: Path) -> Path:
 def _worker(rank: int, tmp: str, shards: Path, init_from: Path, cases: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
-    from train.main import build
+    from train.builder import build
     try:
         for name, base in cases.items():
             cfg = Config(data=DataConfig(shards=shards), model=ModelConfig(init_from=init_from, init_device="meta"),

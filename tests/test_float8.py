@@ -26,10 +26,10 @@ from preprocess import synthetic
 from tests.conftest import tiny_model
 from devtools import bench
 from train import checkpoint
+from train.builder import sharded_model
 from train.config import CheckpointConfig, Config, OptimConfig, parse_args, resolve_auto
 from train.export import export_weights
 from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.main import sharded_model
 from train.model import build_model, preset, random_batch
 from train.optim import build_optimizer, clip_grad_norm
 from train.parallel import apply_ac, apply_float8, check_float8, float8_after_step

@@ -16,8 +16,9 @@ import torch.multiprocessing as mp
 from tests.conftest import tiny_model
 from train.config import ParallelConfig
 from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.model import DiTBatch, compact_text, random_batch
+from train.model import DiTBatch, random_batch
 from train.parallel import parallelize
+from train.text import compact_text
 
 WORLD = 2
 

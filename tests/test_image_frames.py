@@ -25,8 +25,8 @@ from preprocess.check import check
 from shardformat.manifest import MANIFEST, read_sealed_json, write_sealed_json
 from shardformat.members import decode_members
 from tests.conftest import ROOT, build, manifest, shard_samples
+from train.builder import frozen_image_encoder, model_config
 from train.config import parse_args
-from train.main import frozen_image_encoder, model_config
 
 
 @pytest.fixture(scope="module")

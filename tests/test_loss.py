@@ -23,7 +23,7 @@ def test_schedule_values():
 
 
 def test_timestep_ids_share_per_block_and_couple_actions():
-    ids = sample_timestep_ids(64, 9, 2, torch.Generator().manual_seed(0))
+    ids = sample_timestep_ids(64, 9, 2, torch.Generator().manual_seed(0), num_timesteps=1000)
     assert ids.shape == (64, 9) and ids.min() >= 0 and ids.max() <= 999
     assert torch.equal(ids[:, 2::2], ids[:, 1::2])
     assert (ids[:, 0] != ids[:, 1]).any()  # frame 0 keeps its own id
@@ -36,7 +36,7 @@ def test_timestep_ids_share_per_block_and_couple_actions():
 
 def test_timestep_distribution():
     s = FlowMatchScheduler()
-    ids = sample_timestep_ids(20000, 9, 2, torch.Generator().manual_seed(1))
+    ids = sample_timestep_ids(20000, 9, 2, torch.Generator().manual_seed(1), num_timesteps=1000)
     sig = s.sigmas[ids[:, ::2]]
     assert abs(sig.mean().item() - 0.748) < 0.005
     assert abs((sig > 0.5).double().mean().item() - 0.834) < 0.005
@@ -70,7 +70,7 @@ def test_loss_matches_spec_formula_and_quirk():
         model.head.head.weight.normal_(0, 0.05)
     batch = random_batch(model.cfg, 2, (9, 4, 4), generator=torch.Generator().manual_seed(0), real_action_dims=7)
     sched = FlowMatchScheduler()
-    ids = sample_timestep_ids(2, 9, 2, torch.Generator().manual_seed(3))
+    ids = sample_timestep_ids(2, 9, 2, torch.Generator().manual_seed(3), num_timesteps=1000)
     with torch.no_grad():
         for cfg in (LossConfig(), LossConfig(action_loss_over_all_dims=False)):
             loss, terms = flow_matching_loss(model, batch, sched, cfg, torch.Generator().manual_seed(7), ids)
@@ -104,7 +104,7 @@ def test_tiny_model_overfits_one_batch():
         model = build_model("tiny")
         batch = random_batch(model.cfg, 1, (9, 4, 4), generator=torch.Generator().manual_seed(0))
         sched = FlowMatchScheduler()
-        ids = sample_timestep_ids(1, 9, 2, torch.Generator().manual_seed(1))
+        ids = sample_timestep_ids(1, 9, 2, torch.Generator().manual_seed(1), num_timesteps=1000)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for _ in range(60):

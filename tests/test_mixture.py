@@ -24,10 +24,10 @@ from preprocess import synthetic
 from shardformat.manifest import Manifest
 from shardformat.stats import normalize_q99, pad_with_mask
 from tests.conftest import build
+from train.builder import model_config
 from train.config import DataConfig, ShardSet, file_config, parse_args, save_config
 from train.curves import plot
 from train.data import SampleReader, ShardLoader, SetDraws, open_sets
-from train.main import model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from train.model import (build_model, compact_text, compact_text_rows, pad_text, preset, random_batch, rope_tables,
-                         text_key_log_weight)
+from train.model import build_model, preset, random_batch, rope_tables, text_key_log_weight
+from train.text import compact_text, compact_text_rows, pad_text
 from train.loss import FlowMatchScheduler, action_ids, sample_timestep_ids
 
 
@@ -14,7 +14,7 @@ def _run(model, batch, t_frames=None, t_actions=None, noisy=None, noisy_actions=
     cfg = model.cfg
     B, nf = batch.latents.shape[0], batch.latents.shape[2]
     g = torch.Generator().manual_seed(5)
-    ids = sample_timestep_ids(B, nf, cfg.num_frame_per_block, g)
+    ids = sample_timestep_ids(B, nf, cfg.num_frame_per_block, g, num_timesteps=1000)
     sch = FlowMatchScheduler()
     t_frames = sch.timesteps[ids].float() if t_frames is None else t_frames
     t_actions = (sch.timesteps[action_ids(ids, cfg.num_frame_per_block, cfg.num_action_per_block)].float()

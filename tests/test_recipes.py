@@ -17,7 +17,7 @@ from preprocess.__main__ import main as preprocess_main
 from preprocess.pipeline import VAE_OF_MODEL
 from preprocess.synthetic import SHAPES, SUBKEY_DIMS, make_synthetic_shards
 from shardformat.embodiments import get_embodiment
-from train.config import PRESETS, Config, parse_args, preset_config
+from train.config import Config, parse_args, preset_config
 from train.main import main as train_main
 from train.model import preset
 
@@ -43,11 +43,12 @@ def test_a_recipe_means_the_same_shapes_to_preprocessing_synthetic_shards_and_th
     assert (dit.in_dim, dit.out_dim) == (channels + (20 if shapes.y else 0), channels)
     assert dit.frame_seqlen == (h // 2) * (w // 2) and dit.num_action_per_block == horizon
     assert (dit.text_dim, (dit.image_len, dit.image_dim)) == (shapes.text_dim, shapes.clip)
-    assert PRESETS[name].model.name == name
+    assert preset_config(name).model.name == name
 
 
 def test_every_preset_survives_the_file_round_trip(tmp_path):
-    for name, cfg in PRESETS.items():
+    for name in configs.names():
+        cfg = preset_config(name)
         configs.write(tmp_path / f"{name}.yaml", {"train": configs.plain(cfg)}, name)
         assert configs.apply(Config(), configs.read(tmp_path / f"{name}.yaml")["train"], name) == cfg
 
@@ -66,7 +67,7 @@ def test_flags_override_the_file_which_overrides_the_preset(tmp_path):
     assert (tiny.preset, tiny.steps, tiny.parallel.global_batch_size, tiny.optim.lr) == ("tiny", 7, 0, 2e-5)
     # a recipe name is its file
     assert parse_args(["--config", "droid-14b", "--data.shards", "s"]) == dataclasses.replace(
-        preset_config("droid-14b"), config="droid-14b", data=dataclasses.replace(PRESETS["droid-14b"].data, shards="s"))
+        preset_config("droid-14b"), config="droid-14b", data=dataclasses.replace(preset_config("droid-14b").data, shards="s"))
 
 
 def test_preprocess_config_sets_the_defaults_of_its_flags(tmp_path):

@@ -208,8 +208,8 @@ def test_variant_is_drawn_per_visit(shards):
 
 
 def test_model_config_takes_widths_from_the_shards_and_overrides_depth(shards):
+    from train.builder import model_config
     from train.config import parse_args
-    from train.main import model_config
     base = model_config(parse_args(["--data.shards", str(shards)]))
     deeper = model_config(parse_args(["--data.shards", str(shards), "--model.num-layers", "5"]))
     assert base.num_layers == TINY.num_layers != 5 and deeper.num_layers == 5

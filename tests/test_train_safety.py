@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from preprocess import synthetic
 from shardformat.members import checksum, npy_bytes
@@ -26,14 +27,15 @@ from shardformat.shard import ShardRecord, json_path
 from tests.conftest import tiny_model
 from tests.test_train_main import ROOT, _command, _env, _rows
 from train import checkpoint
+from train.builder import model_config
 from train.config import CheckpointConfig, OptimConfig, ParallelConfig, parse_args
 from train.data import ShardLoader
 from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.main import model_config
 from train.metrics import MetricsLogger
 from train.model import random_batch
 from train.optim import build_optimizer
 from train.parallel import parallelize
+from train.state import TrainState, noise_seed
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +122,7 @@ def test_a_failed_rank_leaves_at_once_with_its_error(failure, code, message):
     printed, what it printed before flushed, and its exit status."""
     script = textwrap.dedent(f"""
         import threading
-        from train.main import leave_now
+        from train.runtime import leave_now
         threading.Thread(target=threading.Event().wait).start()
         print("step 4 | loss 2.61", flush=False)  # stdout is a pipe here: block-buffered
         try:
@@ -177,6 +179,37 @@ def test_resume_with_another_model_shape_is_refused(process_group, tmp_path):
         checkpoint.load(path, deeper, optimizer)
     state = checkpoint.load(path, *_trained_model())
     assert state["step"] == 1 and state["same_rank"] and state["rng"].dtype == torch.uint8
+
+
+def test_the_loops_state_comes_back_from_a_checkpoint(process_group, tmp_path, small_shards):
+    """TrainState (a DCP Stateful) saved beside the weights loads back as it was: step, skipped steps, warmup, the
+    loader's position and samples seen, and the noise stream where it stopped; from a run of another world size
+    (not this rank's state) the stream restarts from the step's seed."""
+    cfg = parse_args(["--data.shards", str(small_shards), "--data.num-workers", "0"])
+    cpu = torch.device("cpu")
+
+    def fresh() -> TrainState:
+        return TrainState(ShardLoader(cfg.data, model_config(cfg), 0, 1, cpu), seed=3, rank=0, device=cpu, warmup=5)
+
+    state = fresh()
+    assert isinstance(state, Stateful)
+    batches = iter(state.loader)
+    next(batches), next(batches)
+    batches.close()
+    state.step, state.skipped = 2, 1
+    torch.rand(3, generator=state.noise)
+    model, optimizer = _trained_model()
+    path = checkpoint.save(CheckpointConfig(dir=tmp_path), 2, model, optimizer, state.state_dict())
+    saved = checkpoint.load(path, model, optimizer)
+    resumed = fresh()
+    resumed.load_state_dict(saved)
+    assert (resumed.step, resumed.skipped, resumed.warmup, resumed.loader.next_batch) == (2, 1, 5, 2)
+    assert resumed.samples_seen.tolist() == state.samples_seen.tolist() and state.samples_seen.sum() > 0
+    assert torch.equal(torch.rand(4, generator=resumed.noise), torch.rand(4, generator=state.noise))
+    elsewhere = fresh()
+    elsewhere.load_state_dict(saved | {"same_rank": False})
+    restarted = torch.Generator().manual_seed(noise_seed(3, 0, 2))
+    assert torch.equal(torch.rand(4, generator=elsewhere.noise), torch.rand(4, generator=restarted))
 
 
 class _Plant:

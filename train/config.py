@@ -4,25 +4,25 @@
     torchrun --nproc-per-node=8 train/main.py --config checkpoints/libero-5b/config.yaml --checkpoint.dir again
 
 `--preset` picks the defaults (configs/<preset>.yaml, section train); `--config FILE` overrides them with a file's
-train section (a run directory's config.yaml reproduces that run); every other flag overrides one field on top.
-`--help` lists them all.
+train section (a run directory's config.yaml reproduces that run); every other flag overrides one field on top (all
+listed by `--help`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import torch
 import tyro
 
 import configs
-from train import memory
-from train.lora import LoRAConfig
-from train.loss import LossConfig
+
+if TYPE_CHECKING:
+    import torch
 
 RecipeName = Literal[tuple(configs.names())]  # type: ignore[valid-type]
 
@@ -110,7 +110,7 @@ class ModelConfig:
     """The DiT (train/model.py)."""
 
     name: RecipeName = "tiny"
-    """DiT shape: the recipe's of this name (configs/<name>.yaml, section dit; train/model.py PRESETS)."""
+    """DiT shape: the recipe's of this name (configs/<name>.yaml, section dit; train/model.py preset)."""
     num_layers: int = 0
     """Override the preset's block count (0 = the preset's): a shallower real-width model for debugging and
     benchmarks on fewer GPUs. Weights from --model.init-from must match."""
@@ -138,6 +138,36 @@ class ModelConfig:
     def flex_mask_options(self) -> dict:
         """`flex_block_mask` keyword arguments of these settings."""
         return {"lookup": self.flex_mask == "lookup", "block_size": self.flex_block_size}
+
+
+@dataclass
+class LossConfig:
+    """Flow-matching loss options."""
+
+    shift: float = 5.0
+    """Timestep shift of the schedule."""
+    num_train_timesteps: int = 1000
+    """Discrete training timesteps."""
+    action_loss_over_all_dims: bool = True
+    """Reference quirk: divide the action loss by all padded dims (32); False = by the real dims of each token."""
+    action_weight: float = 1.0
+    """Weight of the action loss relative to the dynamics loss (reference: 1)."""
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA fine-tuning (train/lora.py); the official LoRA recipe is --lora.rank 4 --lora.alpha 4."""
+
+    rank: int = 0
+    """Rank of the update; 0 = off (full fine-tuning)."""
+    alpha: float = 4.0
+    """Scale numerator: the update is multiplied by alpha / rank."""
+    targets: str = "q,k,v,o,ffn.0,ffn.2"
+    """Comma-separated suffixes of the module names to adapt (PEFT's matching: the name equals one or ends in
+    '.' + one); only nn.Linear layers are adapted."""
+
+    def suffixes(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
 
 
 @dataclass
@@ -300,8 +330,10 @@ class Config:
 AUTO_MICRO = 0  # --data.micro-batch-size 0: resolved with the recompute mode (resolve_auto)
 
 
+@functools.cache
 def recipe_config(name: str) -> Config:
-    """The preset `name`: the defaults above with its recipe's train section (configs/<name>.yaml)."""
+    """The preset `name`: the defaults above with its recipe's train section (configs/<name>.yaml), read once; shared,
+    so callers take `preset_config`'s copy."""
     base = Config(preset=name, model=ModelConfig(name=name),
                   checkpoint=CheckpointConfig(dir=Path("checkpoints") / name))
     return configs.apply(base, configs.section(configs.recipe(name), "train", name), f"configs/{name}.yaml: train")
@@ -355,18 +387,21 @@ def _measured(name: str, entry: dict) -> Measured:
                     entry.get("cpu_offload", False))
 
 
-# Per recipe (configs/<name>.yaml, section throughput): the measured settings, fastest first, and the fallback
-# where nothing measured fits, and on CPU: the preset's batch recipe with full recompute, the safest (tiny: none).
-_THROUGHPUT = {name: configs.section(configs.recipe(name), "throughput", name) for name in configs.names()}
-MEASURED = [_measured(name, entry) for name, table in _THROUGHPUT.items() for entry in table.get("measured", [])]
-RECIPES = {name: Throughput(**table["recipe"]) for name, table in _THROUGHPUT.items()}
-PRESETS = {name: recipe_config(name) for name in configs.names()}
+@functools.cache
+def throughput_table() -> tuple[list[Measured], dict[str, Throughput]]:
+    """Per recipe (configs/<name>.yaml, section throughput, read on first use): the measured settings, fastest first,
+    and the fallback where nothing measured fits, and on CPU: the preset's batch recipe with full recompute, the
+    safest (tiny: none)."""
+    tables = {name: configs.section(configs.recipe(name), "throughput", name) for name in configs.names()}
+    measured = [_measured(name, entry) for name, table in tables.items() for entry in table.get("measured", [])]
+    return measured, {name: Throughput(**table["recipe"]) for name, table in tables.items()}
 
 
 def preset_config(name: str) -> Config:
-    if name not in PRESETS:
-        raise SystemExit(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return copy.deepcopy(PRESETS[name])
+    """A fresh copy of the preset `name` (its recipe read on first use)."""
+    if name not in configs.names():
+        raise SystemExit(f"unknown preset {name!r}; choose one of {configs.names()}")
+    return copy.deepcopy(recipe_config(name))
 
 
 def file_config(name_or_file: str, preset: str | None = None) -> Config:
@@ -386,6 +421,26 @@ def save_config(cfg: Config, path: Path) -> None:
     configs.write(path, {"train": configs.plain(cfg)}, f"torchrun train/main.py --config {path}: this run's settings")
 
 
+@dataclass(frozen=True)
+class BatchPlan:
+    """One optimizer step: `accum` micro-batches of `micro` samples on each of the ranks, `global_batch` in all."""
+
+    micro: int
+    global_batch: int
+    accum: int
+
+
+def batch_plan(cfg: Config, world_size: int) -> BatchPlan:
+    """The step's batch plan: accum = global batch / (micro-batch x world size), the global batch being
+    --parallel.global-batch-size or else one micro-batch per rank; one line when that is no whole number."""
+    micro = cfg.data.micro_batch_size
+    global_batch = cfg.parallel.global_batch_size or micro * world_size
+    accum, rem = divmod(global_batch, micro * world_size)
+    if rem or accum < 1:
+        raise SystemExit(f"global batch {global_batch} is not a multiple of micro-batch {micro} x {world_size} ranks")
+    return BatchPlan(micro, global_batch, accum)
+
+
 def _fitting_micro(micro: int, global_batch: int, world_size: int) -> int:
     """The largest micro-batch <= `micro` that keeps the recipe's global batch (a whole number of micro-batches per
     rank and step); `micro` itself when none does (the trainer then says why)."""
@@ -397,8 +452,8 @@ def _fitting_micro(micro: int, global_batch: int, world_size: int) -> int:
 def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tuple[Config, str | None]:
     """A copy of `cfg` whose auto parts (--parallel.activation-checkpoint auto, --data.micro-batch-size 0, unset
     --parallel.[no-]reshard-after-forward, --parallel.[no-]reduce-every-micro-batch and
-    --parallel.[no-]gather-once-per-step) take the fastest MEASURED
-    setting for the preset that fits `world_size` GPUs of `gpu_mem_gib` each, else the preset's RECIPES entry (None =
+    --parallel.[no-]gather-once-per-step) take the fastest measured
+    setting for the preset that fits `world_size` GPUs of `gpu_mem_gib` each, else the preset's recipe entry (None =
     CPU: the recipe). Settings measured with the run's --parallel.float8 come first, then the bf16 ones (float8 did
     not take more memory where both were measured). The recompute mode brings its entry's --parallel.ac-blocks and
     --parallel.ac-others unless those are given. Given parts are kept. Returns the copy and one line saying what was
@@ -411,8 +466,11 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     moments = cfg.optim.moments
     if not any(auto.values()):
         return cfg, None  # --optim.moments auto stays fp32
+    from train import memory  # builds models on the meta device: torch, needed only here
+
+    measured, recipes = throughput_table()
     # a setting measured with fp32 moments fits bf16 ones too; one measured with bf16 moments needs them
-    on_gpus = [m for m in MEASURED if m.preset == cfg.preset and gpu_mem_gib is not None
+    on_gpus = [m for m in measured if m.preset == cfg.preset and gpu_mem_gib is not None
                and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib and m.float8 in (p.float8, "none")
                and moments in ("auto", m.setting.moments, "bf16" if m.setting.moments == "fp32" else "")]
     # an offloaded setting fits only offloaded runs; an offloaded run fits any, its own kind first
@@ -423,7 +481,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     # gradient to host memory (32 a step for libero-5b's one-H200 entry: no step within 8 minutes); without one,
     # the memory model sizes it (largest micro-batch first)
     fits.sort(key=lambda m: m.float8 != p.float8)  # stable: fastest first of each
-    chosen = fits[0].setting if fits else RECIPES[cfg.preset]
+    chosen = fits[0].setting if fits else recipes[cfg.preset]
     gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
     where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
     why = (f"measured {fits[0].evidence}" if fits else
@@ -467,6 +525,8 @@ def device_memory_gib(device: torch.device) -> float | None:
     """Total memory of a CUDA device in GiB (what resolve_auto sizes by); None for any other device."""
     if device.type != "cuda":
         return None
+    import torch  # here only: parsing the flags (and --help) does without it
+
     return torch.cuda.get_device_properties(device).total_memory / 2**30
 
 
@@ -552,12 +612,29 @@ def validate(cfg: Config) -> None:
         raise SystemExit("invalid settings: " + "; ".join(bad))
 
 
+@functools.cache
+def _help_as_paragraphs(cls: type | None = None) -> None:
+    """Each field docstring of `cls` (default Config) and its groups given to tyro as the flag's help, one paragraph:
+    tyro keeps the line breaks of a docstring's indented lines, which --help printed as lines broken mid-sentence."""
+    import docstring_parser  # tyro's own docstring reader
+
+    cls = cls or Config
+    for param in docstring_parser.parse_from_object(cls).params:
+        name, help = param.arg_name, " ".join((param.description or "").split())
+        if name in cls.__annotations__ and help:
+            cls.__annotations__[name] = Annotated[cls.__annotations__[name], tyro.conf.arg(help=help)]
+    for f in fields(cls):
+        if is_dataclass(f.default_factory):
+            _help_as_paragraphs(f.default_factory)
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     """The preset's defaults, then --config's train section, then every flag on top (tyro); without --data.shards
     the trainer reads `make shards`' output, shards/droid. Invalid settings exit with one line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     preset, file = configs.flag_value(argv, "--preset"), configs.flag_value(argv, "--config")
     default = file_config(file, preset) if file else preset_config(preset or "tiny")
+    _help_as_paragraphs()
     cfg = tyro.cli(Config, default=default, args=argv, description=__doc__)
     if cfg.data.shards is None and not cfg.data.mixture:
         cfg.data.shards = default_shards()

@@ -31,6 +31,7 @@ import os
 import time
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,7 +41,10 @@ from shardformat.manifest import ShardFormatError
 from shardformat.stats import normalize_q99, pad_with_mask
 from shardformat.index import ShardIndex, ShardReader, Window
 from train.config import DataConfig, ShardSet
-from train.model import DiTConfig, compact_text, compact_text_rows, pad_text
+from train.text import compact_text, compact_text_rows, pad_text
+
+if TYPE_CHECKING:  # annotations only: the loader never builds the model
+    from train.model import DiTConfig
 
 # + text_lengths; clip_pixels in place of clip when the shards hold CLIP's input (the trainer runs CLIP on it)
 BATCH_KEYS = ("latents", "clip", "text", "state", "actions", "action_mask", "has_real_action")

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from train.config import LoRAConfig
 from train.weights import _fill, model_tensors, official_name
 
 ADAPTERS = ("lora_A", "lora_B")
@@ -29,22 +29,6 @@ ADAPTERS = ("lora_A", "lora_B")
 TRAINABLE = ("state_encoder", "action_encoder", "action_decoder")
 # an official LoRA checkpoint's DiT keys: the DiT wrapped by PEFT (adapter "default")
 PEFT_PREFIX = "action_head.model.base_model.model."
-
-
-@dataclass
-class LoRAConfig:
-    """LoRA fine-tuning (train/lora.py); the official LoRA recipe is --lora.rank 4 --lora.alpha 4."""
-
-    rank: int = 0
-    """Rank of the update; 0 = off (full fine-tuning)."""
-    alpha: float = 4.0
-    """Scale numerator: the update is multiplied by alpha / rank."""
-    targets: str = "q,k,v,o,ffn.0,ffn.2"
-    """Comma-separated suffixes of the module names to adapt (PEFT's matching: the name equals one or ends in
-    '.' + one); only nn.Linear layers are adapted."""
-
-    def suffixes(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
 
 
 class LoRALinear(nn.Linear):

@@ -9,10 +9,9 @@ sample/GPU).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from train.config import LossConfig
 from train.model import CausalWanModel, DiTBatch
 
 
@@ -35,25 +34,10 @@ class FlowMatchScheduler:
         return self
 
 
-@dataclass
-class LossConfig:
-    """Flow-matching loss options."""
-
-    shift: float = 5.0
-    """Timestep shift of the schedule."""
-    num_train_timesteps: int = 1000
-    """Discrete training timesteps."""
-    action_loss_over_all_dims: bool = True
-    """Reference quirk: divide the action loss by all padded dims (32); False = by the real dims of each token."""
-    action_weight: float = 1.0
-    """Weight of the action loss relative to the dynamics loss (reference: 1)."""
-
-
 def sample_timestep_ids(batch: int, num_frames: int, num_frame_per_block: int,
-                        generator: torch.Generator | None = None, device=None,
-                        num_timesteps: int = 1000) -> torch.Tensor:
-    """ids [B, F] ~ U{0..num_timesteps - 1} (the scheduler's length); frames of a block share the id of its first
-    frame, frame 0 keeps its own."""
+                        generator: torch.Generator | None = None, device=None, *, num_timesteps: int) -> torch.Tensor:
+    """ids [B, F] ~ U{0..num_timesteps - 1}, `num_timesteps` being the scheduler's (`--loss.num-train-timesteps`);
+    frames of a block share the id of its first frame, frame 0 keeps its own."""
     ids = torch.randint(0, num_timesteps, (batch, num_frames), generator=generator, device=device)
     first = ids[:, 1::num_frame_per_block]  # first frame of each block
     ids[:, 1:] = first.repeat_interleave(num_frame_per_block, dim=1)[:, : num_frames - 1]
@@ -74,7 +58,8 @@ def flow_matching_loss(model: CausalWanModel, batch: DiTBatch, scheduler: FlowMa
     B, nf = z.shape[0], z.shape[2]
     dev = z.device
     if frame_ids is None:
-        frame_ids = sample_timestep_ids(B, nf, mcfg.num_frame_per_block, generator, dev, len(scheduler.sigmas))
+        frame_ids = sample_timestep_ids(B, nf, mcfg.num_frame_per_block, generator, dev,
+                                        num_timesteps=scheduler.num_train_timesteps)
     blocks = (nf - 1) // mcfg.num_frame_per_block
     a_ids = action_ids(frame_ids, mcfg.num_frame_per_block, max(1, a.shape[1] // max(1, blocks)))  # the batch's horizon
     if a_ids.shape[1] != a.shape[1]:
