@@ -1,0 +1,211 @@
+"""The open-loop sampler against a transcription of the reference's inference loop, and the action-error arithmetic.
+
+`RefUniPC` and `reference_loop` below are written from reading dreamzero0/dreamzero (ab790c1)
+groot/vla/model/dreamzero/modules/flow_unipc_multistep_scheduler.py (FlowUniPCMultistepScheduler: __init__,
+set_timesteps, convert_model_output, multistep_uni_p_bh_update, multistep_uni_c_bh_update, step) and the denoising
+loop of WANPolicyHead.lazy_joint_video_action, keeping their structure (general order, the R/b systems, the step
+mask, guidance on the video only), so the sampler's compact order-2 form is checked step by step against them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import tiny_model
+from train.model import random_batch
+from train.sample import ActionErrors, SamplerConfig, action_error, sample_actions, unipc_schedule
+
+MASK8 = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
+
+
+class RefUniPC:
+    """FlowUniPCMultistepScheduler(num_train_timesteps=1000, shift=1, use_dynamic_shifting=False) with its defaults:
+    solver_order 2, predict_x0, bh2, lower_order_final, no corrector disabled, final sigma 0."""
+
+    def __init__(self, n: int = 1000, order: int = 2):
+        alphas = np.linspace(1, 1 / n, n)[::-1].copy()
+        sigmas = torch.from_numpy(1.0 - alphas).to(torch.float32)  # shift 1: unchanged
+        self.n, self.solver_order = n, order
+        self.sigma_min, self.sigma_max = sigmas[-1].item(), sigmas[0].item()
+
+    def set_timesteps(self, steps: int, shift: float):
+        sigmas = np.linspace(self.sigma_max, self.sigma_min, steps + 1).copy()[:-1]
+        sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
+        timesteps = sigmas * self.n
+        self.sigmas = torch.from_numpy(np.concatenate([sigmas, [0]]).astype(np.float32))
+        self.timesteps = torch.from_numpy(timesteps).to(torch.int64)
+        self.model_outputs = [None] * self.solver_order
+        self.lower_order_nums, self.last_sample = 0, None
+
+    @staticmethod
+    def _alpha_sigma(sigma):
+        return 1 - sigma, sigma
+
+    def _lambda(self, idx):
+        a, s = self._alpha_sigma(self.sigmas[idx])
+        return torch.log(a) - torch.log(s)
+
+    def _rb(self, rks, hh, order):
+        h_phi_1 = torch.expm1(hh)
+        h_phi_k = h_phi_1 / hh - 1
+        factorial_i, B_h = 1, torch.expm1(hh)
+        R, b = [], []
+        for i in range(1, order + 1):
+            R.append(torch.pow(rks, i - 1))
+            b.append(h_phi_k * factorial_i / B_h)
+            factorial_i *= i + 1
+            h_phi_k = h_phi_k / hh - 1 / factorial_i
+        return torch.stack(R), torch.stack(b), h_phi_1, B_h
+
+    def uni_p(self, sample, order, step_index):
+        m0 = self.model_outputs[-1]
+        h = self._lambda(step_index + 1) - self._lambda(step_index)
+        rks, D1s = [], []
+        for i in range(1, order):
+            rk = (self._lambda(step_index - i) - self._lambda(step_index)) / h
+            rks.append(rk)
+            D1s.append((self.model_outputs[-(i + 1)] - m0) / rk)
+        rks.append(torch.ones(()))
+        R, b, h_phi_1, B_h = self._rb(torch.stack(rks), -h, order)
+        alpha_t, sigma_t = self._alpha_sigma(self.sigmas[step_index + 1])
+        x_t_ = sigma_t / self.sigmas[step_index] * sample - alpha_t * h_phi_1 * m0
+        if not D1s:
+            return x_t_
+        rhos_p = torch.full((1,), 0.5) if order == 2 else torch.linalg.solve_ex(R[:-1, :-1], b[:-1])[0]
+        pred_res = torch.einsum("k,bkc...->bc...", rhos_p, torch.stack(D1s, dim=1))
+        return x_t_ - alpha_t * B_h * pred_res
+
+    def uni_c(self, model_t, last_sample, order, step_index):
+        m0 = self.model_outputs[-1]
+        h = self._lambda(step_index) - self._lambda(step_index - 1)
+        rks, D1s = [], []
+        for i in range(1, order):
+            rk = (self._lambda(step_index - (i + 1)) - self._lambda(step_index - 1)) / h
+            rks.append(rk)
+            D1s.append((self.model_outputs[-(i + 1)] - m0) / rk)
+        rks.append(torch.ones(()))
+        R, b, h_phi_1, B_h = self._rb(torch.stack(rks), -h, order)
+        rhos_c = torch.full((1,), 0.5) if order == 1 else torch.linalg.solve_ex(R, b)[0]
+        alpha_t, sigma_t = self._alpha_sigma(self.sigmas[step_index])
+        x_t_ = sigma_t / self.sigmas[step_index - 1] * last_sample - alpha_t * h_phi_1 * m0
+        corr_res = torch.einsum("k,bkc...->bc...", rhos_c[:-1], torch.stack(D1s, dim=1)) if D1s else 0
+        return x_t_ - alpha_t * B_h * (corr_res + rhos_c[-1] * (model_t - m0))
+
+    def step(self, model_output, sample, step_index):
+        x0 = sample - self.sigmas[step_index] * model_output  # convert_model_output, flow_prediction
+        if step_index > 0 and self.last_sample is not None:
+            sample = self.uni_c(x0, self.last_sample, self.this_order, step_index)
+        self.model_outputs = self.model_outputs[1:] + [x0]
+        this_order = min(self.solver_order, len(self.timesteps) - step_index)
+        self.this_order = min(this_order, self.lower_order_nums + 1)
+        self.last_sample = sample
+        prev = self.uni_p(sample, self.this_order, step_index)
+        self.lower_order_nums = min(self.lower_order_nums + 1, self.solver_order)
+        return prev
+
+
+def reference_loop(model, batch, mask, cfg_scale=5.0, negative=None, seed=1140):
+    """lazy_joint_video_action's denoising for one fresh observation (current_start_frame 1 after the frame-0 cache),
+    expressed through the teacher-forcing forward: frame 0 clean at t 0, block 1 and the chunk noisy."""
+    nfpb, A = model.cfg.num_frame_per_block, model.cfg.num_action_per_block
+    z0 = batch.latents[:, :, :1]
+    B, C, _, h, w = batch.latents.shape
+    noise_obs = torch.randn((1, C, nfpb, h, w), generator=torch.Generator().manual_seed(seed)).expand(B, -1, -1, -1, -1)
+    noise_action = torch.randn((1, A, model.cfg.action_dim),
+                               generator=torch.Generator().manual_seed(seed)).expand(B, -1, -1)
+    video_sched, action_sched = RefUniPC(), RefUniPC()
+    video_sched.set_timesteps(16, shift=5.0)
+    action_sched.set_timesteps(16, shift=5.0)
+    x, a, states, prev = noise_obs, noise_action, [], None
+    for index, t in enumerate(video_sched.timesteps):
+        t_v = torch.cat([torch.zeros(B, 1), torch.full((B, nfpb), float(t))], dim=1)
+        t_a = torch.full((B, A), float(action_sched.timesteps[index]))
+        args = (torch.cat([z0, x], 2), t_v, torch.cat([z0, torch.zeros_like(x)], 2), a, t_a, batch.state[:, :1])
+        if mask[index]:
+            v_c, a_c = model(*args, batch.text, batch.clip)
+            flow = v_c
+            if negative is not None:
+                v_u, _ = model(*args, negative.expand(B, -1, -1), batch.clip)
+                flow = v_u + cfg_scale * (v_c - v_u)
+            prev = (flow[:, :, 1:], a_c)
+        x = video_sched.step(prev[0], x, index)
+        a = action_sched.step(prev[1], a, index)
+        states.append((x, a))
+    return states
+
+
+@pytest.fixture(scope="module")
+def model_and_batch():
+    model = tiny_model().double()
+    batch = random_batch(model.cfg, 2, (5, 4, 6), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    return model, batch
+
+
+def test_schedule_is_the_references():
+    ref = RefUniPC()
+    ref.set_timesteps(16, shift=5.0)
+    sigmas, timesteps = unipc_schedule(16, 5.0)
+    assert torch.equal(sigmas, ref.sigmas) and torch.equal(timesteps, ref.timesteps)
+    assert timesteps[0] == 999 and sigmas[-1] == 0 and sigmas.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dit_steps,guided", [(16, False), (8, False), (8, True)])
+def test_every_step_equals_the_reference_loop(model_and_batch, dit_steps, guided):
+    model, batch = model_and_batch
+    negative = torch.randn(1, model.cfg.text_len, model.cfg.text_dim, dtype=torch.float64) if guided else None
+    mask = [True] * 16 if dit_steps == 16 else MASK8
+    want = reference_loop(model, batch, mask, negative=negative)
+    got = []
+    sample_actions(model, batch, SamplerConfig(dit_steps=dit_steps), negative_text=negative, trace=got)
+    assert len(got) == 16
+    for i, ((v, a), (v_ref, a_ref)) in enumerate(zip(got, want)):
+        assert torch.allclose(v, v_ref, rtol=1e-6, atol=1e-6), f"video, step {i}"
+        assert torch.allclose(a, a_ref, rtol=1e-6, atol=1e-6), f"actions, step {i}"
+    assert got[-1][1].abs().max() > 0  # a non-trivial chunk
+
+
+def test_only_the_observation_conditions_the_chunk(model_and_batch):
+    """Recorded actions and the latent frames after frame 0 (the future) never reach the sampled chunk."""
+    model, batch = model_and_batch
+    base = sample_actions(model, batch)
+    future = random_batch(model.cfg, 2, (5, 4, 6), dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    batch2 = type(batch)(**{**vars(batch), "actions": future.actions})
+    batch2.latents = torch.cat([batch.latents[:, :, :1], future.latents[:, :, 1:]], dim=2)
+    assert torch.equal(sample_actions(model, batch2), base)
+    batch3 = type(batch)(**{**vars(batch), "latents": future.latents})
+    assert not torch.allclose(sample_actions(model, batch3), base)
+
+
+def test_action_error_is_the_masked_mean_per_dim():
+    pred = torch.tensor([[[0.5, 0.0, 9.0], [1.0, -1.0, 9.0]], [[0.0, 0.5, 9.0], [-0.5, 0.0, 9.0]]])
+    target = torch.zeros(2, 2, 3)
+    mask = torch.tensor([[[1, 1, 0], [1, 0, 0]], [[0, 1, 0], [1, 1, 0]]], dtype=torch.bool)
+    q01, q99 = np.array([0.0, -2.0]), np.array([2.0, 2.0])  # raw = (x + 1) / 2 · span + q01: scale 1 and 2
+    errors = ActionErrors(2)
+    errors.add(pred, target, mask, q01, q99)
+    r = errors.report()
+    # dim 0 counts (0,0)=.25, (0,1)=1, (1,1)=.25; dim 1 counts (0,0)=0, (1,0)=.25, (1,1)=0
+    assert r["chunk"]["per_dim"] == pytest.approx([1.5 / 3, 0.25 / 3])
+    assert r["chunk_raw"]["per_dim"] == pytest.approx([1.5 / 3, 4 * 0.25 / 3])
+    assert r["chunk"]["mean"] == pytest.approx((0.5 + 0.25 / 3) / 2)
+    assert r["first"]["per_dim"] == pytest.approx([0.25, 0.25 / 2])  # first action: dim 0 only sample 0 counts
+    assert r["first_raw"]["per_dim"] == pytest.approx([0.25, 4 * 0.25 / 2])
+
+
+def test_a_dim_without_valid_entries_has_no_error():
+    errors = ActionErrors(2)
+    errors.add(torch.ones(1, 2, 2), torch.zeros(1, 2, 2), torch.tensor([[[1, 0], [1, 0]]], dtype=torch.bool),
+               np.zeros(2), np.ones(2))
+    assert errors.report()["chunk"] == {"per_dim": [1.0, None], "mean": 1.0}
+
+
+def test_action_error_weights_out_padding_samples(model_and_batch):
+    model, batch = model_and_batch
+    q01, q99 = np.full(7, -1.0), np.full(7, 1.0)
+    inputs = {k: v for k, v in vars(batch).items() if v is not None}
+    both = action_error(model, [inputs], q01, q99).report()
+    one = action_error(model, [{**inputs, "weight": torch.tensor([True, False])}], q01, q99).report()
+    first = {k: (v[:1] if torch.is_tensor(v) else v) for k, v in inputs.items()}
+    assert one == action_error(model, [first], q01, q99).report() != both
