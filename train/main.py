@@ -43,6 +43,7 @@ from train.optim import apply_hyperparameters, build_optimizer, build_scheduler,
 from train.parallel import (check_float8, check_host_memory, computes_on_cuda, float8_after_step,
                             host_memory_available, offload_host_bytes, parallelize, prepare_micro_batch,
                             recomputed_blocks, use_expandable_segments)
+from train.sample import ActionProbe
 from train.weights import WeightsError, load_weights
 
 MODEL_INPUTS = [f.name for f in fields(DiTBatch)]
@@ -366,6 +367,7 @@ def train(cfg: Config) -> dict:
                                 sets=loader.names if cfg.data.mixture else None)
         end = cfg.steps if not cfg.stop_after else min(cfg.steps, step + cfg.stop_after)
         profiler = StepProfiler(cfg.metrics, run_dir, rank, device)
+        action_probe = ActionProbe.from_config(cfg, model.cfg, rank, world, device, image_encoder)
         profiler.after_step(step)  # a profile that starts at the first step
         pending = first
         start_step, stop = step, False
@@ -411,6 +413,8 @@ def train(cfg: Config) -> dict:
                 profiler.after_step(step)
                 if step % cfg.metrics.interval == 0 or step == end or stop:
                     metrics.log(step, lr, loader.wait_s, loader.samples_seen())
+                if action_probe is not None and step % cfg.metrics.action_interval == 0:
+                    metrics.record(action_probe(model, step))
             if stop or (not nonfinite and ((cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or (
                     step == cfg.steps and cfg.checkpoint.save_final))):
                 state = {"step": step, "skipped": skipped, "warmup": warmup, "data": loader.state_dict(),

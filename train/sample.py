@@ -13,21 +13,20 @@ trainer's periodic version of it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from shardformat.stats import unnormalize_q99
-from train.model import CausalWanModel, DiTBatch
+from train.data import SampleReader, collate, open_index, set_names
+from train.model import CausalWanModel, DiTBatch, DiTConfig
 
 # The reference's DiT step masks by NUM_DIT_STEPS (its default 8): at a False step the last prediction is reused.
 DIT_STEP_MASKS = {
     5: "TTTFFFFTFFFFTFFF", 6: "TTFFFTFFFFTFFFTT", 7: "TTTFFFTFFFTFFFTT", 8: "TTTFFFTFFFTFFTTT", 16: "T" * 16,
 }
-MODEL_INPUTS = ("latents", "clip", "text", "state", "actions", "action_mask", "has_real_action", "y", "text_lengths")
 
 
 @dataclass(frozen=True)
@@ -207,7 +206,7 @@ class ActionErrors:
 
     def all_reduce(self) -> None:
         if dist.is_initialized():
-            both = torch.cat([self.sums, self.counts]).float().to(_collective_device())
+            both = torch.cat([self.sums, self.counts]).to(_collective_device())
             dist.all_reduce(both)
             self.sums, self.counts = both[:4].double().cpu(), both[4:].double().cpu()
 
@@ -237,7 +236,7 @@ def action_error(model: CausalWanModel, batches, q01, q99, cfg: SamplerConfig = 
     model.eval()
     try:
         for batch in batches:
-            inputs = DiTBatch(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
+            inputs = DiTBatch(**{f.name: batch[f.name] for f in fields(DiTBatch) if f.name in batch})
             pred = sample_actions(model, inputs, cfg, negative_text)
             target, mask = inputs.actions[:, :pred.shape[1]], inputs.action_mask[:, :pred.shape[1]]
             if "weight" in batch:
@@ -249,3 +248,61 @@ def action_error(model: CausalWanModel, batches, q01, q99, cfg: SamplerConfig = 
         model.train(was_training)
     errors.all_reduce()
     return errors
+
+
+def eval_batches(index, model_cfg: DiTConfig, samples: int, batch_size: int, device, start: int = 0,
+                 stride: int = 1, count: int | None = None):
+    """Batches of the windows start, start + stride, ... (the first variant, a prompt column from a fixed seed),
+    `count` of them taken cyclically from the first `samples` (default: each once); a `weight` per sample is False
+    on the repeats, so every rank can make the same number of calls."""
+    samples = min(samples, len(index.windows))
+    picks = list(range(start, samples, stride)) if count is None else [start + stride * j for j in range(count)]
+    reader, rng = SampleReader(index, model_cfg), np.random.default_rng(0)
+    try:
+        for i in range(0, len(picks), batch_size):
+            chunk = picks[i:i + batch_size]
+            batch = collate([reader.sample(index.windows[j % samples], rng, variant=0) for j in chunk],
+                            model_cfg.text_len)
+            batch["weight"] = torch.tensor([j < samples for j in chunk])
+            yield {k: v.to(device) for k, v in batch.items()}
+    finally:
+        reader.close()
+
+
+class ActionProbe:
+    """The trainer's periodic open-loop action error (--metrics.action-interval): the first `samples` windows of each
+    probed shard directory, split over the ranks, sampled with the model being trained. Collective."""
+
+    def __init__(self, dirs: list[str], model_cfg: DiTConfig, samples: int, rank: int, world: int, device,
+                 image_encoder=None, batch_size: int = 4):
+        from train.config import ShardSet
+
+        self.names = set_names([ShardSet(d) for d in dirs])
+        self.indexes = [open_index(d) for d in dirs]
+        self.model_cfg, self.samples, self.batch_size = model_cfg, samples, batch_size
+        self.rank, self.world, self.device, self.image_encoder = rank, world, device, image_encoder
+
+    @classmethod
+    def from_config(cls, cfg, model_cfg: DiTConfig, rank: int, world: int, device, image_encoder=None):
+        """None when --metrics.action-interval is 0; else on --metrics.action-shards (default: the run's sets)."""
+        m = cfg.metrics
+        if not m.action_interval:
+            return None
+        dirs = list(m.action_shards) or [str(s.shards) for s in cfg.data.sets()]
+        return cls(dirs, model_cfg, m.action_samples, rank, world, device, image_encoder)
+
+    def _batches(self, index):
+        per_rank = math.ceil(min(self.samples, len(index.windows)) / self.world)
+        for batch in eval_batches(index, self.model_cfg, self.samples, self.batch_size, self.device, start=self.rank,
+                                  stride=self.world, count=per_rank):
+            if self.image_encoder is not None:  # shards of CLIP's input pixels, as the training step encodes them
+                batch["clip"] = self.image_encoder.encode_pixels(batch.pop("clip_pixels")).to(torch.bfloat16)
+            yield batch
+
+    def __call__(self, model: CausalWanModel, step: int) -> dict:
+        """{'step', 'action_mse/<set>', 'action_mse_raw/<set>'}: the chunk's MSE averaged over the real dims."""
+        row = {"step": step}
+        for name, index in zip(self.names, self.indexes):
+            report = action_error(model, self._batches(index), index.q01["action"], index.q99["action"]).report()
+            row |= {f"action_mse/{name}": report["chunk"]["mean"], f"action_mse_raw/{name}": report["chunk_raw"]["mean"]}
+        return row
