@@ -45,6 +45,9 @@ class SamplerConfig:
     """Classifier-free guidance of the video prediction; applied only with a negative-prompt embedding."""
     seed: int = 1140
     """Seed of the initial noise; every sample starts from the same noise, as the reference's one-sample calls do."""
+    state_sees_block: bool = True
+    """State tokens attend to the whole block, as in the reference's KV-cache inference; False: only to their
+    block's states, as in training."""
 
     def step_mask(self) -> list[bool]:
         if self.dit_steps == self.steps:
@@ -166,7 +169,7 @@ def sample_actions(model: CausalWanModel, batch: DiTBatch, cfg: SamplerConfig = 
                 t_frames = torch.cat([zero, torch.full((B, nfpb), float(t), device=dev, dtype=dtype)], dim=1)
                 t_actions = torch.full((B, horizon), float(t), device=dev, dtype=dtype)
                 v, a = model(noisy, t_frames, clean, actions, t_actions, first.state, text, first.clip, first.y,
-                             text_lengths)
+                             text_lengths, state_sees_block=cfg.state_sees_block)
                 return v[:, :, 1:].to(dtype), a.to(dtype)
 
             v, a = predict(first.text, first.text_lengths)
