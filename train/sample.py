@@ -1,11 +1,13 @@
-"""Open-loop sampling of the action chunk and its error against the recorded actions (docs/EVALUATION.md, Open-loop
-action error; the reference procedure in docs/REFERENCE.md, Open-loop inference).
+"""Open-loop sampling of the action chunk and its error against the recorded actions
+(docs/EVALUATION.md#6-open-loop-action-error; the reference's procedure:
+docs/REFERENCE.md#13-open-loop-inference-and-action-error).
 
 `sample_actions` runs DreamZero's inference for one observation: the clean first latent frame is the context, the
 first causal block's video latents and its action chunk are denoised jointly from seeded Gaussian noise by two
 flow UniPC multistep schedulers (16 steps, shift 5, order 2, B(h) = e^h - 1, the last step first order), the DiT
-evaluated on the reference's step mask and its last prediction reused in between; classifier-free guidance (scale 5)
-steers the video only, and only when a negative-prompt embedding is given. `action_error` turns sampled chunks into
+evaluated on the reference's step mask and its last prediction reused in between, the state token attending to the
+whole block as in the reference's cached inference; classifier-free guidance (scale 5) steers the video only, and
+only when a negative-prompt embedding is given. `action_error` turns sampled chunks into
 per-dimension MSE over the real (masked) action dims, in q99-normalised and in raw units; `ActionProbe` is the
 trainer's periodic version of it.
 """
@@ -94,8 +96,7 @@ class UniPC:
                 sample = x_pre - a_t * hphi * 0.5 * (x0 - m0)
             else:
                 rk = (_lam(sig[i - 2]) - _lam(sig[i - 1])) / h
-                rho = torch.linalg.solve(torch.stack([torch.stack([torch.ones_like(rk), torch.ones_like(rk)]),
-                                                      torch.stack([rk, torch.ones_like(rk)])]), _b(-h, hphi))
+                rho = _corrector_weights(rk, -h, hphi)
                 sample = x_pre - a_t * hphi * (rho[0] * (self.x0[-2] - m0) / rk + rho[1] * (x0 - m0))
         self.x0 = (self.x0 + [x0])[-2:]
         self.order = min(2, len(sig) - 1 - i, len(self.x0))
@@ -113,11 +114,14 @@ class UniPC:
         return h, 1 - self.sigmas[t], torch.expm1(-h)
 
 
-def _b(hh: torch.Tensor, hphi: torch.Tensor) -> torch.Tensor:
-    """The order-2 corrector's right-hand side: φ_2, 2·φ_3 (as h-scaled φ functions) over B(h)."""
+def _corrector_weights(rk: torch.Tensor, hh: torch.Tensor, hphi: torch.Tensor) -> torch.Tensor:
+    """ρ of the order-2 UniC update: solve [[1, 1], [r_k, 1]] ρ = (φ_2, 2·φ_3) / B(h), with the h-scaled φ functions
+    φ_2 = (e^hh − 1)/hh − 1 and φ_3 = φ_2/hh − 1/2, hh = −h."""
+    one = torch.ones_like(rk)
     phi2 = hphi / hh - 1
     phi3 = phi2 / hh - 0.5
-    return torch.stack([phi2 / hphi, 2 * phi3 / hphi])
+    return torch.linalg.solve(torch.stack([torch.stack([one, one]), torch.stack([rk, one])]),
+                              torch.stack([phi2 / hphi, 2 * phi3 / hphi]))
 
 
 def first_block(batch: DiTBatch, nfpb: int, num_state_per_block: int) -> tuple[DiTBatch, int]:
@@ -277,11 +281,11 @@ class ActionProbe:
     probed shard directory, split over the ranks, sampled with the model being trained. Collective."""
 
     def __init__(self, dirs: list[str], model_cfg: DiTConfig, samples: int, rank: int, world: int, device,
-                 image_encoder=None, batch_size: int = 4):
+                 image_encoder=None, batch_size: int = 4, cache_dir: str | None = None):
         from train.config import ShardSet
 
         self.names = set_names([ShardSet(d) for d in dirs])
-        self.indexes = [open_index(d) for d in dirs]
+        self.indexes = [open_index(d, cache_dir) for d in dirs]
         self.model_cfg, self.samples, self.batch_size = model_cfg, samples, batch_size
         self.rank, self.world, self.device, self.image_encoder = rank, world, device, image_encoder
 
@@ -292,7 +296,8 @@ class ActionProbe:
         if not m.action_interval:
             return None
         dirs = list(m.action_shards) or [str(s.shards) for s in cfg.data.sets()]
-        return cls(dirs, model_cfg, m.action_samples, rank, world, device, image_encoder)
+        return cls(dirs, model_cfg, m.action_samples, rank, world, device, image_encoder,
+                   cache_dir=cfg.data.cache_dir)
 
     def _batches(self, index):
         per_rank = math.ceil(min(self.samples, len(index.windows)) / self.world)
@@ -307,5 +312,6 @@ class ActionProbe:
         row = {"step": step}
         for name, index in zip(self.names, self.indexes):
             report = action_error(model, self._batches(index), index.q01["action"], index.q99["action"]).report()
-            row |= {f"action_mse/{name}": report["chunk"]["mean"], f"action_mse_raw/{name}": report["chunk_raw"]["mean"]}
+            row[f"action_mse/{name}"] = report["chunk"]["mean"]
+            row[f"action_mse_raw/{name}"] = report["chunk_raw"]["mean"]
         return row
