@@ -1,4 +1,10 @@
-"""The open-loop sampler against a transcription of the reference's inference loop, and the action-error arithmetic.
+"""The open-loop sampler against the reference's scheduler and inference loop, and the action-error arithmetic.
+
+tests/assets/flow_unipc_steps.safetensors holds what the official FlowUniPCMultistepScheduler (dreamzero0/dreamzero
+ab790c1, its torch.compile decorators removed and its initial sigmas on the CPU; num_train_timesteps 1000, shift 1,
+set_timesteps(16, shift=5.0)) computes in fp32 on CPU: its sigmas and timesteps, and the sample after each step when
+driven by the velocity v(x) = tanh(x @ W) - x from `x_init`, evaluated at every step ('every') or on the 8-of-16
+step mask with the last velocity reused ('mask8'); W and x_init are stored with them.
 
 `RefUniPC` and `reference_loop` below are written from reading dreamzero0/dreamzero (ab790c1)
 groot/vla/model/dreamzero/modules/flow_unipc_multistep_scheduler.py (FlowUniPCMultistepScheduler: __init__,
@@ -10,15 +16,17 @@ mask, guidance on the video only), so the sampler's compact order-2 form is chec
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.conftest import tiny_model
 from train.attention import dense_mask
 from train.model import random_batch
-from train.sample import ActionErrors, SamplerConfig, action_error, sample_actions, unipc_schedule
+from train.sample import ActionErrors, SamplerConfig, UniPC, action_error, sample_actions, unipc_schedule
 
 MASK8 = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
 
@@ -144,6 +152,30 @@ def model_and_batch():
     model = tiny_model().double()
     batch = random_batch(model.cfg, 2, (5, 4, 6), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     return model, batch
+
+
+ASSET = Path(__file__).parent / "assets" / "flow_unipc_steps.safetensors"
+
+
+def _transcription() -> RefUniPC:
+    ref = RefUniPC()
+    ref.set_timesteps(16, shift=5.0)
+    return ref
+
+
+@pytest.mark.parametrize("name,mask", [("every", [True] * 16), ("mask8", MASK8)])
+@pytest.mark.parametrize("solver", ["ours", "transcription"])
+def test_scheduler_steps_equal_the_official_schedulers(name, mask, solver):
+    """Ours, and the transcription the loop test below relies on."""
+    ref = load_file(ASSET)
+    sigmas, timesteps = unipc_schedule(16, 5.0)
+    assert torch.equal(sigmas, ref["sigmas"]) and torch.equal(timesteps, ref["timesteps"])
+    solver, x = UniPC(sigmas) if solver == "ours" else _transcription(), ref["x_init"]
+    for i, run in enumerate(mask):
+        if run:
+            v = torch.tanh(x @ ref["W"]) - x
+        x = solver.step(v, x, i)
+        torch.testing.assert_close(x, ref[f"{name}.states"][i], rtol=1e-6, atol=1e-6, msg=f"step {i}")
 
 
 def test_schedule_is_the_references():
