@@ -15,6 +15,7 @@ mask, guidance on the video only), so the sampler's compact order-2 form is chec
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import tiny_model
 from train.attention import dense_mask
-from train.model import random_batch
+from train.model import build_model, random_batch
 from train.sample import ActionErrors, SamplerConfig, UniPC, action_error, sample_actions, unipc_schedule
 
 MASK8 = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
@@ -145,6 +146,47 @@ def reference_loop(model, batch, mask, cfg_scale=5.0, negative=None, seed=1140):
         a = action_sched.step(prev[1], a, index)
         states.append((x, a))
     return states
+
+
+KV_ASSET = Path(__file__).parent / "assets" / "official_kv_inference.safetensors"
+
+
+def kv_check_model():
+    """The tiny DiT with CLIP widths the official model accepts (1280 x 257), each tensor seeded by its name."""
+    model = build_model("tiny", image_dim=1280, image_len=257)
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * 0.05)
+    return model.eval()
+
+
+def kv_check_inputs(cfg, t: int):
+    """(latent frame 0, noisy block, noisy actions, state, text, CLIP features) for 2 samples of a 4x4 latent."""
+    g = torch.Generator().manual_seed(t)
+    nfpb, A = cfg.num_frame_per_block, cfg.num_action_per_block
+    return (torch.randn(2, cfg.out_dim, 1, 4, 4, generator=g), torch.randn(2, cfg.out_dim, nfpb, 4, 4, generator=g),
+            torch.randn(2, A, cfg.action_dim, generator=g), torch.randn(2, 1, cfg.max_state_dim, generator=g),
+            torch.randn(2, cfg.text_len, cfg.text_dim, generator=g), torch.randn(2, 257, 1280, generator=g))
+
+
+@pytest.mark.parametrize("t", [999, 535])
+def test_one_block_forward_is_the_official_kv_cache_inference(t):
+    """tests/assets/official_kv_inference.safetensors: the official CausalWanModel (ab790c1; fp32 SDPA in place of
+    flash-attention on CPU, ATTENTION_BACKEND=torch) given `kv_check_model`'s weights strictly, run as
+    lazy_joint_video_action does: latent frame 0 alone at timestep 0 with the KV cache kept
+    (current_start_frame 0), then the noisy block, actions and state at timestep t (current_start_frame 1)."""
+    model = kv_check_model()
+    cfg, ref = model.cfg, load_file(KV_ASSET)
+    z0, x, a, state, text, clip = kv_check_inputs(cfg, t)
+    t_frames = torch.cat([torch.zeros(2, 1), torch.full((2, cfg.num_frame_per_block), float(t))], 1)
+    args = (torch.cat([z0, x], 2), t_frames, torch.cat([z0, torch.zeros_like(x)], 2), a,
+            torch.full((2, cfg.num_action_per_block), float(t)), state, text, clip)
+    with torch.no_grad():
+        video, actions = model(*args, state_sees_block=True)
+        _, trained = model(*args)
+    torch.testing.assert_close(video[:, :, 1:], ref[f"t{t}.video"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(actions, ref[f"t{t}.actions"], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(trained, ref[f"t{t}.actions"], rtol=1e-5, atol=1e-5)  # the training mask differs
 
 
 @pytest.fixture(scope="module")
