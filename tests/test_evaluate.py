@@ -69,7 +69,7 @@ def test_checkpoint_and_export_give_the_same_report(run, small_shards, tmp_path)
     assert ckpt["samples"] == 3 and ckpt["guided"] is False
     assert ckpt["action_dims"] == 7 and len(ckpt["chunk_raw"]["per_dim"]) == 7
     assert ckpt["sampler"] == {"steps": 16, "shift": 5.0, "num_train_timesteps": 1000, "dit_steps": 8,
-                               "cfg_scale": 5.0, "seed": 1140}
+                               "cfg_scale": 5.0, "seed": 1140, "state_sees_block": True}
 
 
 @pytest.mark.slow
