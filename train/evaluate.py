@@ -185,8 +185,11 @@ def evaluate(args: Args) -> dict:
             shown.append((pred.cpu(), target.cpu()))
 
     batches = eval_batches(index, model.cfg, args.samples, args.batch_size, device)
-    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-        errors = action_error(model, batches, q01, q99, args.sampler, negative, on_sample=keep)
+    try:
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            errors = action_error(model, batches, q01, q99, args.sampler, negative, on_sample=keep)
+    except ShardFormatError as err:
+        raise SystemExit(str(err)) from None
     report = {"source": source, "shards": str(args.shards), "embodiment": index.manifest.embodiment,
               "samples": int(errors.counts[1].max()), "action_dims": len(q01), "sampler": asdict(args.sampler),
               "guided": negative is not None and args.sampler.cfg_scale != 1.0,

@@ -166,19 +166,19 @@ def sample_actions(model: CausalWanModel, batch: DiTBatch, cfg: SamplerConfig = 
     video_solver, action_solver = UniPC(sigmas), UniPC(sigmas)
     guided = negative_text is not None and cfg.cfg_scale != 1.0
     zero = torch.zeros(B, 1, device=dev, dtype=dtype)
-    for i, (t, run) in enumerate(zip(timesteps.tolist(), cfg.step_mask())):
-        if run:
-            def predict(text, text_lengths):
-                noisy = torch.cat([context, video], dim=2)
-                t_frames = torch.cat([zero, torch.full((B, nfpb), float(t), device=dev, dtype=dtype)], dim=1)
-                t_actions = torch.full((B, horizon), float(t), device=dev, dtype=dtype)
-                v, a = model(noisy, t_frames, clean, actions, t_actions, first.state, text, first.clip, first.y,
-                             text_lengths, state_sees_block=cfg.state_sees_block)
-                return v[:, :, 1:].to(dtype), a.to(dtype)
 
-            v, a = predict(first.text, first.text_lengths)
+    def predict(t: float, text, text_lengths):
+        t_frames = torch.cat([zero, torch.full((B, nfpb), t, device=dev, dtype=dtype)], dim=1)
+        t_actions = torch.full((B, horizon), t, device=dev, dtype=dtype)
+        v, a = model(torch.cat([context, video], dim=2), t_frames, clean, actions, t_actions, first.state, text,
+                     first.clip, first.y, text_lengths, state_sees_block=cfg.state_sees_block)
+        return v[:, :, 1:].to(dtype), a.to(dtype)
+
+    for i, (t, run) in enumerate(zip(timesteps.tolist(), cfg.step_mask())):
+        if run:  # else the reference steps again with the last prediction
+            v, a = predict(float(t), first.text, first.text_lengths)
             if guided:
-                v_neg, _ = predict(negative_text.expand(B, -1, -1), None)
+                v_neg, _ = predict(float(t), negative_text.expand(B, -1, -1), None)
                 v = v_neg + cfg.cfg_scale * (v - v_neg)
         video = video_solver.step(v, video, i)
         actions = action_solver.step(a, actions, i)
