@@ -61,7 +61,7 @@ def _dit_config(values: dict, where: str) -> DiTConfig:
         raise SystemExit(f"{where}: not a DiT configuration ({err})") from None
 
 
-def load_checkpoint(run: Path, step: int | None) -> tuple[CausalWanModel, str]:
+def load_checkpoint(run: Path, step: int | None, dims: dict, shards: str) -> tuple[CausalWanModel, str]:
     """The DiT of a run directory's checkpoint, read on this one process (DCP without a process group)."""
     import torch.distributed.checkpoint as dcp
 
@@ -78,6 +78,7 @@ def load_checkpoint(run: Path, step: int | None) -> tuple[CausalWanModel, str]:
         raise SystemExit(f"{path}: a LoRA checkpoint holds the adapters only; evaluate the run's export folder "
                          f"(merged weights) instead")
     model = CausalWanModel(_dit_config(recorded, str(path / "rank-00000.json")))
+    check_fits(model.cfg, dims, str(path), shards)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP's note that it loads in this one process: the intent here
         warnings.simplefilter("ignore", UserWarning)
@@ -86,7 +87,7 @@ def load_checkpoint(run: Path, step: int | None) -> tuple[CausalWanModel, str]:
     return model, str(path)
 
 
-def load_export(folder: Path, shards: str) -> tuple[CausalWanModel, str]:
+def load_export(folder: Path, dims: dict, shards: str) -> tuple[CausalWanModel, str]:
     """The DiT of an eval-ready export: its widths from config.json, the CLIP widths (not in the official config)
     from the shards it is evaluated on; weights read strictly."""
     from train.weights import WeightsError, load_weights
@@ -99,8 +100,9 @@ def load_export(folder: Path, shards: str) -> tuple[CausalWanModel, str]:
         dit = json.loads(config.read_text())["action_head_cfg"]["config"]["diffusion_model_cfg"]
     except (KeyError, TypeError, json.JSONDecodeError) as err:
         raise SystemExit(f"{config}: no action_head_cfg.config.diffusion_model_cfg ({err})") from None
-    clip = {k: v for k, v in data_dims(shards).items() if k in ("image_dim", "image_len")}
+    clip = {k: v for k, v in dims.items() if k in ("image_dim", "image_len")}
     model = CausalWanModel(_dit_config(dit | clip, str(config)))
+    check_fits(model.cfg, dims, str(folder), shards)
     try:
         load_weights(model, folder)
     except WeightsError as err:
@@ -108,13 +110,24 @@ def load_export(folder: Path, shards: str) -> tuple[CausalWanModel, str]:
     return model, str(folder)
 
 
-def load(source: Path, shards: str, step: int | None = None) -> tuple[CausalWanModel, str]:
-    """A run directory's checkpoint or an export folder's weights, as a plain model on the CPU."""
+def load(source: Path, dims: dict, shards: str, step: int | None = None) -> tuple[CausalWanModel, str]:
+    """A run directory's checkpoint or an export folder's weights, as a plain model on the CPU, once its DiT is known
+    to fit the shards of `data_dims` `dims`."""
     if not source.is_dir():
         raise SystemExit(f"{source}: not a directory; pass a run directory or an eval-ready export folder")
     if (source / "config.json").is_file():
-        return load_export(source, shards)
-    return load_checkpoint(source, step)
+        return load_export(source, dims, shards)
+    return load_checkpoint(source, step, dims, shards)
+
+
+def check_fits(model_cfg: DiTConfig, dims: dict, source: str, shards: str) -> None:
+    """Stop in one line when the shards were built for another DiT (widths, latent grid, longest prompt)."""
+    wrong = [f"{k}: model {getattr(model_cfg, k)}, shards {v}" for k, v in dims.items()
+             if k not in ("text_len", "num_action_per_block") and getattr(model_cfg, k) != v]
+    if dims["text_len"] > model_cfg.text_len:
+        wrong.append(f"longest prompt {dims['text_len']} tokens > text_len {model_cfg.text_len}")
+    if wrong:
+        raise SystemExit(f"{shards} does not fit the DiT of {source}: {', '.join(wrong)}")
 
 
 def plot(pred: np.ndarray, target: np.ndarray, out: Path) -> None:
@@ -168,12 +181,13 @@ def evaluate(args: Args) -> dict:
         raise SystemExit(str(err)) from None
     try:
         index = open_index(args.shards)
-        model, source = load(args.source, args.shards, args.step)
+        if index.manifest.image_features != "encoded":
+            raise SystemExit(f"{args.shards}: holds CLIP's input pixels, not its features; evaluate on shards built "
+                             f"with --image-features encoded")
+        dims = data_dims(index)
+        model, source = load(args.source, dims, args.shards, args.step)
     except ShardFormatError as err:
         raise SystemExit(str(err)) from None
-    if index.manifest.image_features != "encoded":
-        raise SystemExit(f"{args.shards}: holds CLIP's input pixels, not its features; evaluate on shards built with "
-                         f"--image-features encoded")
     device = torch.device(args.device)
     model.to(device)
     negative = None if args.negative_text is None else read_negative_text(args.negative_text, model.cfg).to(device)
