@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import tiny_model
-from train.attention import dense_mask
+from train.attention import TokenLayout, dense_mask, flex_block_mask, masked_attention
 from train.model import build_model, random_batch
 from train.sample import ActionErrors, SamplerConfig, UniPC, action_error, sample_actions, unipc_schedule
 
@@ -266,6 +266,18 @@ def test_sampling_attention_is_the_kv_cache_inferences():
     states = torch.tensor(register[-cfg.num_state_per_block:])
     assert torch.equal(training[kept[:, None], kept][:-1], mask[kept[:, None], kept][:-1])  # all but the state row
     assert training[states].sum() == cfg.num_state_per_block < mask[states].sum()
+
+
+@pytest.mark.parametrize("lookup", [True, False])
+def test_sampling_attention_through_flex_equals_dense(lookup):
+    """The GPU's FlexAttention masks (a dense lookup, or the expression) carry state_sees_block too."""
+    layout = TokenLayout(3, 4, 2, 4, 1, 9, state_sees_block=True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, layout.seq_len, 16, generator=g) for _ in range(3))
+    out = masked_attention(q, k, v, flex_block_mask(layout, "cpu", lookup=lookup, block_size=16))
+    torch.testing.assert_close(out, masked_attention(q, k, v, dense_mask(layout)), atol=1e-5, rtol=1e-5)
+    training = masked_attention(q, k, v, dense_mask(replace(layout, state_sees_block=False)))
+    assert not torch.allclose(out, training, atol=1e-3)
 
 
 def test_only_the_observation_conditions_the_chunk(model_and_batch):
