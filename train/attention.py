@@ -41,6 +41,9 @@ class TokenLayout:
     """State tokens per block (S, 1)."""
     local_attn_size: int
     """Clean-stream window in frames (W = max_chunk_size·nfpb + 1), -1 for none."""
+    state_sees_block: bool = False
+    """The reference's KV-cache inference: state tokens attend as their block's noisy video and actions do (in
+    training they see only their block's states)."""
 
     @property
     def num_blocks(self) -> int:
@@ -73,9 +76,9 @@ class TokenLayout:
         return tuple(t.to(device=device, dtype=torch.int32) for t in (stream, block, frames))
 
 
-def allowed(sq, bq, fq, sk, bk, fk, nfpb: int, window: int):
+def allowed(sq, bq, fq, sk, bk, fk, nfpb: int, window: int, state_sees_block: bool = False):
     """The table of docs/REFERENCE.md#8-attention-mask as elementwise tensor logic (broadcasts; also valid inside a
-    flex mask_mod)."""
+    flex mask_mod); `state_sees_block`: see TokenLayout."""
     # clean stream: frame 0 sees itself; block β sees frame 0 and clean blocks ≤ β inside the window
     clean_end = 1 + (bq + 1) * nfpb
     lo = torch.clamp(clean_end - window, min=1) if window > 0 else torch.ones_like(clean_end)
@@ -84,7 +87,7 @@ def allowed(sq, bq, fq, sk, bk, fk, nfpb: int, window: int):
     # noisy frame 0: only itself
     noisy0_q = (sq == NOISY) & (bq == -1) & (sk == NOISY) & (bk == -1)
     # noisy block / action chunk β: clean context of earlier blocks + its own N, A, S
-    denoise_q = ((sq == NOISY) | (sq == ACTION)) & (bq >= 0) & (
+    denoise_q = ((sq == NOISY) | (sq == ACTION) | ((sq == STATE) & state_sees_block)) & (bq >= 0) & (
         ((sk == CLEAN) & (bk < bq)) | ((sk != CLEAN) & (bk == bq)))
     state_q = (sq == STATE) & (sk == STATE) & (bk == bq)
     return clean_q | noisy0_q | denoise_q | state_q
@@ -94,7 +97,7 @@ def dense_mask(layout: TokenLayout, device=None) -> torch.Tensor:
     """Bool [L, L], True where query row may attend to key column."""
     s, b, f = layout.token_attributes(device)
     return allowed(s[:, None], b[:, None], f[:, None], s[None], b[None], f[None],
-                   layout.num_frame_per_block, layout.local_attn_size)
+                   layout.num_frame_per_block, layout.local_attn_size, layout.state_sees_block)
 
 
 def count_allowed_pairs(layout: TokenLayout) -> int:
@@ -108,7 +111,7 @@ def count_allowed_pairs(layout: TokenLayout) -> int:
     units, sizes = torch.unique_consecutive(key, dim=0, return_counts=True)
     us, ub, uf = units.unbind(1)
     m = allowed(us[:, None], ub[:, None], uf[:, None], us[None], ub[None], uf[None],
-                layout.num_frame_per_block, layout.local_attn_size)
+                layout.num_frame_per_block, layout.local_attn_size, layout.state_sees_block)
     return int((m.long() * sizes[:, None] * sizes[None]).sum())
 
 
@@ -134,11 +137,11 @@ def flex_block_mask(layout: TokenLayout, device, compile: bool | None = None, lo
             return dense[q_idx, kv_idx]
     else:
         attrs = torch.stack(layout.token_attributes(device))  # [3, L]: one captured buffer
-        nfpb, window = layout.num_frame_per_block, layout.local_attn_size
+        nfpb, window, state = layout.num_frame_per_block, layout.local_attn_size, layout.state_sees_block
 
         def mask_mod(batch, head, q_idx, kv_idx):
             return allowed(attrs[0, q_idx], attrs[1, q_idx], attrs[2, q_idx],
-                           attrs[0, kv_idx], attrs[1, kv_idx], attrs[2, kv_idx], nfpb, window)
+                           attrs[0, kv_idx], attrs[1, kv_idx], attrs[2, kv_idx], nfpb, window, state)
 
     L = layout.seq_len
     return create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=L, device=device, BLOCK_SIZE=block_size,

@@ -299,6 +299,13 @@ class MetricsConfig:
     """Step after which torch.profiler records `profile_steps` steps (0 with profile_steps 0 = off)."""
     profile_steps: int = 0
     """Steps to profile; rank 0 writes <checkpoint.dir>/profile-rank0.txt (top ops) and a gzipped Chrome trace."""
+    action_interval: int = 0
+    """Every N steps, the open-loop action error (train/sample.py) on `action_samples` windows of each
+    `action_shards` set, logged as action_mse/<set> and action_mse_raw/<set> (0 = off)."""
+    action_shards: tuple[str, ...] = ()
+    """Shard directories the action error is measured on, e.g. held-out splits (default: the run's sets)."""
+    action_samples: int = 16
+    """Windows per set for the action error: the first N of its manifest."""
 
 
 @dataclass
@@ -593,6 +600,8 @@ def validate(cfg: Config) -> None:
         ("--metrics.interval", m.interval, m.interval >= 1, ">= 1"),
         ("--metrics.profile-start", m.profile_start, m.profile_start >= 0, ">= 0"),
         ("--metrics.profile-steps", m.profile_steps, m.profile_steps >= 0, ">= 0"),
+        ("--metrics.action-interval", m.action_interval, m.action_interval >= 0, ">= 0"),
+        ("--metrics.action-samples", m.action_samples, m.action_samples >= 1, ">= 1"),
         ("--lora.rank", cfg.lora.rank, cfg.lora.rank >= 0, ">= 0"),
         ("--lora.alpha", cfg.lora.alpha, cfg.lora.alpha > 0, "> 0"),
         ("--lora.targets", cfg.lora.targets, bool(cfg.lora.suffixes()), "at least one module-name suffix"),

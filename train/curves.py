@@ -17,7 +17,8 @@ SET_PANELS = (("loss per set", "loss/", "log"), ("samples seen per set", "sample
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Rows of metrics.jsonl ordered by step, one per step (the last one logged)."""
+    """Rows of metrics.jsonl ordered by step, one per step: the rows of a step merged, a later value winning (the
+    training row and the action error's are separate rows)."""
     by_step: dict[int, dict] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -26,7 +27,7 @@ def read_metrics(path: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise SystemExit(f"{path}:{n}: not a JSON row ({err.msg})") from None
-        by_step[int(row["step"])] = row
+        by_step[int(row["step"])] = by_step.get(int(row["step"]), {}) | row
     return [by_step[s] for s in sorted(by_step)]
 
 

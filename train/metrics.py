@@ -133,6 +133,17 @@ class MetricsLogger:
         self.t0, self.wait0 = time.perf_counter(), data_wait_s
         return record
 
+    def record(self, row: dict) -> None:
+        """A row of values computed elsewhere (already reduced over ranks): rank 0 writes it like `log`'s."""
+        if self.rank == 0:
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
+            for k, v in row.items():
+                if self.tb is not None and k != "step" and v is not None:
+                    self.tb.add_scalar(k, v, row["step"])
+            print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                  flush=True)
+
     def _per_set(self, samples_seen: np.ndarray | None) -> dict:
         """Collective: each set's loss terms averaged over its micro-batches on all ranks since the last log (absent
         for a set none drew), and its samples on all ranks since the run began."""

@@ -419,11 +419,12 @@ class CausalWanModel(nn.Module):
         return x.flatten(2).transpose(1, 2), tuple(x.shape[2:])
 
     def forward(self, noisy_latents, t_frames, clean_latents, noisy_actions, t_actions, state, text, clip, y=None,
-                text_lengths=None):
+                text_lengths=None, state_sees_block: bool = False):
         """Teacher-forcing forward (docs/REFERENCE.md#7-dit-token-layout-rope-and-timesteps).
         Returns (video_pred [B, C_out, F, 2⌊h/2⌋, 2⌊w/2⌋], action_pred).
 
-        With `text_lengths`, `text` is the compact form (`compact_text`); without, the full text_len rows."""
+        With `text_lengths`, `text` is the compact form (`compact_text`); without, the full text_len rows.
+        `state_sees_block`: the attention of the reference's inference (TokenLayout), for sampling."""
         cfg = self.cfg
         B, _, nf = noisy_latents.shape[:3]
         full_text = text_lengths is None and text.shape[1] == cfg.text_len
@@ -440,7 +441,8 @@ class CausalWanModel(nn.Module):
         xc, _ = self._patchify(clean_latents, y)
         k = cfg.layout(nf).num_blocks
         # the horizon comes with the batch, as the latent grid does: each embodiment of a mixture keeps its own
-        layout = cfg.layout(nf, grid[1] * grid[2], max(1, noisy_actions.shape[1] // k))
+        layout = replace(cfg.layout(nf, grid[1] * grid[2], max(1, noisy_actions.shape[1] // k)),
+                         state_sees_block=state_sees_block)
         if noisy_actions.shape[1] % k or state.shape[1] != k * cfg.num_state_per_block:
             raise ValueError(f"{nf} latent frames = {k} blocks need a multiple of {k} actions and "
                              f"{k * cfg.num_state_per_block} states, got {noisy_actions.shape[1]} and {state.shape[1]}")
