@@ -27,6 +27,13 @@ def normalize_q99(x: torch.Tensor, q01, q99) -> torch.Tensor:
     return torch.where(varies, scaled, x).clamp(-1, 1)
 
 
+def unnormalize_q99(y: torch.Tensor, q01, q99) -> torch.Tensor:
+    """Inverse of `normalize_q99` inside the clamp range."""
+    q01 = torch.as_tensor(q01).to(y.dtype)
+    q99 = torch.as_tensor(q99).to(y.dtype)
+    return torch.where(q01 != q99, (y + 1) / 2 * (q99 - q01) + q01, y)
+
+
 def pad_with_mask(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-pad the last dim to `width`; the mask is True on the real dims."""
     d = x.shape[-1]

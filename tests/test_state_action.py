@@ -10,17 +10,10 @@ from preprocess.state_action import columns_for, slice_keys, window_state_action
 from preprocess.stats import build_metadata
 from preprocess.windows import episode_windows
 from shardformat.embodiments import get_embodiment
-from shardformat.stats import normalize_q99, pad_with_mask, stat_vector
+from shardformat.stats import normalize_q99, pad_with_mask, stat_vector, unnormalize_q99
 from train.model import DiTConfig
 
 MAX_STATE_DIM, MAX_ACTION_DIM = DiTConfig.max_state_dim, DiTConfig.action_dim
-
-
-def unnormalize_q99(y: torch.Tensor, q01, q99) -> torch.Tensor:
-    """Inverse of `normalize_q99` inside the clamp range."""
-    q01 = torch.as_tensor(q01).to(y.dtype)
-    q99 = torch.as_tensor(q99).to(y.dtype)
-    return torch.where(q01 != q99, (y + 1) / 2 * (q99 - q01) + q01, y)
 
 
 def test_normalize_q99_values():

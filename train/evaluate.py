@@ -23,8 +23,9 @@ import tyro
 from shardformat.manifest import ShardFormatError
 from shardformat.stats import unnormalize_q99
 from train.data import data_dims, open_index
-from train.model import CausalWanModel, DiTConfig, pad_text
+from train.model import CausalWanModel, DiTConfig
 from train.sample import SamplerConfig, action_error, eval_batches
+from train.text import pad_text
 
 
 @dataclass
