@@ -16,7 +16,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    import tyro
+    from configs.cli import cli
 
     argv = sys.argv[1:] if argv is None else argv
     available = {name: spec for name, spec in COMMANDS.items() if importlib.util.find_spec(spec[0]) is not None}
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
 
     module = importlib.import_module(available[argv[0]][0])
     default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None  # e.g. shards' --config
-    args = tyro.cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
+    args = cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
                     description=module.__doc__)
     try:
         module.run(args)
@@ -42,7 +42,8 @@ def command_main(name: str):
     return lambda: main([name, *sys.argv[1:]], prog=f"wampipe-{name}")
 
 
-shards_main, check_main, stats_main, inspect_main = map(command_main, ("shards", "check", "stats", "inspect"))
+shards_main, check_main, stats_main, inspect_main, preview_main = map(
+    command_main, ("shards", "check", "stats", "inspect", "preview"))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import tyro
+
+from configs.cli import cli
 
 GIB = 1 << 30
 
@@ -147,5 +148,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    parsed = tyro.cli(Args, description=__doc__)
+    parsed = cli(Args, description=__doc__)
     worker(parsed) if parsed.worker else main(parsed)

@@ -9,8 +9,7 @@ The layout written is listed in train/tiny_base.py.
 
 from __future__ import annotations
 
-import tyro
-
+from configs.cli import cli
 from train.tiny_base import Args, write_base
 
 
@@ -20,4 +19,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, description=__doc__))
+    main(cli(Args, description=__doc__))
