@@ -100,6 +100,9 @@ OPTIONAL = {
                 "--parallel.float8 tensorwise needs torchao: pip install 'wampipe[fp8]'"),
     "matplotlib": ("from pathlib import Path; from train.curves import plot; plot([], Path('x.png'), 'run')",
                    "plotting curves needs matplotlib: pip install 'wampipe[plot]'"),
+    "wandb": ("from train.config import MetricsConfig; from train.metrics import check_wandb\n"
+              "check_wandb(MetricsConfig(wandb_project='test'))",
+              "--metrics.wandb-project needs wandb: pip install 'wampipe[wandb]'"),
 }
 
 

@@ -267,6 +267,13 @@ class MetricsConfig:
     """Step after which torch.profiler records `profile_steps` steps (0 with profile_steps 0 = off)."""
     profile_steps: int = 0
     """Steps to profile; rank 0 writes <checkpoint.dir>/profile-rank0.txt (top ops) and a gzipped Chrome trace."""
+    wandb_project: str | None = None
+    """Weights & Biases project to log to beside TensorBoard: rank 0 logs each interval's metrics.jsonl fields and
+    the run config once, in a run named after <checkpoint.dir>, its files under $WANDB_DIR or else
+    <checkpoint.dir>/wandb (needs the wandb extra). None = no W&B."""
+    wandb_mode: Literal["online", "offline"] | None = None
+    """online: stream to the W&B server; offline: write the run locally, for `wandb sync` later. None = $WANDB_MODE,
+    else online."""
 
 
 @dataclass

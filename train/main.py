@@ -37,7 +37,7 @@ from train.export import check_base, mixture_statistics
 from train.flops import dit_flops
 from train.lora import apply_lora, init_lora
 from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.metrics import MetricsLogger, StepProfiler, device_peak_flops
+from train.metrics import MetricsLogger, StepProfiler, check_wandb, device_peak_flops
 from train.model import CausalWanModel, DiTBatch, DiTConfig, preset
 from train.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_grad_norm, warmup_steps
 from train.parallel import (check_float8, check_host_memory, computes_on_cuda, float8_after_step,
@@ -296,6 +296,7 @@ def train(cfg: Config) -> dict:
         raise SystemExit(refusal.code if rank == 0 else 1) from None
     validate(cfg)  # again: what auto resolved may not go with a given flag
     check_float8(cfg.parallel.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    check_wandb(cfg.metrics)
     if rank == 0 and auto:
         print(auto, flush=True)
     if cfg.parallel.deterministic:
