@@ -7,16 +7,12 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import PROJECT, ROOT, console_script
 from train.launch import split_arguments
-
-PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-
 
 def _python(code: str, *argv: str, cwd=ROOT) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter, as an installed console script would run it."""
@@ -29,12 +25,6 @@ def _run(cmd: list[str], cwd=ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _entry(name: str) -> str:
-    """Python that runs console script `name` as pip's generated wrapper does: import its target, call it."""
-    module, function = PROJECT["scripts"][name].split(":")
-    return f"import sys; sys.argv[0] = {name!r}; from {module} import {function}; sys.exit({function}())"
-
-
 def test_shards_without_src_stops_in_one_line_and_writes_nothing(tmp_path):
     done = _python("from preprocess.__main__ import main; main()", "shards", "--out", str(tmp_path / "out"),
                    cwd=tmp_path)
@@ -45,19 +35,20 @@ def test_shards_without_src_stops_in_one_line_and_writes_nothing(tmp_path):
 
 
 def test_every_console_script_target_exists():
-    assert sorted(PROJECT["scripts"]) == ["wampipe-check", "wampipe-inspect", "wampipe-shards", "wampipe-stats",
-                                          "wampipe-train"]
+    assert sorted(PROJECT["scripts"]) == ["wampipe-check", "wampipe-inspect", "wampipe-preview", "wampipe-shards",
+                                          "wampipe-stats", "wampipe-train"]
     for target in PROJECT["scripts"].values():
         module, function = target.split(":")
         assert callable(getattr(importlib.import_module(module), function)), target
 
 
 @pytest.mark.parametrize("command, flag", [("shards", "--src"), ("check", "--members"), ("stats", "--embodiment"),
-                                           ("inspect", "--decode")])
+                                           ("inspect", "--decode"), ("preview", "--vae")])
 def test_preprocess_scripts_run_their_command(command, flag):
     name = f"wampipe-{command}"
     installed = Path(sys.executable).parent / name  # pip's wrapper, once the environment was installed from here
-    for done in [_python(_entry(name), "--help"), *([_run([str(installed), "--help"])] if installed.exists() else [])]:
+    for done in [_python(console_script(name), "--help"),
+                 *([_run([str(installed), "--help"])] if installed.exists() else [])]:
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith(f"usage: {name} ") and flag in done.stdout
 
@@ -82,7 +73,7 @@ def test_trainer_flags_and_torchrun_options_do_not_overlap():
 @pytest.mark.slow
 def test_train_script_launches_two_ranks(tiny_shards, tmp_path):
     run_dir = tmp_path / "run"
-    done = _python(_entry("wampipe-train"), "--nproc-per-node", "2", "--preset", "tiny", "--data.shards",
+    done = _python(console_script("wampipe-train"), "--nproc-per-node", "2", "--preset", "tiny", "--data.shards",
                    str(tiny_shards), "--checkpoint.dir", str(run_dir), "--steps", "2", "--metrics.interval", "1",
                    "--metrics.no-progress", "--metrics.no-tensorboard", "--checkpoint.no-export")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -20,6 +20,7 @@ import torch
 import tyro
 
 import configs
+from configs.cli import cli
 from train import memory
 from train.lora import LoRAConfig
 from train.loss import LossConfig
@@ -557,7 +558,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         raise SystemExit(f"--model.name {old} is now called {RENAMED[old]} (the recipe of that DiT)")
     preset, file = configs.flag_value(argv, "--preset"), configs.flag_value(argv, "--config")
     default = file_config(file, preset) if file else preset_config(preset or "tiny")
-    cfg = tyro.cli(Config, default=default, args=argv, description=__doc__)
+    cfg = cli(Config, default=default, args=argv, description=__doc__)
     if cfg.data.shards is None and not cfg.data.mixture:
         cfg.data.shards = default_shards()
     validate(cfg)
