@@ -17,7 +17,7 @@ import tyro
 from tyro import _docstrings
 
 T = TypeVar("T")
-_field_docstring = _docstrings.get_field_docstring
+_field_docstring = getattr(_docstrings, "get_field_docstring", None)  # tyro's own, private: absent, help is as tyro's
 
 
 def flowing(text: str | None) -> str | None:
@@ -34,7 +34,8 @@ def _flowing_field_docstring(*args: Any) -> str | None:
 
 def cli(cls: type[T], **kwargs: Any) -> T:
     """`tyro.cli(cls, **kwargs)` with each field's help flowing as sentences."""
-    _docstrings.get_field_docstring = _flowing_field_docstring
+    if _field_docstring is not None:
+        _docstrings.get_field_docstring = _flowing_field_docstring
     return tyro.cli(cls, **kwargs)
 
 
