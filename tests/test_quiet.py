@@ -11,8 +11,9 @@ import pytest
 
 from tests.conftest import PROJECT, ROOT, console_script
 
-# what a build may print on stderr: tqdm's progress bars (carriage-return redrawn lines)
-PROGRESS = re.compile(r"^[\w ]*:\s+\d+%\|")
+# what a build may print on stderr: tqdm's progress bars (carriage-return redrawn lines; their names may hold a
+# dataset folder's, any character but a colon)
+PROGRESS = re.compile(r"^[^:]*:\s+\d+%\|")
 HELP_SUFFIX = re.compile(r"\s*\((default: .*|required|fixed to: .*)\)$")  # what tyro adds to a field's own help
 # below 130 columns tyro lays the help boxes out in one column, whose rows `flag_help` reads
 HELP_ENV = {**os.environ, "COLUMNS": "100"}
