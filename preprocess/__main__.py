@@ -24,13 +24,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         lines = [f"  {name:<8} {help_}" for name, (_, help_) in available.items()]
         print("usage: python -m preprocess <command> [--help]\n\ncommands:\n" + "\n".join(lines))
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    from preprocess.errors import DatasetError
-    from preprocess.weights import WeightsError
-
     module = importlib.import_module(available[argv[0]][0])
     default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None  # e.g. shards' --config
     args = cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
-                    description=module.__doc__)
+               description=module.__doc__)
+    from preprocess.errors import DatasetError
+    from preprocess.weights import WeightsError  # after parsing: it loads torch, which `--help` does without
+
     try:
         module.run(args)
     except (DatasetError, WeightsError) as err:  # bad input: its one-line message, no traceback

@@ -162,7 +162,8 @@ NEEDS = {"s3": "s3://bucket/shards: s3:// URLs need s3fs: pip install 'wampipe[s
          "ray": "--executor ray needs ray: pip install 'wampipe[ray]'",
          "fp8": "--parallel.float8 tensorwise needs torchao: pip install 'wampipe[fp8]'",
          "wandb": "--metrics.wandb-project needs wandb: pip install 'wampipe[wandb]'",
-         "plot": "plotting curves needs matplotlib: pip install 'wampipe[plot]'"}
+         "plot": "plotting curves needs matplotlib: pip install 'wampipe[plot]'",
+         "plot (preview)": "preview sheets need matplotlib: pip install 'wampipe[plot]'"}
 
 
 @pytest.mark.slow
@@ -207,6 +208,7 @@ def test_the_base_install_builds_shards_and_trains_and_each_extra_is_named_where
              "ray": run(*shards_cmd(droid_root, work / "ray", "droid", tiny_checkpoints, "--executor", "ray")[1:]),
              "fp8": run(*trainer, "--checkpoint.dir", str(work / "fp8"), "--parallel.float8", "tensorwise"),
              "wandb": run(*trainer, "--checkpoint.dir", str(work / "wandb"), "--metrics.wandb-project", "test"),
-             "plot": run(str(ROOT / "scripts" / "plot_metrics.py"), str(run_dir))}
+             "plot": run(str(ROOT / "scripts" / "plot_metrics.py"), str(run_dir)),
+             "plot (preview)": run("-m", "preprocess", "preview", str(shards), "--vae", str(tiny_checkpoints))}
     assert {extra: (done.returncode, unexpected(done.stderr)) for extra, done in asked.items()} == {
         extra: (1, [line]) for extra, line in NEEDS.items()}  # progress bars aside (the units' before ray's line)
