@@ -55,7 +55,7 @@ def start_wandb(cfg: MetricsConfig, run_dir: Path, config: dict | None):
     directory."""
     import wandb
 
-    return wandb.init(project=cfg.wandb_project, name=run_dir.name, mode=cfg.wandb_mode,
+    return wandb.init(project=cfg.wandb_project, name=run_dir.resolve().name, mode=cfg.wandb_mode,
                       dir=os.environ.get("WANDB_DIR", run_dir), config=json.loads(json.dumps(config, default=str)))
 
 
@@ -64,7 +64,8 @@ class MetricsLogger:
 
     A run that starts at `start_step` (resumed, or fresh) first drops the rows of later steps that an earlier run in
     the same directory logged (metrics.jsonl rewritten; TensorBoard's purge_step), so every step has one row. The
-    run's `config` goes to TensorBoard as text and to W&B as the run's config. `sets`: the names of a mixture's sets, whose terms are logged each."""
+    run's `config` goes to TensorBoard as text and to W&B as the run's config. `sets`: the names of a mixture's sets,
+    whose terms are logged each."""
 
     def __init__(self, cfg: MetricsConfig, run_dir: Path, rank: int, device: torch.device, total_steps: int,
                  start_step: int, flops_per_sample: float, peak_flops: float | None, world_size: int,
