@@ -16,7 +16,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    import tyro
+    from configs.cli import cli
 
     argv = sys.argv[1:] if argv is None else argv
     available = {name: spec for name, spec in COMMANDS.items() if importlib.util.find_spec(spec[0]) is not None}
@@ -24,13 +24,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         lines = [f"  {name:<8} {help_}" for name, (_, help_) in available.items()]
         print("usage: python -m preprocess <command> [--help]\n\ncommands:\n" + "\n".join(lines))
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    from encoders.weights import WeightsError
-    from preprocess.errors import DatasetError
-
     module = importlib.import_module(available[argv[0]][0])
     default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None  # e.g. shards' --config
-    args = tyro.cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
-                    description=module.__doc__)
+    args = cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
+               description=module.__doc__)
+    from preprocess.errors import DatasetError
+    from encoders.weights import WeightsError  # after parsing: it loads torch, which `--help` does without
+
     try:
         module.run(args)
     except (DatasetError, WeightsError) as err:  # bad input: its one-line message, no traceback
@@ -42,7 +42,8 @@ def command_main(name: str):
     return lambda: main([name, *sys.argv[1:]], prog=f"wampipe-{name}")
 
 
-shards_main, check_main, stats_main, inspect_main = map(command_main, ("shards", "check", "stats", "inspect"))
+shards_main, check_main, stats_main, inspect_main, preview_main = map(
+    command_main, ("shards", "check", "stats", "inspect", "preview"))
 
 
 if __name__ == "__main__":

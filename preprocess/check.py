@@ -28,7 +28,6 @@ from fnmatch import fnmatch
 from typing import Annotated, BinaryIO, Iterator
 
 import numpy as np
-import torch
 import tyro
 from tqdm import tqdm
 
@@ -52,6 +51,8 @@ class Args:
 
 
 def _finite(value) -> bool:
+    import torch  # here, not at the top: `--help` without loading torch
+
     if isinstance(value, torch.Tensor):
         return bool(torch.isfinite(value.float()).all())
     return not np.issubdtype(value.dtype, np.floating) or bool(np.isfinite(value).all())
@@ -106,6 +107,7 @@ def check_statistics(store: ShardStore, manifest: Manifest, files: set[str], pro
 
 
 def check_text_table(store: ShardStore, manifest: Manifest, files: set[str], problems: list[str]) -> set[str]:
+    import torch
     from safetensors import safe_open
 
     entry = manifest.text_table

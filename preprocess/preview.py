@@ -10,22 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Iterator
+from typing import TYPE_CHECKING, Annotated, Iterator
 
 import numpy as np
-import torch
 import tyro
 
-from encoders.image_encoder import CLIP_MEAN, CLIP_STD
-from encoders.vae import WanVAE, load_vae
-from encoders.weights import weights_sha256
-from preprocess.decode import encode_mp4
 from preprocess.windows import Window, window_at
 from shardformat.embodiments import Embodiment, get_embodiment
-from shardformat.index import ShardIndex, ShardReader
 from shardformat.manifest import Manifest, ShardFormatError
-from shardformat.stats import normalize_q99, pad_with_mask
 from shardformat.storage import STORE_ERRORS
+
+if TYPE_CHECKING:  # torch, the VAE and the reader are imported where used: `--help` without loading torch
+    import torch
+
+    from encoders.vae import WanVAE
+    from shardformat.index import ShardIndex, ShardReader
 
 SHEET_FRAMES = 8  # decoded frames shown per row of the sheet, evenly spaced over the window
 # the widths DreamZero's DiT zero-pads state and actions to (its max_state_dim and action_dim), with a valid mask
@@ -58,6 +57,13 @@ def run(args: Args) -> None:
 
 
 def preview(args: Args) -> None:
+    try:
+        import matplotlib  # noqa: F401  (the sheets; asked for before anything is decoded)
+    except ImportError:
+        raise SystemExit("preview sheets need matplotlib: pip install 'wampipe[plot]'") from None
+    from preprocess.decode import encode_mp4
+    from shardformat.index import ShardIndex, ShardReader
+
     index = ShardIndex(args.shards)  # the trainer's view: manifest, statistics and text table checked
     manifest = index.manifest
     if args.src:
@@ -80,6 +86,11 @@ def preview(args: Args) -> None:
 
 def build_decoder(path: Path, manifest: Manifest, shards: str, device: str) -> WanVAE:
     """The strict decoder of the VAE the shards were built with; refuses another file in one line."""
+    import torch
+
+    from encoders.vae import load_vae
+    from encoders.weights import weights_sha256
+
     if not path.exists():
         raise SystemExit(f"--vae {path}: not found")
     built_with = manifest.encoders.get("vae")
@@ -118,6 +129,8 @@ def first_samples(reader: ShardReader, n: int) -> Iterator[tuple[str, dict, dict
 
 def to_canvas_frames(video_bcthw: torch.Tensor) -> np.ndarray:
     """Decoded video in [-1, 1] -> uint8 [B, T, H, W, 3], the inverse of the farm's /255 then Normalize(0.5, 0.5)."""
+    import torch
+
     x = ((video_bcthw.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return x.permute(0, 2, 3, 4, 1).cpu().numpy()
 
@@ -125,6 +138,8 @@ def to_canvas_frames(video_bcthw: torch.Tensor) -> np.ndarray:
 def source_frames(src: Path, emb: Embodiment, episode: int, window: Window, hw: tuple[int, int]) -> np.ndarray:
     """The source cameras at the window's video rows, raw (no crop, no canvas), side by side in the embodiment's
     camera order, each resized to the decoded canvas's height: uint8 [T, H, W', 3]."""
+    import torch
+
     from preprocess.lerobot import LeRobotDataset
 
     views = LeRobotDataset(src).episode(episode).cameras
@@ -139,6 +154,7 @@ def source_frames(src: Path, emb: Embodiment, episode: int, window: Window, hw: 
 def write_sheet(path: Path, key: str, frames: np.ndarray, meta: dict, tensors: dict, prompt: str, index: ShardIndex,
                 window: Window, fps: float, source: np.ndarray | None, cameras: tuple[str, ...] = ()) -> None:
     import matplotlib
+    import torch
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -181,6 +197,8 @@ def plot_rows(ax, name: str, raw: torch.Tensor, seconds: np.ndarray, q01: np.nda
     """Every dimension against time as the trainer feeds it to the model: q99-normalized with the build's statistics,
     clamped to [-1, 1], zero-padded to the model's width with a valid mask. Grey: masked (padding) and dims the
     statistics leave unnormalized (q01 == q99)."""
+    from shardformat.stats import normalize_q99, pad_with_mask
+
     values, mask = pad_with_mask(normalize_q99(raw, q01, q99), width)
     constant = np.asarray(q01) == np.asarray(q99)
     for d in range(raw.shape[1]):
@@ -201,6 +219,10 @@ def clip_input_image(pixels: torch.Tensor | None) -> np.ndarray | None:
     """clip_pixels [3, S, S] (CLIP mean/std) -> uint8 [S, S, 3], or None when the shards hold CLIP's features."""
     if pixels is None:
         return None
+    import torch
+
+    from encoders.image_encoder import CLIP_MEAN, CLIP_STD
+
     x = pixels.float() * torch.tensor(CLIP_STD).view(3, 1, 1) + torch.tensor(CLIP_MEAN).view(3, 1, 1)
     return (x.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
 

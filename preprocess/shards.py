@@ -24,20 +24,18 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from tqdm import tqdm
 
 import configs
-from encoders.weights import weights_sha256
 from preprocess import outdir, remote, write
-from preprocess.executors import run_units
-from preprocess.finalize import finalize
 from preprocess.lerobot import LeRobotDataset
-from preprocess.pipeline import VAE_OF_MODEL, Job
 from shardformat.embodiments import get_embodiment
 from shardformat.files import sha256_file
+
+if TYPE_CHECKING:  # the farm (torch and the encoders) is imported by the run, not by `--help`
+    from preprocess.pipeline import Job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,7 +206,10 @@ def check_metadata(path: Path, tag: str) -> None:
 def check_weights(args: Args) -> None:
     """Load every encoder on the meta device: each file is read and checked key by key as for real, but no weight is
     materialized, so a missing or wrong file stops the run before any decoding (WeightsError)."""
+    import torch  # here and below, not at the top: `--help` without loading torch
+
     from encoders.image_encoder import load_image_encoder
+    from preprocess.pipeline import VAE_OF_MODEL
     from encoders.text_encoder import load_text_encoder
     from encoders.vae import load_vae
 
@@ -222,6 +223,10 @@ def check_weights(args: Args) -> None:
 def build_inputs(args: Args, threads: int) -> dict:
     """What the output is made from (preprocess.outdir): the source's fingerprint, every argument that changes output
     bytes, and the sha256 of each encoder and of --metadata. Keys are argument names."""
+    import torch
+
+    from encoders.weights import weights_sha256
+
     same = ("dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend", "dtype",
             "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes", "samples_per_shard")
     hashes = dict(zip(ENCODERS, weights_sha256(*(Path(getattr(args, name)) for name in ENCODERS))))
@@ -243,6 +248,8 @@ def default_workers(args: Args) -> int:
 
 
 def build_units(job: Job, units: list[list[int]], args: Args) -> None:
+    from preprocess.executors import run_units
+
     todo = {u: units[u] for u in range(len(units)) if not write.unit_done(Path(job.out), u)
             and (args.num_units is None or u % args.num_units == args.unit_index)}
     bar = tqdm(total=len(todo), desc="units", unit="unit")
@@ -257,6 +264,9 @@ def build_units(job: Job, units: list[list[int]], args: Args) -> None:
 
 
 def run(args: Args) -> None:
+    from preprocess.finalize import finalize
+    from preprocess.pipeline import Job
+
     check_arguments(args)
     args = prepare_defaults(args)
     url = remote.remote_url(str(args.out))

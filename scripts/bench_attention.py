@@ -12,13 +12,15 @@ counts it). Prints one JSON line per variant, then a summary line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from configs.cli import cli
 from train.attention import count_allowed_pairs, dense_mask, flex_block_mask
 from train.model import preset
 
@@ -97,12 +99,18 @@ def bench_layout(key: str, args) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), help="token layouts")
-    p.add_argument("--iters", type=int, default=10, help="timed fwd+bwd calls")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls (compile, autotune)")
-    args = p.parse_args()
+@dataclass
+class Args:
+    layouts: tuple[Literal["5b", "14b"], ...] = tuple(LAYOUTS)
+    """Token layouts to measure: 5b (LIBERO 9x10x20) and 14b (DROID 9x44x80)."""
+    iters: int = 10
+    """Timed fwd+bwd calls."""
+    warmup: int = 3
+    """Untimed calls before timing (compile, autotune)."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = cli(Args, args=argv, description=__doc__)
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py needs a CUDA GPU (FlexAttention has no CPU backward)")
     rows = [r for key in args.layouts for r in bench_layout(key, args)]

@@ -11,19 +11,20 @@ Prints a table and one final JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
+from configs.cli import cli
 from devtools.sample_data import encode_mp4, render, simulate
 from preprocess.decode import BACKENDS, decode_video
 
@@ -37,13 +38,20 @@ def best_of(repeats: int, fn) -> float:
     return min(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--frames", type=int, default=420, help="frames per test video (default 420)")
-    parser.add_argument("--windows", type=int, default=20, help="33-frame windows decoded per measurement (default 20)")
-    parser.add_argument("--repeats", type=int, default=3, help="repeat each measurement, keep the best (default 3)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the video content and window starts")
-    args = parser.parse_args()
+@dataclass
+class Args:
+    frames: int = 420
+    """Frames per test video."""
+    windows: int = 20
+    """33-frame windows decoded per measurement."""
+    repeats: int = 3
+    """Times each measurement is repeated; the best is kept."""
+    seed: int = 0
+    """Seed of the video content and the window starts."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = cli(Args, args=argv, description=__doc__)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     os.environ.setdefault("OMP_NUM_THREADS", "1")

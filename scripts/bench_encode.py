@@ -10,12 +10,13 @@ Record the result in docs/PERFORMANCE.md with the hardware and date.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from dataclasses import dataclass
 
 import torch
 
+from configs.cli import cli
 from encoders.image_encoder import VIT_H_14, ImageEncoder
 from encoders.text_encoder import UMT5_XXL, TextEncoder
 from encoders.vae import VARIANTS, VaeInfo, WanVAE
@@ -87,19 +88,32 @@ def bench_clip(args) -> dict:
     return {f"clip_b{args.clip_batch}_frames_per_s": args.clip_batch / sec}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", help="cuda or cpu")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
-    p.add_argument("--vae-batch", type=int, default=4, help="clips per VAE call (CPU: use 1)")
-    p.add_argument("--text-batch", type=int, default=16, help="prompts per umT5 call")
-    p.add_argument("--prompt-tokens", type=int, default=110, help="tokens per prompt (DROID template ~110)")
-    p.add_argument("--clip-batch", type=int, default=32, help="frames per CLIP call")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--only", default="vae,umt5,clip", help="comma list of vae, umt5, clip")
-    p.add_argument("--quick", action="store_true", help="tiny widths: a smoke run of this script, not a benchmark")
-    args = p.parse_args()
+@dataclass
+class Args:
+    device: str = "cuda"
+    """Device of the encoders: cuda or cpu."""
+    threads: int = 0
+    """CPU threads (0 = torch's default)."""
+    vae_batch: int = 4
+    """Clips per VAE call (on CPU: 1)."""
+    text_batch: int = 16
+    """Prompts per umT5 call."""
+    prompt_tokens: int = 110
+    """Tokens per prompt (DROID's template has about 110)."""
+    clip_batch: int = 32
+    """Frames per CLIP call."""
+    warmup: int = 1
+    """Untimed calls before timing."""
+    iters: int = 3
+    """Timed calls."""
+    only: str = "vae,umt5,clip"
+    """Encoders to measure, a comma list of vae, umt5 and clip."""
+    quick: bool = False
+    """Tiny widths: a smoke run of this script, not a benchmark."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = cli(Args, args=argv, description=__doc__)
     if args.threads:
         torch.set_num_threads(args.threads)
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",

@@ -21,7 +21,6 @@ spills (what the shards will hold).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -30,7 +29,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 from types import SimpleNamespace
 
 import torch
@@ -38,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 import configs
+from configs.cli import cli
 from devtools.sample_data import write_sample_dataset
 from devtools.tiny_checkpoints import write_tiny_checkpoints
 from preprocess.shards import DATASETS
@@ -182,31 +184,44 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
             "torch": torch.__version__}
 
 
+@dataclass
+class Args:
+    recipes: tuple[Literal[tuple(RECIPES)], ...] = tuple(  # type: ignore[valid-type]
+        sorted(RECIPES, key=lambda r: (RECIPES[r][1] != "5b", r)))
+    """Recipes to measure (all by default, the 14B last)."""
+    device: str = "cuda"
+    """Encoder device: cuda (every local GPU), cuda:N or cpu."""
+    size: Literal["full", "tiny"] = "full"
+    """Encoder widths (tiny: smoke runs)."""
+    episodes: int = 48
+    """Episodes of each generated dataset."""
+    workers: int = max(1, (os.cpu_count() or 2) - 2)
+    """CPU workers (by default all cores but two)."""
+    executor: Literal["stream", "local"] = "stream"
+    """The --executor of preprocess shards."""
+    batch_size: int = 16
+    """Windows per encoder batch."""
+    decode_backend: Literal["torchcodec", "pyav"] = "torchcodec"
+    """Frame decoder (pyav where torchcodec's FFmpeg libraries are missing)."""
+    episodes_per_unit: int = 2
+    """Episodes per work unit (small units: a fine-grained steady-state measurement)."""
+    image_features: Literal["encoded", "pixels"] = "encoded"
+    """The --image-features of preprocess shards (pixels: CLIP input pixels stored, CLIP not run)."""
+    vae_compile: bool = False
+    """The --vae-compile of preprocess shards (and in the bound)."""
+    anchor_stride: int = 1
+    """Keep every n-th window (fewer samples per episode)."""
+    bound_iters: int = 10
+    """Timed encoder batches of the bound."""
+    busy_trace: Path | None = None
+    """JSON file to write the sampled GPU utilization to (epoch times and per-GPU %); with several recipes one
+    file each, the recipe's name after the stem."""
+    work: Path | None = None
+    """Working folder (None: a temporary one, removed)."""
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipes", nargs="+", default=sorted(RECIPES, key=lambda r: (RECIPES[r][1] != "5b", r)),
-                   choices=list(RECIPES), help="recipes to measure (default: all, the 14B last)")
-    p.add_argument("--device", default="cuda", help="encoder device: cuda (every local GPU), cuda:N or cpu")
-    p.add_argument("--size", choices=["full", "tiny"], default="full", help="encoder widths (tiny: smoke runs)")
-    p.add_argument("--episodes", type=int, default=48, help="episodes of each generated dataset")
-    p.add_argument("--workers", type=int, default=max(1, (torch.multiprocessing.cpu_count() or 2) - 2),
-                   help="CPU workers (default: all cores but two)")
-    p.add_argument("--executor", choices=["stream", "local"], default="stream", help="preprocess shards --executor")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per encoder batch")
-    p.add_argument("--decode-backend", choices=["torchcodec", "pyav"], default="torchcodec",
-                   help="frame decoder (pyav where torchcodec's FFmpeg libraries are missing)")
-    p.add_argument("--episodes-per-unit", type=int, default=2,
-                   help="episodes per work unit (small units: a fine-grained steady-state measurement)")
-    p.add_argument("--image-features", choices=["encoded", "pixels"], default="encoded",
-                   help="preprocess shards --image-features (pixels: CLIP input pixels stored, CLIP not run)")
-    p.add_argument("--vae-compile", action="store_true", help="preprocess shards --vae-compile (and in the bound)")
-    p.add_argument("--anchor-stride", type=int, default=1, help="keep every n-th window (fewer samples per episode)")
-    p.add_argument("--bound-iters", type=int, default=10, help="timed encoder batches of the bound")
-    p.add_argument("--busy-trace", type=Path, default=None,
-                   help="write the sampled GPU utilization (epoch times and per-GPU %%) to this JSON (with several "
-                        "recipes: one file each, the recipe's name after the stem)")
-    p.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one, removed)")
-    args = p.parse_args(argv)
+    args = cli(Args, args=argv, description=__doc__)
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="bench_farm-")
     work = args.work or Path(tmp.name)
     try:

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
+from configs.cli import cli
 
 GIB = 1 << 30
 
@@ -149,5 +150,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    parsed = tyro.cli(Args, description=__doc__)
+    parsed = cli(Args, description=__doc__)
     worker(parsed) if parsed.worker else main(parsed)

@@ -22,7 +22,6 @@ Prints one JSON line per measurement, then one summary line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -30,13 +29,16 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 import configs
+from configs.cli import cli, refuse
 from devtools.bench import emit, provenance, write_shards
 from preprocess.remote import remote_url
 from shardformat.storage import ShardStore, sync_up
@@ -48,29 +50,33 @@ from train.data import ShardLoader
 GPU_RATE = {name: configs.recipe(name)["throughput"]["gpu_samples_per_s"] for name in configs.names()}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="libero-5b", choices=sorted(GPU_RATE),
-                   help="trainer preset (train/config.py) and synthetic sample shapes")
-    p.add_argument("--micro-batch", type=int, default=8, help="samples per batch (the 5B's fastest trainer setting)")
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 1],
-                   help="DataLoader worker counts to measure (0 = load in the consuming process)")
-    p.add_argument("--batches", type=int, default=12, help="timed batches per measurement")
-    p.add_argument("--windows", type=int, default=256,
-                   help="synthetic windows to write (batches past them start a new epoch over the same files)")
-    p.add_argument("--cache", choices=["warm", "cold", "both"], default="both",
-                   help="page cache of the shard files: kept, dropped before each measurement, or both (local "
-                        "shards only)")
-    p.add_argument("--gpu-samples-per-s", type=float, default=None,
-                   help="what one GPU consumes, for the ratio (default: the preset's figure in GPU_RATE)")
-    p.add_argument("--shards", default=None,
-                   help="shard directory or URL (s3://bucket/prefix) to reuse if it holds a manifest (written there "
-                        "otherwise; a URL: written under the work directory, then uploaded)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="work directory (shards, result.json); default: a temporary one, deleted")
-    args = p.parse_args(argv)
+@dataclass
+class Args:
+    preset: Literal[tuple(sorted(GPU_RATE))] = "libero-5b"  # type: ignore[valid-type]
+    """Trainer preset (train/config.py) and synthetic sample shapes."""
+    micro_batch: int = 8
+    """Samples per batch (the 5B's fastest trainer setting)."""
+    workers: tuple[int, ...] = (0, 1)
+    """DataLoader worker counts to measure (0 = load in the consuming process)."""
+    batches: int = 12
+    """Timed batches per measurement."""
+    windows: int = 256
+    """Synthetic windows to write (batches past them start a new epoch over the same files)."""
+    cache: Literal["warm", "cold", "both"] = "both"
+    """Page cache of the shard files: kept, dropped before each measurement, or both (local shards only)."""
+    gpu_samples_per_s: float | None = None
+    """What one GPU consumes, for the ratio (None: the preset's figure in GPU_RATE)."""
+    shards: str | None = None
+    """Shard directory or URL (s3://bucket/prefix) to reuse if it holds a manifest (written there otherwise; a URL:
+    written under the work directory, then uploaded)."""
+    out: Path | None = None
+    """Work directory (shards, result.json); None: a temporary one, deleted."""
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    args = cli(Args, args=argv, description=__doc__)
     if args.batches < 1 or args.micro_batch < 1 or args.windows < args.micro_batch or min(args.workers) < 0:
-        p.error("--batches and --micro-batch must be >= 1, --windows >= --micro-batch, --workers >= 0")
+        refuse("--batches and --micro-batch must be >= 1, --windows >= --micro-batch, --workers >= 0")
     return args
 
 

@@ -15,13 +15,13 @@ action, meta). Latent and CLIP compressibility needs real encoder weights and is
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
+from configs.cli import cli
 from devtools.sample_data import write_sample_dataset
 from preprocess.lerobot import LeRobotDataset
 from preprocess.pipeline import Job, episode_samples
@@ -73,11 +74,16 @@ def measure(root: Path, dataset: str, model: str) -> dict:
             "bytes_per_sample": members, "total_raw_bytes": sum(v["raw"] for v in members.values())}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--episodes", type=int, default=3, help="episodes per generated dataset (default 3)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated datasets")
-    args = parser.parse_args()
+@dataclass
+class Args:
+    episodes: int = 3
+    """Episodes per generated dataset."""
+    seed: int = 0
+    """Seed of the generated datasets."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = cli(Args, args=argv, description=__doc__)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     torch.set_num_threads(1)

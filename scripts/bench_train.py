@@ -23,20 +23,22 @@ final JSON line.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn as nn
+import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
+from configs.cli import cli, refuse
 from devtools.bench import (check_same_resolution, device_name, emit, measured_window, provenance,
                          run_trainer, split_passthrough, trainer_argv, trainer_device, write_shards)
 from preprocess import synthetic
@@ -52,47 +54,60 @@ from train.parallel import apply_ac, apply_compile, apply_float8, recomputed_blo
 from train.text import compact_text_rows
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+Preset = Literal[tuple(sorted(synthetic.SHAPES))]  # type: ignore[valid-type]
+
+
+@dataclass
+class Args:
+    preset: Preset = "libero-5b"
+    """Trainer preset (train/config.py) and synthetic sample shapes."""
+    nproc: int = 1
+    """Trainer processes (GPUs) on this host."""
+    micro_batch: int | None = None
+    """Samples per rank per forward/backward (None: the preset's)."""
+    global_batch: int | None = None
+    """Samples per optimizer step over all ranks (None: the preset's; 0 = micro-batch x nproc)."""
+    warmup_steps: int = 5
+    """Optimizer steps excluded from the measurement."""
+    steps: int = 20
+    """Measured optimizer steps."""
+    ac: Literal["auto", "none", "full", "selective"] | None = None
+    """Activation checkpointing per block (None: the preset's; auto = resolved for these GPUs)."""
+    compile: tyro.conf.DisallowNone[bool | None] = None
+    """torch.compile each block (None: the preset's)."""
+    bound_only: bool = False
+    """Time the bare bound only (no trainer; a few windows are written: they fix tiny's widths)."""
+    trainer_only: bool = False
+    """Run the trainer only (no bound)."""
+    skip_no_recompute_bound: bool = False
+    """Do not also time the bound without activation recompute (it is timed when --ac is not none)."""
+    bound_warmup: int = 3
+    """Untimed bound steps (compile, autotune)."""
+    bound_steps: int = 10
+    """Timed bound forward+backward steps."""
+    shards: Path | None = None
+    """Shard directory to reuse if it holds a manifest (written there otherwise); None: <out>/shards."""
+    max_windows: int = 2048
+    """Write at most this many windows (past them the loader starts a new epoch; re-reading costs the same, the
+    freshly written shards sit in the page cache either way); 0 = no cap."""
+    out: Path | None = None
+    """Work directory (shards, trainer run dir, result.json); None: a temporary one, deleted."""
+    device: str | None = None
+    """Bound device (None: cuda if available, else cpu)."""
+    mix: tuple[Preset, ...] | None = None
+    """Train an equal-weight mixture of synthetic shards of these recipes' sample shapes (e.g. droid-5b libero-5b;
+    the model is --preset's) instead of --preset's shapes alone; trainer only."""
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Args, list[str]]:
     argv, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="libero-5b", choices=sorted(synthetic.SHAPES),
-                   help="trainer preset (train/config.py) and synthetic sample shapes")
-    p.add_argument("--nproc", type=int, default=1, help="trainer processes (GPUs) on this host")
-    p.add_argument("--micro-batch", type=int, default=None, help="samples per rank per fwd/bwd (default: preset's)")
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="samples per optimizer step over all ranks (default: preset's; 0 = micro-batch x nproc)")
-    p.add_argument("--warmup-steps", type=int, default=5, help="optimizer steps excluded from the measurement")
-    p.add_argument("--steps", type=int, default=20, help="measured optimizer steps")
-    p.add_argument("--ac", choices=["auto", "none", "full", "selective"], default=None,
-                   help="activation checkpointing per block (default: preset's; auto = resolved for these GPUs)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile each block (default: preset's)")
-    p.add_argument("--bound-only", action="store_true",
-                   help="time the bare bound only (no trainer; a few windows are written: they fix tiny's widths)")
-    p.add_argument("--trainer-only", action="store_true", help="run the trainer only (no bound)")
-    p.add_argument("--skip-no-recompute-bound", action="store_true",
-                   help="do not also time the bound without activation recompute (it is, when --ac is not none)")
-    p.add_argument("--bound-warmup", type=int, default=3, help="untimed bound steps (compile, autotune)")
-    p.add_argument("--bound-steps", type=int, default=10, help="timed bound fwd+bwd steps")
-    p.add_argument("--shards", type=Path, default=None,
-                   help="shard directory to reuse if it holds a manifest (written there otherwise); "
-                        "default: <out>/shards")
-    p.add_argument("--max-windows", type=int, default=2048,
-                   help="write at most this many windows (past them the loader starts a new epoch; re-reading "
-                        "costs the same, the freshly written shards sit in the page cache either way); 0 = no cap")
-    p.add_argument("--out", type=Path, default=None,
-                   help="work directory (shards, trainer run dir, result.json); default: a temporary one, deleted")
-    p.add_argument("--device", default=None, help="bound device (default: cuda if available, else cpu)")
-    p.add_argument("--mix", nargs="+", default=None, metavar="PRESET",
-                   help="train an equal-weight mixture of synthetic shards of these recipes' sample shapes (e.g. "
-                        "droid-5b libero-5b; the model is --preset's) instead of --preset's shapes alone; trainer only")
-    args = p.parse_args(argv)
+    args = cli(Args, args=argv, description=__doc__)
     if args.bound_only and args.trainer_only:
-        p.error("--bound-only and --trainer-only exclude each other")
+        refuse("--bound-only and --trainer-only exclude each other")
     if args.mix and (not args.trainer_only or len(set(args.mix)) != len(args.mix)):
-        p.error("--mix needs --trainer-only (the bound is one shape's) and distinct recipes")
+        refuse("--mix needs --trainer-only (the bound is one shape's) and distinct recipes")
     if args.steps < 1 or args.warmup_steps < 0 or args.bound_steps < 1:
-        p.error("--steps and --bound-steps must be >= 1, --warmup-steps >= 0")
+        refuse("--steps and --bound-steps must be >= 1, --warmup-steps >= 0")
     return args, extra
 
 

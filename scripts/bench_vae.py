@@ -16,12 +16,14 @@ lever's clips/s with its largest deviation from the baseline latents and whether
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from configs.cli import cli
 from encoders.vae import VARIANTS, VaeInfo, WanVAE
 
 SHAPES = {  # recipe -> (VAE variant, frames, height, width): the clips preprocessing encodes
@@ -138,19 +140,29 @@ def bench_shape(recipe: str, args) -> dict:
     return out
 
 
+@dataclass
+class Args:
+    device: str = "cuda"
+    """Device of the VAE: cuda or cpu."""
+    recipes: tuple[Literal[tuple(SHAPES)], ...] = tuple(SHAPES)  # type: ignore[valid-type]
+    """Clip shapes to measure."""
+    batch: int = 4
+    """Clips per encode call."""
+    levers: tuple[Literal[LEVERS], ...] = LEVERS  # type: ignore[valid-type]
+    """Levers to time against the baseline (none: the baseline alone)."""
+    peak_tflops: float = 0.0
+    """Dense bf16 peak of the device, for the fraction of it reached (0: 989 on H100 and H200, else not
+    reported)."""
+    warmup: int = 1
+    """Untimed calls before timing."""
+    iters: int = 3
+    """Timed calls."""
+    quick: bool = False
+    """Tiny widths and clips: a smoke run, not a benchmark."""
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", help="cuda or cpu")
-    p.add_argument("--recipes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="clip shapes to measure")
-    p.add_argument("--batch", type=int, default=4, help="clips per encode call")
-    p.add_argument("--levers", nargs="*", default=list(LEVERS), choices=list(LEVERS),
-                   help="levers to time against the baseline (none: the baseline alone)")
-    p.add_argument("--peak-tflops", type=float, default=0.0,
-                   help="dense bf16 peak of the device for the fraction (0 = 989 on H100/H200, else not reported)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
-    p.add_argument("--iters", type=int, default=3, help="timed calls")
-    p.add_argument("--quick", action="store_true", help="tiny widths and clips: a smoke run, not a benchmark")
-    args = p.parse_args(argv)
+    args = cli(Args, args=argv, description=__doc__)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     if not args.peak_tflops and ("H100" in device_name or "H200" in device_name):
         args.peak_tflops = 989.0

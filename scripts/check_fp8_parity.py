@@ -15,17 +15,19 @@ Prints both curves, then one JSON line; exits 1 when the ratio exceeds --max-rat
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
+from configs.cli import cli, refuse
 from devtools import bench
 from preprocess import synthetic
 from train.config import batch_plan, device_memory_gib, resolve_auto
@@ -33,34 +35,39 @@ from train.config import parse_args as parse_trainer_args
 from train.parallel import check_float8
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+@dataclass
+class Args:
+    preset: Literal[tuple(sorted(synthetic.SHAPES))] = "libero-5b"  # type: ignore[valid-type]
+    """Trainer preset (train/config.py) and synthetic sample shapes."""
+    float8: Literal["tensorwise", "rowwise", "none"] = "tensorwise"
+    """Recipe of the second run (none: bf16 twice, the run-to-run floor)."""
+    moments: Literal["fp32", "bf16"] = "fp32"
+    """--optim.moments of the second run (bf16: AdamW's moments stored in bf16)."""
+    nproc: int = 1
+    """Trainer processes (GPUs) on this host."""
+    steps: int = 100
+    """Optimizer steps of each run (at least 2)."""
+    micro_batch: int | None = None
+    """Samples per rank per forward/backward (None: the preset's)."""
+    global_batch: int | None = None
+    """Samples per optimizer step over all ranks (None: the preset's; 0 = micro-batch x nproc)."""
+    max_ratio: float = 0.2
+    """Parity: the mean |fp8 - bf16| loss is at most this fraction of the bf16 step-to-step noise."""
+    max_windows: int = 512
+    """Write at most this many windows (later steps revisit them, in the same order in both runs)."""
+    shards: Path | None = None
+    """Shard directory to reuse if it holds a manifest (written there otherwise); None: <out>/shards."""
+    out: Path | None = None
+    """Work directory (shards, run-bf16/, run-<float8>/, result.json); None: a temporary one, deleted."""
+    # what bench.trainer_argv reads besides the flags: no warm-up, the preset's recompute and compile
+    warmup_steps, ac, compile = 0, None, None
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Args, list[str]]:
     argv, extra = bench.split_passthrough(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="libero-5b", choices=sorted(synthetic.SHAPES),
-                   help="trainer preset (train/config.py) and synthetic sample shapes")
-    p.add_argument("--float8", choices=["tensorwise", "rowwise", "none"], default="tensorwise",
-                   help="recipe of the second run (none: bf16 twice, the run-to-run floor)")
-    p.add_argument("--moments", choices=["fp32", "bf16"], default="fp32",
-                   help="--optim.moments of the second run (bf16: AdamW's moments stored in bf16)")
-    p.add_argument("--nproc", type=int, default=1, help="trainer processes (GPUs) on this host")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps of each run")
-    p.add_argument("--micro-batch", type=int, default=None, help="samples per rank per fwd/bwd (default: preset's)")
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="samples per optimizer step over all ranks (default: preset's; 0 = micro-batch x nproc)")
-    p.add_argument("--max-ratio", type=float, default=0.2,
-                   help="parity: mean |fp8 - bf16| loss at most this fraction of the bf16 step-to-step noise")
-    p.add_argument("--max-windows", type=int, default=512,
-                   help="write at most this many windows (later steps revisit them, in the same order in both runs)")
-    p.add_argument("--shards", type=Path, default=None,
-                   help="shard directory to reuse if it holds a manifest (written there otherwise); "
-                        "default: <out>/shards")
-    p.add_argument("--out", type=Path, default=None,
-                   help="work directory (shards, run-bf16/, run-<float8>/, result.json); default: a temporary one, "
-                        "deleted")
-    p.set_defaults(warmup_steps=0, ac=None, compile=None)  # what bench_train.trainer_argv reads besides these
-    args = p.parse_args(argv)
+    args = cli(Args, args=argv, description=__doc__)
     if args.steps < 2:
-        p.error("--steps must be >= 2 (the noise is a step-to-step difference)")
+        refuse("--steps must be >= 2 (the noise is a step-to-step difference)")
     return args, extra
 
 
@@ -123,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     stats = compare(curves["bf16"], curves[label])
     parity = stats["ratio"] is not None and stats["ratio"] <= args.max_ratio
     result = bench.emit({
-        "check": "fp8_parity", "preset": args.preset, "float8": args.float8, "moments": args.moments, "world_size": args.nproc,
+        "check": "fp8_parity", "preset": args.preset, "float8": args.float8, "moments": args.moments,
+        "world_size": args.nproc,
         "steps": args.steps, "micro_batch": micro, "global_batch": global_batch, "trainer_extra": extra, **stats,
         "max_ratio": args.max_ratio, "parity": parity, "samples_per_s_per_gpu_bf16": rates["bf16"],
         "samples_per_s_per_gpu_other": rates[label], "loss_bf16": curves["bf16"], "loss_other": curves[label],

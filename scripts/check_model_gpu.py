@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from configs.cli import cli
 from train.attention import dense_mask, flex_block_mask, masked_attention
 from train.flops import dit_flops
 from train.loss import FlowMatchScheduler, flow_matching_loss
@@ -174,5 +175,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    import tyro
-    main(tyro.cli(Args))
+    main(cli(Args, description=__doc__))

@@ -10,18 +10,23 @@ largest difference per op as one JSON line; exit 1 if any op differs by more tha
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 
 import torch
 
+from configs.cli import cli
 from preprocess import views
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tolerance", type=float, default=1e-5, help="largest allowed difference in [0, 1] units")
-    args = parser.parse_args()
+@dataclass
+class Args:
+    tolerance: float = 1e-5
+    """Largest allowed difference, in [0, 1] pixel units."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = cli(Args, args=argv, description=__doc__)
     import torchvision
     from torchvision.transforms import InterpolationMode
     from torchvision.transforms.v2 import functional as TF

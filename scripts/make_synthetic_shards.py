@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import tyro
-
+from configs.cli import cli
 from preprocess.synthetic import SHAPES, make_synthetic_shards
 
 
@@ -43,4 +42,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, description=__doc__))
+    main(cli(Args, description=__doc__))

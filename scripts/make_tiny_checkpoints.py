@@ -6,22 +6,29 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
+from configs.cli import cli
 from devtools.tiny_checkpoints import write_tiny_checkpoints
 
 
+@dataclass
+class Args:
+    out: Path
+    """Output folder (created)."""
+    seed: int = 0
+    """Seed of the random weights."""
+    size: Literal["tiny", "full"] = "tiny"
+    """full: the VAEs and CLIP at their released widths (benchmarks); umT5 stays tiny."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="output folder (created)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    parser.add_argument("--size", choices=["tiny", "full"], default="tiny",
-                        help="full: VAEs and CLIP at their released widths (benchmarks); umT5 stays tiny")
-    args = parser.parse_args(argv)
+    args = cli(Args, args=argv, description=__doc__)
     write_tiny_checkpoints(args.out, args.seed, args.size)
     print(f"{args.size} checkpoints written to {args.out}")
 

@@ -9,17 +9,26 @@ run that was then resumed from it), the later row wins, so the curves show what 
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import tyro
+
+from configs.cli import cli
 from train.curves import plot_run
 
 
+@dataclass
+class Args:
+    run_dir: tyro.conf.Positional[Annotated[Path, tyro.conf.arg(metavar="RUN_DIR")]]
+    """Training run directory (--checkpoint.dir) holding metrics.jsonl."""
+    out: Path | None = None
+    """PNG to write (None: RUN_DIR/metrics.png)."""
+
+
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", type=Path, help="training run directory (--checkpoint.dir) holding metrics.jsonl")
-    p.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
-    args = p.parse_args(argv)
+    args = cli(Args, args=argv, description=__doc__)
     out = plot_run(args.run_dir, args.out)
     print(f"wrote {out}")
     return out

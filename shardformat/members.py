@@ -14,13 +14,15 @@ import io
 import json
 import math
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import zstandard
 
 from shardformat.keys import parse_key
+
+if TYPE_CHECKING:  # torch is imported where a bf16 tensor is met: the CLIs' --help stays quick
+    import torch
 
 META = "meta.json"
 ZSTD_LEVEL = 3
@@ -37,6 +39,8 @@ def checksum(data: bytes) -> int:
 
 def to_numpy_bits(value: np.ndarray | torch.Tensor) -> tuple[np.ndarray, str]:
     """An array to store and its logical dtype name; bf16 becomes its uint16 bit pattern."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         tensor = value.detach().cpu().contiguous()
         if tensor.dtype == torch.bfloat16:
@@ -48,6 +52,8 @@ def to_numpy_bits(value: np.ndarray | torch.Tensor) -> tuple[np.ndarray, str]:
 def from_numpy_bits(array: np.ndarray, dtype: str) -> np.ndarray | torch.Tensor:
     """Inverse of `to_numpy_bits`: bf16 comes back as a torch tensor, everything else as numpy."""
     if dtype == "bfloat16":
+        import torch
+
         return torch.from_numpy(array.astype(np.uint16, copy=False)).view(torch.bfloat16)
     if str(array.dtype) != dtype:
         raise ValueError(f"stored dtype {array.dtype} does not match recorded dtype {dtype}")

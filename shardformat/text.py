@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shardformat.files import atomic_write_json, atomic_writer, sha256_file
 from shardformat.manifest import MANIFEST, SIDE_FILES, ShardFormatError, check_sha256, relative_path
+
+if TYPE_CHECKING:  # imported where used: the CLIs' --help stays quick
+    import torch
 
 TABLE = "text/embeddings.safetensors"
 PROMPTS = "text/prompts.json"
@@ -20,6 +22,7 @@ PROMPTS = "text/prompts.json"
 def write_text_table(out: Path, prompts: dict[str, str], embeddings: dict) -> dict:
     """Write both files; returns the manifest's `text_table` entry. `embeddings` maps each id of `prompts` to its
     umT5 output, already trimmed to the prompt's length."""
+    import torch
     from safetensors.torch import save_file
 
     out = Path(out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from train.model import CausalWanModel, DiTConfig, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # small, quick builds: few anchors, several units and shards
 # Builders import what they build with when called: spawned test workers import this module too.
 FAST = ["--anchor-stride", "16", "--samples-per-shard", "4", "--episodes-per-unit", "2", "--batch-size", "2"]
@@ -29,6 +31,12 @@ def shards_cmd(src: Path, out: Path | str, dataset: str, tiny: Path, *extra: str
     weights = [a for name, p in paths.items() for a in (f"--{name.replace('_', '-')}", str(p))]
     return [sys.executable, "-m", "preprocess", "shards", "--dataset", dataset, "--src", str(src), "--out", str(out),
             "--model", model, *weights, *FAST, *extra]
+
+
+def console_script(name: str) -> str:
+    """Python that runs console script `name` as pip's generated wrapper does: import its target, call it."""
+    module, function = PROJECT["scripts"][name].split(":")
+    return f"import sys; sys.argv[0] = {name!r}; from {module} import {function}; sys.exit({function}())"
 
 
 def build(*args, **kwargs) -> subprocess.CompletedProcess:

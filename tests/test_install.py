@@ -1,22 +1,22 @@
-"""Installed like a tool: the console scripts pyproject.toml declares, a lean base whose optional imports each stop
-in one line naming their extra, and a shards command that needs its source."""
+"""Installed like a tool: the console scripts pyproject.toml declares, a base install that builds shards and trains
+with no extra present, each extra's feature naming the extra in one line where it is missing, base dependencies that
+are what the code imports, and a shards command that needs its source."""
 
 import importlib
+import importlib.metadata
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import PROJECT, ROOT, console_script, shards_cmd
+from tests.test_quiet import unexpected
 from train.launch import split_arguments
-
-PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-
 
 def _python(code: str, *argv: str, cwd=ROOT) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter, as an installed console script would run it."""
@@ -29,12 +29,6 @@ def _run(cmd: list[str], cwd=ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _entry(name: str) -> str:
-    """Python that runs console script `name` as pip's generated wrapper does: import its target, call it."""
-    module, function = PROJECT["scripts"][name].split(":")
-    return f"import sys; sys.argv[0] = {name!r}; from {module} import {function}; sys.exit({function}())"
-
-
 def test_shards_without_src_stops_in_one_line_and_writes_nothing(tmp_path):
     done = _python("from preprocess.__main__ import main; main()", "shards", "--out", str(tmp_path / "out"),
                    cwd=tmp_path)
@@ -45,19 +39,20 @@ def test_shards_without_src_stops_in_one_line_and_writes_nothing(tmp_path):
 
 
 def test_every_console_script_target_exists():
-    assert sorted(PROJECT["scripts"]) == ["wampipe-check", "wampipe-inspect", "wampipe-shards", "wampipe-stats",
-                                          "wampipe-train"]
+    assert sorted(PROJECT["scripts"]) == ["wampipe-check", "wampipe-inspect", "wampipe-preview", "wampipe-shards",
+                                          "wampipe-stats", "wampipe-train"]
     for target in PROJECT["scripts"].values():
         module, function = target.split(":")
         assert callable(getattr(importlib.import_module(module), function)), target
 
 
 @pytest.mark.parametrize("command, flag", [("shards", "--src"), ("check", "--members"), ("stats", "--embodiment"),
-                                           ("inspect", "--decode")])
+                                           ("inspect", "--decode"), ("preview", "--vae")])
 def test_preprocess_scripts_run_their_command(command, flag):
     name = f"wampipe-{command}"
     installed = Path(sys.executable).parent / name  # pip's wrapper, once the environment was installed from here
-    for done in [_python(_entry(name), "--help"), *([_run([str(installed), "--help"])] if installed.exists() else [])]:
+    for done in [_python(console_script(name), "--help"),
+                 *([_run([str(installed), "--help"])] if installed.exists() else [])]:
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith(f"usage: {name} ") and flag in done.stdout
 
@@ -82,7 +77,7 @@ def test_trainer_flags_and_torchrun_options_do_not_overlap():
 @pytest.mark.slow
 def test_train_script_launches_two_ranks(tiny_shards, tmp_path):
     run_dir = tmp_path / "run"
-    done = _python(_entry("wampipe-train"), "--nproc-per-node", "2", "--preset", "tiny", "--data.shards",
+    done = _python(console_script("wampipe-train"), "--nproc-per-node", "2", "--preset", "tiny", "--data.shards",
                    str(tiny_shards), "--checkpoint.dir", str(run_dir), "--steps", "2", "--metrics.interval", "1",
                    "--metrics.no-progress", "--metrics.no-tensorboard", "--checkpoint.no-export")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -90,32 +85,130 @@ def test_train_script_launches_two_ranks(tiny_shards, tmp_path):
     assert [json.loads((run_dir / f"summary-rank{r:05d}.json").read_text())["steps"] for r in range(2)] == [2, 2]
 
 
-# (missing module, code that needs it, the one line it stops with); tensorboard only degrades to metrics.jsonl
-OPTIONAL = {
-    "s3fs": ("from shardformat.storage import ShardStore; ShardStore('s3://bucket/shards').exists('manifest.json')",
-             "s3://bucket/shards: s3:// URLs need s3fs: pip install 'wampipe[s3]'"),
-    "ray": ("from preprocess.stream import run_ray; next(run_ray(None, {}, None))",
-            "--executor ray needs ray: pip install 'wampipe[ray]'"),
-    "torchao": ("from train.parallel import check_float8; check_float8('tensorwise', (9, 0))",
-                "--parallel.float8 tensorwise needs torchao: pip install 'wampipe[fp8]'"),
-    "matplotlib": ("from pathlib import Path; from train.curves import plot; plot([], Path('x.png'), 'run')",
-                   "plotting curves needs matplotlib: pip install 'wampipe[plot]'"),
-}
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
-@pytest.mark.parametrize("module", OPTIONAL)
-def test_a_missing_extra_stops_in_one_line_naming_it(module, tmp_path):
-    code, line = OPTIONAL[module]
-    done = _python(f"import sys; sys.modules[{module!r}] = None\n{code}", cwd=tmp_path)
-    assert (done.returncode, done.stderr) == (1, line + "\n")
+def requirement_names(requirements: list[str]) -> set[str]:
+    """Distribution names of `requirements` whose markers hold without any extra asked for."""
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in requirements]
+    return {normalized(r.name) for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})}
 
 
-def test_the_trainer_without_tensorboard_logs_jsonl_and_says_so_once(tmp_path):
-    done = _python("import sys, torch; sys.modules['tensorboard'] = None\n"
-                   "from pathlib import Path; from train.config import MetricsConfig; from train.metrics import "
-                   "MetricsLogger\nMetricsLogger(MetricsConfig(progress=False), Path('run'), 0, torch.device('cpu'), "
-                   "1, 0, 1.0, None, 1)", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == ("tensorboard not installed: metrics go to metrics.jsonl and the console only "
-                           "(pip install 'wampipe[plot]')\n")
-    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+def closure(names: set[str]) -> set[str]:
+    """`names` and every distribution they require, as installed here."""
+    seen, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            todo += requirement_names(importlib.metadata.requires(name) or [])
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return seen
+
+
+PACKAGES = ("configs", "preprocess", "shardformat", "train")  # what the wheel holds
+BASE = requirement_names(PROJECT["dependencies"])
+EXTRAS = {extra: requirement_names(reqs) - {"wampipe"} for extra, reqs in PROJECT["optional-dependencies"].items()}
+
+
+def imported_distributions() -> dict[str, set[str]]:
+    """Distribution -> the project's files that import one of its modules (at the top or in a function)."""
+    import ast
+
+    owners = importlib.metadata.packages_distributions()
+    found: dict[str, set[str]] = {}
+    for path in sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names):
+                for dist in owners.get(top, []):
+                    found.setdefault(normalized(dist), set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_base_dependencies_are_what_the_code_imports():
+    """Every base dependency is imported by the packages (sentencepiece by the tiny tokenizer writer; the umT5
+    tokenizer loads with it), and every other import is of an extra or of what an extra brings (botocore, aiohttp:
+    s3fs's), each behind its ImportError."""
+    imported = imported_distributions()
+    imported.pop("wampipe", None)
+    assert BASE - set(imported) == set()
+    from_extras = closure(set().union(*EXTRAS.values())) - BASE
+    assert {dist: files for dist, files in imported.items() if dist not in BASE | from_extras} == {}
+
+
+def hide_extras(folder: Path) -> Path:
+    """A sitecustomize.py in `folder` that makes every module of the extras, and of what they alone bring, absent
+    for the interpreter (and the processes it starts, through PYTHONPATH): `import x` raises ImportError and
+    importlib.util.find_spec(x) says None, as in an environment installed without them."""
+    hidden = closure(set().union(*EXTRAS.values())) - closure(BASE)
+    modules = sorted({m for m, dists in importlib.metadata.packages_distributions().items()
+                      if any(normalized(d) in hidden for d in dists) and m.isidentifier()})
+    assert {"s3fs", "ray", "torchao", "wandb", "matplotlib", "tensorboard", "moto", "wids"} <= set(modules)
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(f"import sys\nsys.modules.update(dict.fromkeys({modules!r}))\n")
+    return folder
+
+
+# what asking for each extra's feature without it prints: one line
+NEEDS = {"s3": "s3://bucket/shards: s3:// URLs need s3fs: pip install 'wampipe[s3]'",
+         "ray": "--executor ray needs ray: pip install 'wampipe[ray]'",
+         "fp8": "--parallel.float8 tensorwise needs torchao: pip install 'wampipe[fp8]'",
+         "wandb": "--metrics.wandb-project needs wandb: pip install 'wampipe[wandb]'",
+         "plot": "plotting curves needs matplotlib: pip install 'wampipe[plot]'",
+         "plot (preview)": "preview sheets need matplotlib: pip install 'wampipe[plot]'"}
+
+
+@pytest.mark.slow
+def test_the_base_install_builds_shards_and_trains_and_each_extra_is_named_where_missing(
+        droid_root, tiny_checkpoints, tmp_path):
+    """`pip install .` without extras (the wheel's files, installed with --target), every extra's packages hidden:
+    the farm builds and checks shards of local data, a 1-rank run of the tiny recipe trains on them, and each extra's
+    feature asked for stops in its one line."""
+    source = tmp_path / "source"  # pip builds in the tree it installs: a copy keeps the checkout clean
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--target", str(site), str(source)], check=True, capture_output=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": f"{hide_extras(tmp_path / 'hide')}{os.pathsep}{site}",
+           "OMP_NUM_THREADS": "1"}
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def run(*argv: str) -> subprocess.CompletedProcess:  # the timeout only detects a hang
+        return subprocess.run([sys.executable, *argv], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+
+    where = run("-c", "import preprocess, train; print(preprocess.__file__, train.__file__)")
+    assert where.stdout.split() == [str(site / "preprocess" / "__init__.py"), str(site / "train" / "__init__.py")]
+    shards = work / "shards"
+    built = run(*shards_cmd(droid_root, shards, "droid", tiny_checkpoints)[1:])
+    assert built.returncode == 0, built.stderr[-3000:]
+    checked = run("-m", "preprocess", "check", str(shards))
+    assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
+    run_dir = work / "run"
+    trained = run("-c", console_script("wampipe-train"), "--nproc-per-node", "1", "--preset", "tiny",
+                  "--data.shards", str(shards), "--checkpoint.dir", str(run_dir), "--steps", "2",
+                  "--metrics.interval", "1", "--metrics.no-progress", "--checkpoint.no-export")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert trained.stdout.count("tensorboard not installed") == 1  # the plot extra's TensorBoard: said once
+
+    trainer = [str(site / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(shards), "--steps", "1"]
+    asked = {"s3": run("-m", "preprocess", "check", "s3://bucket/shards"),
+             "ray": run(*shards_cmd(droid_root, work / "ray", "droid", tiny_checkpoints, "--executor", "ray")[1:]),
+             "fp8": run(*trainer, "--checkpoint.dir", str(work / "fp8"), "--parallel.float8", "tensorwise"),
+             "wandb": run(*trainer, "--checkpoint.dir", str(work / "wandb"), "--metrics.wandb-project", "test"),
+             "plot": run(str(ROOT / "scripts" / "plot_metrics.py"), str(run_dir)),
+             "plot (preview)": run("-m", "preprocess", "preview", str(shards), "--vae", str(tiny_checkpoints))}
+    assert {extra: (done.returncode, unexpected(done.stderr)) for extra, done in asked.items()} == {
+        extra: (1, [line]) for extra, line in NEEDS.items()}  # progress bars aside (the units' before ray's line)

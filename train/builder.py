@@ -175,7 +175,7 @@ class Run:
     lr_schedule: torch.optim.lr_scheduler.LRScheduler
     loader: ShardLoader
     flow: FlowMatchScheduler
-    image_encoder: object | None  # preprocess/image_encoder.py ImageEncoder, for shards of CLIP's input pixels
+    image_encoder: object | None  # encoders/image_encoder.py ImageEncoder, for shards of CLIP's input pixels
     state: TrainState
 
     def forward_backward(self, cfg: Config, batch: dict, index: int, plan: BatchPlan) -> dict:

@@ -55,7 +55,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 MARKER = ".wampipe-run"
 LOCK = ".lock"
 # Everything the trainer writes at the top of a run directory (glob patterns); it touches nothing else there.
-RUN_FILES = (MARKER, LOCK, "config.yaml", "metrics.jsonl", "tb", "export", "step-*", "summary-rank*.json",
+RUN_FILES = (MARKER, LOCK, "config.yaml", "metrics.jsonl", "tb", "wandb", "export", "step-*", "summary-rank*.json",
              "profile-rank*.txt", "trace-rank*.json.gz", ".*.tmp", ".export.old")
 # Frozen parameters (a LoRA run's base DiT) are not saved: the run rebuilds them from its seed or --model.init-from.
 # Loading is then not strict about them; dcp.load itself still requires every saved (trainable) key.

@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 import functools
 import sys
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
 import tyro
 
 import configs
+from configs.cli import cli
 
 if TYPE_CHECKING:
     import torch
@@ -306,6 +307,13 @@ class MetricsConfig:
     """Shard directories the action error is measured on, e.g. held-out splits (default: the run's sets)."""
     action_samples: int = 16
     """Windows per set for the action error: the first N of its manifest."""
+    wandb_project: str | None = None
+    """Weights & Biases project to log to beside TensorBoard: rank 0 logs each interval's metrics.jsonl fields and
+    the run config once, in a run named after <checkpoint.dir>, its files under $WANDB_DIR or else
+    <checkpoint.dir>/wandb (needs the wandb extra). None = no W&B."""
+    wandb_mode: Literal["online", "offline"] | None = None
+    """online: stream to the W&B server; offline: write the run locally, for `wandb sync` later. None = $WANDB_MODE,
+    else online."""
 
 
 @dataclass
@@ -621,30 +629,13 @@ def validate(cfg: Config) -> None:
         raise SystemExit("invalid settings: " + "; ".join(bad))
 
 
-@functools.cache
-def _help_as_paragraphs(cls: type | None = None) -> None:
-    """Each field docstring of `cls` (default Config) and its groups given to tyro as the flag's help, one paragraph:
-    tyro keeps the line breaks of a docstring's indented lines, which --help printed as lines broken mid-sentence."""
-    import docstring_parser  # tyro's own docstring reader
-
-    cls = cls or Config
-    for param in docstring_parser.parse_from_object(cls).params:
-        name, help = param.arg_name, " ".join((param.description or "").split())
-        if name in cls.__annotations__ and help:
-            cls.__annotations__[name] = Annotated[cls.__annotations__[name], tyro.conf.arg(help=help)]
-    for f in fields(cls):
-        if is_dataclass(f.default_factory):
-            _help_as_paragraphs(f.default_factory)
-
-
 def parse_args(argv: list[str] | None = None) -> Config:
     """The preset's defaults, then --config's train section, then every flag on top (tyro); without --data.shards
     the trainer reads `make shards`' output, shards/droid. Invalid settings exit with one line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     preset, file = configs.flag_value(argv, "--preset"), configs.flag_value(argv, "--config")
     default = file_config(file, preset) if file else preset_config(preset or "tiny")
-    _help_as_paragraphs()
-    cfg = tyro.cli(Config, default=default, args=argv, description=__doc__)
+    cfg = cli(Config, default=default, args=argv, description=__doc__)
     if cfg.data.shards is None and not cfg.data.mixture:
         cfg.data.shards = default_shards()
     validate(cfg)

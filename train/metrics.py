@@ -1,5 +1,5 @@
-"""Training metrics: averaged over ranks every `interval` steps, written to TensorBoard, a jsonl file and one
-console line (rank 0), with a tqdm bar in between.
+"""Training metrics: averaged over ranks every `interval` steps, written to TensorBoard, a jsonl file, one console
+line and, with --metrics.wandb-project, Weights & Biases (rank 0), with a tqdm bar in between.
 
     step 120 | loss 0.4213 (dyn 0.3901 act 0.0312) | gnorm 0.81 | lr 1.0e-05 | 13.2 samples/s/GPU | MFU 41.3% |
     data 0.4% | mem 61.2 GiB
@@ -40,12 +40,32 @@ def device_peak_flops(device: torch.device, override_tflops: float = 0.0) -> flo
     return None
 
 
+def check_wandb(cfg: MetricsConfig) -> None:
+    """Refuse --metrics.wandb-project in one line where wandb is not installed."""
+    if cfg.wandb_project is None:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise SystemExit("--metrics.wandb-project needs wandb: pip install 'wampipe[wandb]'") from None
+
+
+def start_wandb(cfg: MetricsConfig, run_dir: Path, config: dict | None):
+    """A W&B run named after the run directory, holding the run's config; files under $WANDB_DIR, else the run
+    directory."""
+    import wandb
+
+    return wandb.init(project=cfg.wandb_project, name=run_dir.resolve().name, mode=cfg.wandb_mode,
+                      dir=os.environ.get("WANDB_DIR", run_dir), config=json.loads(json.dumps(config, default=str)))
+
+
 class MetricsLogger:
     """Accumulates per-step values between logs; `log()` is collective (an all-reduce of the sums).
 
     A run that starts at `start_step` (resumed, or fresh) first drops the rows of later steps that an earlier run in
     the same directory logged (metrics.jsonl rewritten; TensorBoard's purge_step), so every step has one row. The
-    run's `config` goes to TensorBoard as text. `sets`: the names of a mixture's sets, whose terms are logged each."""
+    run's `config` goes to TensorBoard as text and to W&B as the run's config. `sets`: the names of a mixture's sets,
+    whose terms are logged each."""
 
     def __init__(self, cfg: MetricsConfig, run_dir: Path, rank: int, device: torch.device, total_steps: int,
                  start_step: int, flops_per_sample: float, peak_flops: float | None, world_size: int,
@@ -60,7 +80,7 @@ class MetricsLogger:
         self.t0 = time.perf_counter()
         self.wait0 = 0.0
         self.retries0 = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
-        self.jsonl = self.tb = self.bar = None
+        self.jsonl = self.tb = self.bar = self.wandb = None
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             drop_rows_after(run_dir / "metrics.jsonl", start_step)
@@ -75,6 +95,8 @@ class MetricsLogger:
                 if self.tb is not None and config is not None:
                     self.tb.add_text("config", "```json\n" + json.dumps(config, indent=1, default=str) + "\n```",
                                      start_step)
+            if cfg.wandb_project is not None:
+                self.wandb = start_wandb(cfg, run_dir, config)
             if cfg.progress:
                 from tqdm import tqdm
                 self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
@@ -123,6 +145,8 @@ class MetricsLogger:
                 for k, v in record.items():
                     if k not in ("step", "time"):
                         self.tb.add_scalar(k, v, step)
+            if self.wandb is not None:
+                self.wandb.log(record, step=step)
             line = format_line(record)
             if self.bar is not None:
                 self.bar.write(line)
@@ -163,6 +187,8 @@ class MetricsLogger:
         for h in (self.bar, self.tb, self.jsonl):
             if h is not None:
                 h.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def drop_rows_after(path: Path, step: int) -> None:

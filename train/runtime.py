@@ -24,6 +24,7 @@ import torch.distributed as dist
 from train import checkpoint
 from train.config import BatchPlan, Config, batch_plan, device_memory_gib, resolve_auto, validate
 from train.data import ShardIndex
+from train.metrics import check_wandb
 from train.model import MODEL_INPUTS
 from train.parallel import check_float8, computes_on_cuda, use_expandable_segments
 from train.state import TrainState
@@ -75,6 +76,7 @@ def settle(cfg: Config, device: torch.device, world: int, rank: int) -> tuple[Co
     except SystemExit as refusal:
         raise SystemExit(refusal.code if rank == 0 else 1) from None
     check_float8(cfg.parallel.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    check_wandb(cfg.metrics)
     if rank == 0 and auto:
         print(auto, flush=True)
     if cfg.parallel.deterministic:

@@ -1,0 +1,45 @@
+"""The one way every command line of the project is parsed: tyro over a dataclass whose field docstrings are the
+help text.
+
+A field docstring spans several source lines, its continuation lines indented with the class body. tyro keeps a line
+break before every line that does not start with a letter, an indented one included, so `--help` broke sentences at
+the source's line ends. `cli` flows each paragraph of a field's help into one sentence-wrapped text; blank lines
+still separate paragraphs.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any, NoReturn, TypeVar
+
+import tyro
+from tyro import _docstrings
+
+T = TypeVar("T")
+_field_docstring = getattr(_docstrings, "get_field_docstring", None)  # tyro's own, private: absent, help is as tyro's
+
+
+def flowing(text: str | None) -> str | None:
+    """`text` with the line breaks inside each paragraph turned into spaces."""
+    if text is None:
+        return None
+    return "\n\n".join(" ".join(line.strip() for line in paragraph.splitlines())
+                       for paragraph in re.split(r"\n\s*\n", text))
+
+
+def _flowing_field_docstring(*args: Any) -> str | None:
+    return flowing(_field_docstring(*args))
+
+
+def cli(cls: type[T], **kwargs: Any) -> T:
+    """`tyro.cli(cls, **kwargs)` with each field's help flowing as sentences."""
+    if _field_docstring is not None:
+        _docstrings.get_field_docstring = _flowing_field_docstring
+    return tyro.cli(cls, **kwargs)
+
+
+def refuse(message: str) -> NoReturn:
+    """Flags that do not go together: one line on stderr and exit status 2, as for a flag tyro rejects."""
+    sys.stderr.write(message + "\n")
+    raise SystemExit(2)
