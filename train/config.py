@@ -267,6 +267,14 @@ class MetricsConfig:
     """Step after which torch.profiler records `profile_steps` steps (0 with profile_steps 0 = off)."""
     profile_steps: int = 0
     """Steps to profile; rank 0 writes <checkpoint.dir>/profile-rank0.txt (top ops) and a gzipped Chrome trace."""
+    val_interval: int = 500
+    """Validation loss every N steps and at the run's last step, on each set's validation split (<shards>/val, from
+    preprocess shards --val-episodes; sets without one are left out); 0 = off (train/validate.py)."""
+    val_samples: int = 64
+    """Validation samples per set at most (evenly spaced over the split's sorted keys): the cost of one validation."""
+    val_batch: int = 0
+    """Samples per validation micro-batch (0 = --data.micro-batch-size); batches, and with them the noise drawn for
+    each, depend on it, never on the number of ranks."""
 
 
 @dataclass
@@ -522,6 +530,9 @@ def validate(cfg: Config) -> None:
         ("--metrics.interval", m.interval, m.interval >= 1, ">= 1"),
         ("--metrics.profile-start", m.profile_start, m.profile_start >= 0, ">= 0"),
         ("--metrics.profile-steps", m.profile_steps, m.profile_steps >= 0, ">= 0"),
+        ("--metrics.val-interval", m.val_interval, m.val_interval >= 0, ">= 0"),
+        ("--metrics.val-samples", m.val_samples, m.val_samples >= 1, ">= 1"),
+        ("--metrics.val-batch", m.val_batch, m.val_batch >= 0, ">= 0"),
         ("--lora.rank", cfg.lora.rank, cfg.lora.rank >= 0, ">= 0"),
         ("--lora.alpha", cfg.lora.alpha, cfg.lora.alpha > 0, "> 0"),
         ("--lora.targets", cfg.lora.targets, bool(cfg.lora.suffixes()), "at least one module-name suffix"),

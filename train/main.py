@@ -43,6 +43,7 @@ from train.optim import apply_hyperparameters, build_optimizer, build_scheduler,
 from train.parallel import (check_float8, check_host_memory, computes_on_cuda, float8_after_step,
                             host_memory_available, offload_host_bytes, parallelize, prepare_micro_batch,
                             recomputed_blocks, use_expandable_segments)
+from train.validate import Validation
 from train.weights import WeightsError, load_weights
 
 MODEL_INPUTS = [f.name for f in fields(DiTBatch)]
@@ -367,6 +368,7 @@ def train(cfg: Config) -> dict:
         end = cfg.steps if not cfg.stop_after else min(cfg.steps, step + cfg.stop_after)
         profiler = StepProfiler(cfg.metrics, run_dir, rank, device)
         profiler.after_step(step)  # a profile that starts at the first step
+        validation = Validation(cfg, model, loader.indexes, fm, device, image_encoder)
         pending = first
         start_step, stop = step, False
         while step < end and not stop:
@@ -409,8 +411,9 @@ def train(cfg: Config) -> dict:
                 step += 1
                 metrics.step({**terms_sum, "grad_norm": grad_norm}, micro * accum, per_set)
                 profiler.after_step(step)
-                if step % cfg.metrics.interval == 0 or step == end or stop:
-                    metrics.log(step, lr, loader.wait_s, loader.samples_seen())
+                val = validation.after_step(step, end) if not stop else {}  # collective; {} when not due
+                if val or step % cfg.metrics.interval == 0 or step == end or stop:
+                    metrics.log(step, lr, loader.wait_s, loader.samples_seen(), val)
             if stop or (not nonfinite and ((cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or (
                     step == cfg.steps and cfg.checkpoint.save_final))):
                 state = {"step": step, "skipped": skipped, "warmup": warmup, "data": loader.state_dict(),
