@@ -17,7 +17,8 @@ from tests.conftest import ROOT, build, manifest, shards_cmd
 
 def keys(out: Path) -> list[str]:
     """Every sample key of a shard directory, from its shard JSONs."""
-    return [k for s in manifest(out)["shards"] for k in json.loads((out / s["shard"]).with_suffix(".json").read_text())["keys"]]
+    return [k for s in manifest(out)["shards"]
+            for k in json.loads((out / s["shard"]).with_suffix(".json").read_text())["keys"]]
 
 
 def episodes(out: Path) -> set[int]:

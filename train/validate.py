@@ -105,7 +105,7 @@ class Validation:
         try:
             with torch.no_grad():
                 for r in range(rounds):
-                    i = mine[r] if r < len(mine) else mine[0] if mine else 0  # the spare forward is discarded
+                    i = mine[r] if r < len(mine) else mine[0] if mine else 0  # a spare forward, discarded
                     terms = self.batch_terms(i)
                     if r < len(mine):
                         sums[i] = torch.stack([terms[k].double().cpu() for k in TERMS]) * len(self.batches[i][1])
@@ -113,9 +113,10 @@ class Validation:
             self.model.train(was_training)
         sums = sums.to(self.device)
         dist.all_reduce(sums)
-        return self.fields(sums.cpu())
+        return self.summed(sums.cpu())
 
-    def fields(self, sums: torch.Tensor) -> dict:
+    def summed(self, sums: torch.Tensor) -> dict:
+        """The fields of the all-reduced [batch, term] sums: each set's in batch order, then all sets'."""
         counts = [len(picked) for _, picked in self.batches]
         owner = [s for s, _ in self.batches]
         out, total = {}, torch.zeros(len(TERMS), dtype=torch.float64)
