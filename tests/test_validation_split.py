@@ -104,3 +104,15 @@ def test_bad_values_give_one_line(value, says, droid_root, tiny_checkpoints, tmp
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and "Traceback" not in done.stderr and says in lines[-1], done.stderr
     assert not (tmp_path / "out" / "inputs.json").exists()
+
+
+def test_overwrite_with_other_held_out_episodes_keeps_the_units(held_out_3, tiny_checkpoints, droid_root, tmp_path):
+    import shutil
+
+    out = shutil.copytree(held_out_3, tmp_path / "droid")
+    units = {p.name: p.stat().st_ino for p in (out / "work").iterdir()}
+    done = run_cli(shards_cmd(droid_root, out, "droid", tiny_checkpoints, "--val-episodes", "2,3", "--overwrite"))
+    assert done.returncode == 0, done.stderr
+    assert {p.name: p.stat().st_ino for p in (out / "work").iterdir()} == units  # only the finalize stage ran again
+    assert check(out) == [] and episodes(out) == {0} and episodes(out / "val") == {2, 3}
+    assert manifest(out)["validation"]["episodes"] == [2, 3]

@@ -31,6 +31,13 @@ def read_metrics(path: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def panels_of(rows: list[dict]) -> tuple:
+    """(title, fields, y scale) of each panel: PANELS, and for a mixture the SET_PANELS with the fields logged."""
+    per_set = [(name, tuple(sorted({f for r in rows for f in r if f.startswith(prefixes)})), scale)
+               for name, prefixes, scale in SET_PANELS]
+    return PANELS + (tuple(per_set) if per_set[0][1] else ())
+
+
 def plot(rows: list[dict], out: Path, title: str) -> Path:
     try:
         import matplotlib
@@ -39,9 +46,7 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    per_set = [(name, tuple(sorted({f for r in rows for f in r if f.startswith(prefixes)})), scale)
-               for name, prefixes, scale in SET_PANELS]
-    panels = PANELS + (tuple(per_set) if per_set[0][1] else ())
+    panels = panels_of(rows)
     fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(11, 3.5 * (len(panels) // 2)), sharex=True)
     for ax, (name, fields, scale) in zip(axes.flat, panels):
         for field in fields:
