@@ -10,12 +10,11 @@ differ) first.
 A run deletes or replaces only files of a build, never a file someone else put in OUT (`ownership`). The names a
 build writes are inputs.json, manifest.json, wids.json, metadata.json, text/embeddings.safetensors,
 text/prompts.json, shard-NNNNNN.tar/.json, the same names under val/ (the validation split) and
-work/unit-NNNNNN.tar/.json. A directory whose inputs.json is a
-build's record owns every file at those names. Without one, only what a record names is a build's: a sealed
-manifest.json (an older wampipe's) with wids.json and the files it lists, and the units whose JSON records their
-inputs. Any other file at those names is foreign: the run refuses to start, naming it, with or without
-`--overwrite`, and deletes nothing. Of the hidden files, only the temporaries of shardformat.files (marked
-`.*.wampipe-<pid>-<hex>.tmp`) are ever removed.
+work/unit-NNNNNN.tar/.json. A directory whose inputs.json is a build's record owns every file at those names.
+Without one, only what a record names is a build's: a sealed manifest.json (an older wampipe's) with wids.json and
+the files it lists, and the units whose JSON records their inputs. Any other file at those names is foreign: the run
+refuses to start, naming it, with or without `--overwrite`, and deletes nothing. Of the hidden files, only the
+temporaries of shardformat.files (marked `.*.wampipe-<pid>-<hex>.tmp`) are ever removed.
 """
 
 from __future__ import annotations

@@ -326,7 +326,7 @@ def run(args: Args) -> None:
         print(f"  FAILED episode {failure['episode']}: {failure['reason']}")
     failed = {failure["episode"] for failure in manifest["failures"]}
     if manifest.get("validation"):
-        print(f"  validation split {args.out / VAL_DIR}: episodes {manifest['validation']['episodes']} held out")
+        print(f"  validation split {url or args.out}/{VAL_DIR}: episodes {manifest['validation']['episodes']} held out")
     for excluded in manifest["statistics"]["excluded"]:
         if excluded["episode"] not in failed and excluded["reason"] != HELD_OUT:
             print(f"  statistics leave out episode {excluded['episode']}: {excluded['reason']}")
