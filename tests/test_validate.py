@@ -87,3 +87,14 @@ def test_the_same_weights_give_the_same_loss_on_one_rank_or_two(full_run, val_sh
     copy = shutil.copytree(val_shards, tmp_path / "droid")
     mixed = evaluate(1, full_run, "--data.mixture", str(val_shards), str(copy))
     assert {mixed["val_loss/droid-0"], mixed["val_loss/droid-1"], mixed["val_loss"]} == {logged["val_loss"]}
+
+
+def test_bad_validation_flags_are_one_line(tmp_path):
+    from train.config import parse_args
+
+    argv = ["--data.shards", str(tmp_path), "--metrics.val-interval", "-1", "--metrics.val-samples", "0",
+            "--metrics.val-batch", "-2"]
+    with pytest.raises(SystemExit, match=r"^invalid settings: --metrics.val-interval -1 \(must be >= 0\); "
+                                         r"--metrics.val-samples 0 \(must be >= 1\); --metrics.val-batch -2 "
+                                         r"\(must be >= 0\)$"):
+        parse_args(argv)
