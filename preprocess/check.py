@@ -10,7 +10,9 @@ lists exactly the tar's members at their offsets), byte counts and sha256, sampl
 every member decodes with its recorded shape and dtype and holds finite values, keys are unique and well formed,
 anchor multiplicities agree with meta.json, every prompt id resolves in the text table, frame 0 is stored as the
 manifest's image_features says (CLIP features, or CLIP's input pixels in the encoders' dtype), the statistics file is
-present and matches its hash, the text table matches its hash and prompts.json its ids and token counts. Paths
+present and matches its hash, the text table matches its hash and prompts.json its ids and token counts. A build
+with a validation split (preprocess shards --val-episodes) has its split checked the same way, both manifests record
+the same held-out episodes, and no sample lies in the other split than its episode's. Paths
 named by the manifest must lie inside the directory, and members inside their tar (shardformat.manifest). Every
 problem names the file and the sample. Each tar is read once, front to back (its hash, headers and members in one
 pass), through shardformat.storage.
@@ -201,13 +203,42 @@ def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None
 
 
 def check(root: str | os.PathLike, decode: bool = True) -> list[str]:
-    """All problems found in the shard directory at `root` (a path or URL), as messages naming the file and
-    sample; empty when the directory is sound."""
+    """All problems found in the shard directory at `root` (a path or URL) and in its validation split, as messages
+    naming the file and sample; empty when the directory is sound."""
+    problems, manifest, keys = check_split(root, decode)
+    held = manifest.validation if manifest is not None else {}
+    if not held.get("val_dir"):
+        return problems
+    val_dir = f"{str(root).rstrip('/')}/{held['val_dir']}"
+    val_problems, val_manifest, val_keys = check_split(val_dir, decode)
+    problems += [f"validation split {val_dir}: {p}" for p in val_problems]
+    if val_manifest is None:
+        return problems
+    record = val_manifest.validation
+    if [record.get(k) for k in ("split", "choice", "episodes")] != ["val", held.get("choice"), held.get("episodes")]:
+        problems.append(f"{val_dir}/{MANIFEST}: its validation record {record} disagrees with {MANIFEST}'s {held}")
+    episodes = set(held.get("episodes") or [])
+    problems += [f"{shard}: sample {key} is of episode {_episode(key)}, held out for validation"
+                 for key, shard in keys.items() if _episode(key) in episodes]
+    problems += [f"{val_dir}/{shard}: sample {key} is of episode {_episode(key)}, not held out"
+                 for key, shard in val_keys.items() if _episode(key) not in episodes]
+    return problems
+
+
+def _episode(key: str) -> int | None:
+    try:
+        return parse_key(key).episode
+    except ValueError:  # reported by check_sample
+        return None
+
+
+def check_split(root: str | os.PathLike, decode: bool) -> tuple[list[str], Manifest | None, dict[str, str]]:
+    """(problems, manifest or None, sample key -> shard) of one shard directory."""
     store = ShardStore(root)
     try:
         manifest = store.manifest()
     except ShardFormatError as err:
-        return [str(err)]
+        return [str(err)], None, {}
     files = set(store.list())
     problems: list[str] = []
     check_statistics(store, manifest, files, problems)
@@ -228,7 +259,7 @@ def check(root: str | os.PathLike, decode: bool = True) -> list[str]:
             continue
         record = check_shard_json(store, entry, files, problems)
         problems += check_shard(store, entry, record, prompt_ids, keys, decode, manifest)
-    return problems
+    return problems, manifest, keys
 
 
 def check_sample(shard: str, key: str, members: dict[str, bytes], record, prompt_ids: set[str],
@@ -293,3 +324,8 @@ def run(args: Args) -> None:
         raise SystemExit(1)
     manifest = ShardStore(args.root).manifest()
     print(f"OK: {args.root}: {manifest.totals['samples']} samples in {len(manifest.shards)} shards")
+    if manifest.validation:
+        val_dir = f"{str(args.root).rstrip('/')}/{manifest.validation['val_dir']}"
+        val = ShardStore(val_dir).manifest()
+        print(f"OK: {val_dir}: {val.totals['samples']} samples in {len(val.shards)} shards of the held-out episodes "
+              f"{manifest.validation['episodes']}")

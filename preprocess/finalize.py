@@ -5,6 +5,7 @@ last, the manifest (its presence means the directory is complete).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -14,21 +15,44 @@ from preprocess import write
 from preprocess.lerobot import LeRobotDataset
 from preprocess.outdir import STATISTICS
 from preprocess.pipeline import VAE_OF_MODEL, Job
+from preprocess.validation import HELD_OUT, split_indexes
 from shardformat.embodiments import get_embodiment
-from shardformat.files import atomic_write_bytes, sha256_file
-from shardformat.manifest import FORMAT_VERSION, Manifest
+from shardformat.files import atomic_write_bytes, atomic_writer, sha256_file
+from shardformat.manifest import FORMAT_VERSION, VAL_DIR, Manifest
 from shardformat.text import write_text_table
 
 
 def finalize(job: Job, units: list[list[int]]) -> dict:
-    """Shards, text table, statistics and manifest from the finished units; returns the manifest."""
+    """Shards, text table, statistics and manifest from the finished units; returns the training split's manifest.
+    With held-out episodes (`job.val_episodes`), their samples go into the validation split OUT/val, a sealed shard
+    directory of its own (the same text table and statistics), written before the training split's manifest."""
     out = Path(job.out)
     missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
     if missing:
         raise SystemExit(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not done")
     indexes = [json.loads(write.unit_paths(out, u)[1].read_text()) for u in range(len(units))]
-    shards = write_shards(out, indexes, job)
     prompts = {pid: text for idx in indexes for pid, text in idx["prompts"].items()}
+    failures = [f for idx in indexes for f in idx["failures"]]
+    shared = {"text_table": encode_text_table(out, prompts, job), "statistics": write_statistics(out, job, failures)}
+    if not job.val_episodes:
+        return write_split(out, indexes, job, units, shared)
+    train, val = split_indexes(indexes, list(job.val_episodes))
+    held = {"choice": job.val_choice, "episodes": list(job.val_episodes)}
+    val_dir = out / VAL_DIR
+    val_dir.mkdir(exist_ok=True)
+    for name in (shared["text_table"]["file"], shared["text_table"]["prompts"], shared["statistics"]["file"]):
+        (val_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        with open(out / name, "rb") as src, atomic_writer(val_dir / name) as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+    write_split(val_dir, val, job, units, shared, {"split": "val", **held})
+    return write_split(out, train, job, units, shared, {"split": "train", **held, "val_dir": VAL_DIR})
+
+
+def write_split(out: Path, indexes: list[dict], job: Job, units: list[list[int]], shared: dict,
+                validation: dict | None = None) -> dict:
+    """The shards of the samples of `indexes` in `out`, then its manifest (`shared`: the text table and statistics
+    blocks, whose files lie in `out`); returns the manifest."""
+    shards = write_shards(out, indexes, job)
     failures = [f for idx in indexes for f in idx["failures"]]
     skipped = [s for idx in indexes for s in idx["skipped"]]
     emb = get_embodiment(job.embodiment)
@@ -47,28 +71,27 @@ def finalize(job: Job, units: list[list[int]]) -> dict:
                         for name in ("vae", "image_encoder", "text_encoder", "tokenizer")}, "dtype": job.dtype},
         "image_features": job.image_features,
         "samples_per_shard": job.samples_per_shard, "seed": job.seed, "compress": job.compress,
-        "shards": shards,
-        "text_table": encode_text_table(out, prompts, job),
-        "statistics": write_statistics(out, job, failures),
+        "shards": shards, **shared,
         "member_bytes": member_bytes(indexes),
         "failures": failures, "skipped": skipped,
         "totals": {"samples": sum(r["count"] for r in shards), "bytes": sum(r["bytes"] for r in shards),
                    "shards": len(shards), "episodes_encoded": sum(len(i["encoded"]) for i in indexes),
                    "episodes_failed": len(failures), "episodes_skipped": len(skipped)},
+        "validation": validation or {},
     }
     Manifest.from_dict(manifest).write(out)
     return manifest
 
 
 def write_shards(out: Path, indexes: list[dict], job: Job) -> list[dict]:
-    """All samples in one seeded permutation, cut into shards; a shard already written with its planned keys is
-    kept. Returns the manifest's shard entries."""
+    """All samples of `indexes` in one seeded permutation, cut into shards in `out` (the build's directory or its
+    validation split); a shard already written with its planned keys is kept. Returns the manifest's shard entries."""
     records = []
     for shard, refs in enumerate(tqdm(write.plan_shards(indexes, job.samples_per_shard, job.seed), desc="shards",
                                       unit="shard")):
         done = write.shard_done(out, shard)
         if done is None or done["keys"] != [r.key for r in refs]:
-            done = write.write_shard(out, shard, refs)
+            done = write.write_shard(Path(job.out), shard, refs, into=out)
         records.append({k: done[k] for k in ("shard", "count", "bytes", "sha256")})
     return records
 
@@ -85,8 +108,9 @@ def encode_text_table(out: Path, prompts: dict[str, str], job: Job) -> dict:
 
 
 def write_statistics(out: Path, job: Job, failures: list[dict]) -> dict:
-    """metadata.json: --metadata's copy, or computed without the episodes the units could not use (and any other
-    episode whose rows are unusable), each listed with its reason. Returns the manifest entry."""
+    """metadata.json: --metadata's copy, or computed without the episodes the units could not use, the held-out
+    episodes (--val-episodes: the statistics are the training split's) and any other episode whose rows are
+    unusable, each listed with its reason. Returns the manifest entry."""
     from preprocess.stats import build_metadata, write_metadata
 
     path, excluded = out / STATISTICS, []
@@ -94,7 +118,9 @@ def write_statistics(out: Path, job: Job, failures: list[dict]) -> dict:
         atomic_write_bytes(path, Path(job.metadata).read_bytes())
     else:
         write_metadata(path, build_metadata([Path(job.src)], get_embodiment(job.embodiment),
-                                            exclude={f["episode"]: f["reason"] for f in failures}, skipped=excluded))
+                                            exclude={**{e: HELD_OUT for e in job.val_episodes},
+                                                     **{f["episode"]: f["reason"] for f in failures}},
+                                            skipped=excluded))
     return {"file": STATISTICS, "sha256": sha256_file(path), "excluded": excluded}
 
 

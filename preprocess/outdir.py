@@ -9,12 +9,12 @@ differ) first.
 
 A run deletes or replaces only files of a build, never a file someone else put in OUT (`ownership`). The names a
 build writes are inputs.json, manifest.json, wids.json, metadata.json, text/embeddings.safetensors,
-text/prompts.json, shard-NNNNNN.tar/.json and work/unit-NNNNNN.tar/.json. A directory whose inputs.json is a
-build's record owns every file at those names. Without one, only what a record names is a build's: a sealed
-manifest.json (an older wampipe's) with wids.json and the files it lists, and the units whose JSON records their
-inputs. Any other file at those names is foreign: the run refuses to start, naming it, with or without
-`--overwrite`, and deletes nothing. Of the hidden files, only the temporaries of shardformat.files (marked
-`.*.wampipe-<pid>-<hex>.tmp`) are ever removed.
+text/prompts.json, shard-NNNNNN.tar/.json, the same names under val/ (the validation split) and
+work/unit-NNNNNN.tar/.json. A directory whose inputs.json is a build's record owns every file at those names.
+Without one, only what a record names is a build's: a sealed manifest.json (an older wampipe's) with wids.json and
+the files it lists, and the units whose JSON records their inputs. Any other file at those names is foreign: the run
+refuses to start, naming it, with or without `--overwrite`, and deletes nothing. Of the hidden files, only the
+temporaries of shardformat.files (marked `.*.wampipe-<pid>-<hex>.tmp`) are ever removed.
 """
 
 from __future__ import annotations
@@ -29,16 +29,18 @@ from typing import Callable, Iterable, Iterator
 
 from preprocess.write import WORK_DIR
 from shardformat.files import atomic_write_json, fsync_dir, is_temporary, lock_directory, temporary_path
-from shardformat.manifest import MANIFEST, WIDS_INDEX, ShardFormatError, parse_sealed_json
+from shardformat.manifest import MANIFEST, VAL_DIR, WIDS_INDEX, ShardFormatError, parse_sealed_json
 from shardformat.storage import INPUTS
 from shardformat.text import PROMPTS, TABLE
 
 LOCK = ".lock"
 STATISTICS = "metadata.json"
 # Inputs that change only the finalize stage (shards, text table, statistics); the rest change the units too.
-FINALIZE_INPUTS = ("samples_per_shard", "text_encoder", "tokenizer", "metadata")
-FIXED_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TABLE, PROMPTS)  # the finalize outputs, manifest first
-NUMBERED = re.compile(rf"(shard|{WORK_DIR}/unit)-\d{{6,}}\.(tar|json)")  # SHARD_PATTERN, UNIT_PATTERN, their JSONs
+FINALIZE_INPUTS = ("samples_per_shard", "text_encoder", "tokenizer", "metadata", "val_episodes")
+SPLIT_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TABLE, PROMPTS)  # the finalize outputs of a split, manifest first
+FIXED_NAMES = SPLIT_NAMES + tuple(f"{VAL_DIR}/{name}" for name in SPLIT_NAMES)  # the training split's, then val/'s
+# SHARD_PATTERN (of either split), UNIT_PATTERN, their JSONs
+NUMBERED = re.compile(rf"({VAL_DIR}/shard|shard|{WORK_DIR}/unit)-\d{{6,}}\.(tar|json)")
 
 
 # ---------------------------------------------------------------- one run per directory
@@ -57,7 +59,7 @@ def hold(out: Path, shared: bool = False) -> Iterator[None]:
 def remove_temporaries(out: Path) -> None:
     """Delete the temporaries of writes a killed run left behind (only while holding OUT exclusively); a user's
     own hidden files stay."""
-    for folder in (out, out / WORK_DIR, out / Path(TABLE).parent):
+    for folder in (out, out / WORK_DIR, out / Path(TABLE).parent, out / VAL_DIR, out / VAL_DIR / Path(TABLE).parent):
         for tmp in folder.glob(".*.tmp"):
             if is_temporary(tmp):
                 tmp.unlink()

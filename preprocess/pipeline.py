@@ -60,6 +60,8 @@ class Job:
     inputs: dict  # what the build is made from (preprocess.outdir); units record their part in their JSON
     image_features: str = "encoded"  # encoded: CLIP's features; pixels: the tower's input (the trainer runs CLIP)
     vae_compile: bool = False  # torch.compile the VAE encoder (encoders.vae.WanVAE.compile)
+    val_choice: str | None = None  # --val-episodes as given
+    val_episodes: tuple[int, ...] = ()  # the episodes it holds out: finalize writes them to the validation split
 
 
 @dataclass

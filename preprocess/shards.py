@@ -31,8 +31,10 @@ from tqdm import tqdm
 import configs
 from preprocess import outdir, remote, write
 from preprocess.lerobot import LeRobotDataset
+from preprocess.validation import HELD_OUT, canonical, held_out
 from shardformat.embodiments import get_embodiment
 from shardformat.files import sha256_file
+from shardformat.manifest import VAL_DIR
 
 if TYPE_CHECKING:  # the farm (torch and the encoders) is imported by the run, not by `--help`
     from preprocess.pipeline import Job
@@ -139,6 +141,11 @@ class Args:
     """Stop at the first bad episode instead of skipping it (skips are recorded with their reason)."""
     metadata: Path | None = None
     """Use this metadata.json (e.g. a checkpoint's experiment_cfg/metadata.json) instead of computing statistics."""
+    val_episodes: str | None = None
+    """Hold whole episodes out of training, into the validation split OUT/val (a shard directory of its own; the
+    trainer's validation loss reads it): a fraction in (0, 1) (each episode whose hash of dataset and episode id falls
+    below it, whatever the order, executor or workers) or a comma list of episode ids. Statistics come from the
+    training episodes only. Default: none."""
     overwrite: bool = False
     """When OUT holds a build made from other inputs, delete it (its units only where they differ) instead of
     refusing to start."""
@@ -192,6 +199,8 @@ def check_arguments(args: Args) -> None:
         raise SystemExit(f"--unit-index must be in [0, {args.num_units})")
     if args.num_units is not None and args.overwrite:
         raise SystemExit("--overwrite cannot be used by array jobs (they share OUT); run it once without --unit-index")
+    if args.val_episodes is not None:
+        args.val_episodes = canonical(args.val_episodes)
 
 
 def check_metadata(path: Path, tag: str) -> None:
@@ -228,7 +237,8 @@ def build_inputs(args: Args, threads: int) -> dict:
     from encoders.weights import weights_sha256
 
     same = ("dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend", "dtype",
-            "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes", "samples_per_shard")
+            "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes", "samples_per_shard",
+            "val_episodes")
     hashes = dict(zip(ENCODERS, weights_sha256(*(Path(getattr(args, name)) for name in ENCODERS))))
     return {"src": outdir.fingerprint(args.src), **{name: getattr(args, name) for name in same},
             "threads_per_worker": threads, "device": torch.device(args.device).type, **hashes,
@@ -284,6 +294,8 @@ def run(args: Args) -> None:
     checked = time.perf_counter() - checking
     ds = LeRobotDataset(args.src)
     units = plan_units(ds, args.episodes_per_unit, args.max_episodes)
+    held = () if args.val_episodes is None else tuple(
+        held_out(args.val_episodes, args.dataset, [e for unit in units for e in unit], args.src))
     array_job = args.num_units is not None and args.stage != "finalize"
     args.out.mkdir(parents=True, exist_ok=True)
     with outdir.hold(args.out, shared=array_job):
@@ -308,7 +320,7 @@ def run(args: Args) -> None:
                   augment_variants=args.augment_variants, seed=args.seed, compress=args.compress,
                   decode_backend=args.decode_backend, samples_per_shard=args.samples_per_shard,
                   fail_fast=args.fail_fast, inputs=inputs, image_features=args.image_features,
-                  vae_compile=args.vae_compile)
+                  vae_compile=args.vae_compile, val_choice=args.val_episodes, val_episodes=held)
         print(f"{args.src}: {len(ds)} episodes -> {len(units)} units -> {args.out}")
         if args.stage in ("all", "units"):
             build_units(job, units, args)
@@ -324,6 +336,8 @@ def run(args: Args) -> None:
     for failure in manifest["failures"]:
         print(f"  FAILED episode {failure['episode']}: {failure['reason']}")
     failed = {failure["episode"] for failure in manifest["failures"]}
+    if manifest.get("validation"):
+        print(f"  validation split {url or args.out}/{VAL_DIR}: episodes {manifest['validation']['episodes']} held out")
     for excluded in manifest["statistics"]["excluded"]:
-        if excluded["episode"] not in failed:
+        if excluded["episode"] not in failed and excluded["reason"] != HELD_OUT:
             print(f"  statistics leave out episode {excluded['episode']}: {excluded['reason']}")

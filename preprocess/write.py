@@ -121,10 +121,11 @@ def plan_shards(unit_indexes: list[dict], samples_per_shard: int, seed: int) -> 
     return [mixed[i : i + samples_per_shard] for i in range(0, len(mixed), samples_per_shard)]
 
 
-def write_shard(out: Path, shard: int, refs: list[SampleRef]) -> dict:
-    """Copy the shard's samples out of the unit spills; then its JSON (offsets, CRC-32s, anchor multiplicities).
-    Returns the JSON record."""
-    path = out / SHARD_PATTERN.format(shard)
+def write_shard(out: Path, shard: int, refs: list[SampleRef], into: Path | None = None) -> dict:
+    """Copy the shard's samples out of the unit spills of `out` into shard `shard` of `into` (default `out`; the
+    validation split's own directory); then its JSON (offsets, CRC-32s, anchor multiplicities). Returns the JSON
+    record."""
+    path = (into or out) / SHARD_PATTERN.format(shard)
     handles: dict[int, int] = {}
     crcs: list[int] = []
     multiplicity: dict[str, int] = {}

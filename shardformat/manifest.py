@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from shardformat.files import atomic_write_json, canonical_json
@@ -25,6 +25,7 @@ MANIFEST = "manifest.json"
 WIDS_INDEX = "wids.json"
 SEAL = "content_sha256"
 MAX_JSON_BYTES = 1 << 28  # 256 MiB: far above any manifest or shard JSON, far below what exhausts a reader's memory
+VAL_DIR = "val"  # the held-out split of a build (preprocess shards --val-episodes): a shard directory of its own
 SHARD_NAME = re.compile(r"shard-\d{6,}\.tar")
 # (manifest block, field, pattern) of every file besides the shards that the manifest names
 SIDE_FILES = (("text_table", "file", re.compile(r".+\.safetensors")),
@@ -140,13 +141,16 @@ class Manifest:
     skipped: list
     totals: dict
     image_features: str = "encoded"  # what a sample holds of frame 0: CLIP features, or CLIP's input pixels
+    # the held-out episodes (--val-episodes): split ("train" | "val"), choice, episodes and, in the training split's
+    # manifest, val_dir; empty for a build without a validation split
+    validation: dict = field(default_factory=dict)
     format: str = FORMAT_VERSION
 
     @classmethod
     def from_dict(cls, d: dict, where: Path | str = MANIFEST) -> Manifest:
         check_version(Path(where), d.get("format"))
         names = {f.name for f in fields(cls)}
-        required = {f.name for f in fields(cls) if f.default is MISSING}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
         missing, unknown = sorted(required - d.keys()), sorted(d.keys() - names)
         if missing or unknown:
             raise ShardFormatError(f"{where}: missing fields {missing}, unknown fields {unknown}")
@@ -164,10 +168,12 @@ class Manifest:
             non_negative(s.bytes, where, f"shards[{i}].bytes")
         if len({s.shard for s in shards}) != len(shards):
             raise ShardFormatError(f"{where}: shards lists a shard twice")
-        for block, field, pattern in SIDE_FILES:
-            relative_path(d[block].get(field), where, f"{block}.{field}", pattern)
+        for block, name, pattern in SIDE_FILES:
+            relative_path(d[block].get(name), where, f"{block}.{name}", pattern)
         if d.get("image_features", "encoded") not in IMAGE_MEMBER:
             raise ShardFormatError(f"{where}: image_features {d['image_features']!r} is none of {sorted(IMAGE_MEMBER)}")
+        if d.get("validation", {}).get("val_dir") is not None:
+            relative_path(d["validation"]["val_dir"], where, "validation.val_dir")
         if set(d["modality_keys"]) != {"state", "action"}:
             raise ShardFormatError(f"{where}: modality_keys must name the state and action sub-keys")
         total = sum(s.count for s in shards)
@@ -176,7 +182,10 @@ class Manifest:
         return cls(**{**d, "shards": shards})
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if not out["validation"]:  # a build without a validation split keeps the manifest of builds before it
+            del out["validation"]
+        return out
 
     @property
     def image_member(self) -> str:

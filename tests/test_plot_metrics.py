@@ -6,7 +6,7 @@ import json
 import pytest
 from PIL import Image
 
-from train.curves import plot_run, read_metrics
+from train.curves import panels_of, plot_run, read_metrics
 
 
 def _row(step: int, loss: float) -> dict:
@@ -34,3 +34,13 @@ def test_missing_or_broken_metrics_name_the_file(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\n{"step": 2, "lo\n')
     with pytest.raises(SystemExit, match=r"metrics.jsonl:2: not a JSON row"):
         plot_run(tmp_path)
+
+
+def test_the_validation_loss_joins_the_loss_panels(tmp_path):
+    rows = [_row(s, 1.0) | {"loss/a": 1.0, "loss/b": 2.0, "samples_seen/a": s, "samples_seen/b": s} for s in (1, 2)]
+    rows[1] |= {"val_loss": 1.5, "val_loss/a": 1.4, "val_loss/b": 1.6}  # train/validate.py, on its steps
+    fields = {title: f for title, f, _ in panels_of(rows)}
+    assert "val_loss" in fields["loss"] and {"val_loss/a", "val_loss/b"} <= set(fields["loss per set"])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with Image.open(plot_run(tmp_path)) as image:
+        assert image.format == "PNG"

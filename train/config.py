@@ -314,6 +314,14 @@ class MetricsConfig:
     wandb_mode: Literal["online", "offline"] | None = None
     """online: stream to the W&B server; offline: write the run locally, for `wandb sync` later. None = $WANDB_MODE,
     else online."""
+    val_interval: int = 500
+    """Validation loss every N steps and at the run's last step, on each set's validation split (<shards>/val, from
+    preprocess shards --val-episodes; sets without one are left out); 0 = off (train/validate.py)."""
+    val_samples: int = 64
+    """Validation samples per set at most (evenly spaced over the split's sorted keys): the cost of one validation."""
+    val_batch: int = 0
+    """Samples per validation micro-batch (0 = --data.micro-batch-size); batches, and with them the noise drawn for
+    each, depend on it, never on the number of ranks."""
 
 
 @dataclass
@@ -610,6 +618,9 @@ def validate(cfg: Config) -> None:
         ("--metrics.profile-steps", m.profile_steps, m.profile_steps >= 0, ">= 0"),
         ("--metrics.action-interval", m.action_interval, m.action_interval >= 0, ">= 0"),
         ("--metrics.action-samples", m.action_samples, m.action_samples >= 1, ">= 1"),
+        ("--metrics.val-interval", m.val_interval, m.val_interval >= 0, ">= 0"),
+        ("--metrics.val-samples", m.val_samples, m.val_samples >= 1, ">= 1"),
+        ("--metrics.val-batch", m.val_batch, m.val_batch >= 0, ">= 0"),
         ("--lora.rank", cfg.lora.rank, cfg.lora.rank >= 0, ">= 0"),
         ("--lora.alpha", cfg.lora.alpha, cfg.lora.alpha > 0, "> 0"),
         ("--lora.targets", cfg.lora.targets, bool(cfg.lora.suffixes()), "at least one module-name suffix"),

@@ -1,6 +1,6 @@
-"""A training run's curves from its metrics.jsonl: loss terms, learning rate, throughput and data wait, and for a
-mixture each set's loss and samples seen, as one PNG (CLI: scripts/plot_metrics.py). Where a resumed run logged a
-step again, the later row wins."""
+"""A training run's curves from its metrics.jsonl: loss terms (with the validation loss where logged), learning
+rate, throughput and data wait, and for a mixture each set's loss (and validation loss) and samples seen, as one PNG
+(CLI: scripts/plot_metrics.py). Where a resumed run logged a step again, the later row wins."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import json
 from pathlib import Path
 
 PANELS = (  # (title, metrics.jsonl fields, y scale)
-    ("loss", ("loss", "loss_dynamics", "loss_action"), "log"),
+    ("loss", ("loss", "loss_dynamics", "loss_action", "val_loss", "val_loss_dynamics", "val_loss_action"), "log"),
     ("learning rate", ("lr",), "linear"),
     ("samples/s per GPU", ("samples_per_s_per_gpu",), "linear"),
     ("data wait (% of time)", ("data_wait_pct",), "linear"),
 )
-SET_PANELS = (("loss per set", "loss/", "log"), ("samples seen per set", "samples_seen/", "linear"))  # a mixture's
+# a mixture's, by field prefix
+SET_PANELS = (("loss per set", ("loss/", "val_loss/"), "log"), ("samples seen per set", ("samples_seen/",), "linear"))
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -31,6 +32,13 @@ def read_metrics(path: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def panels_of(rows: list[dict]) -> tuple:
+    """(title, fields, y scale) of each panel: PANELS, and for a mixture the SET_PANELS with the fields logged."""
+    per_set = [(name, tuple(sorted({f for r in rows for f in r if f.startswith(prefixes)})), scale)
+               for name, prefixes, scale in SET_PANELS]
+    return PANELS + (tuple(per_set) if per_set[0][1] else ())
+
+
 def plot(rows: list[dict], out: Path, title: str) -> Path:
     try:
         import matplotlib
@@ -39,9 +47,7 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    per_set = [(name, tuple(sorted({f for r in rows for f in r if f.startswith(prefix)})), scale)
-               for name, prefix, scale in SET_PANELS]
-    panels = PANELS + (tuple(per_set) if per_set[0][1] else ())
+    panels = panels_of(rows)
     fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(11, 3.5 * (len(panels) // 2)), sharex=True)
     for ax, (name, fields, scale) in zip(axes.flat, panels):
         for field in fields:

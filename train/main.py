@@ -30,6 +30,7 @@ def train(cfg: Config) -> dict:
     from train.builder import announce, build_run, open_metrics
     from train.optim import clip_grad_norm
     from train.sample import ActionProbe
+    from train.validate import Validation
 
     preemption, rank, world, device = runtime.start(cfg)
     cfg, plan = runtime.settle(cfg, device, world, rank)
@@ -48,6 +49,7 @@ def train(cfg: Config) -> dict:
         with preemption.shielding_forks():  # the loader forks its workers for the first batch
             pending = next(batches)
         metrics, profiler = open_metrics(cfg, run, pending, device)
+        validation = Validation(cfg, model, run.loader.indexes, run.flow, device, run.image_encoder)
         while state.step < end and not stop:
             micro_batches = []  # (batch, loss terms): kept for the step's checks and the per-set metrics
             for i in range(plan.accum):
@@ -67,8 +69,9 @@ def train(cfg: Config) -> dict:
                 mean = {k: sum(terms[k] for _, terms in per_set) / plan.accum for k in per_set[0][1]}
                 metrics.step(mean | {"grad_norm": grad_norm}, plan.micro * plan.accum, per_set)
                 profiler.after_step(state.step)
-                if state.step % cfg.metrics.interval == 0 or state.step == end or stop:
-                    metrics.log(state.step, lr, run.loader.wait_s, state.samples_seen)
+                val = validation.after_step(state.step, end) if not stop else {}  # collective; {} when not due
+                if val or state.step % cfg.metrics.interval == 0 or state.step == end or stop:
+                    metrics.log(state.step, lr, run.loader.wait_s, state.samples_seen, val)
                 for interval, evaluate in evaluations:
                     if interval and state.step % interval == 0:
                         evaluate(state.step)

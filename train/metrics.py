@@ -116,8 +116,10 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.update(1)
 
-    def log(self, step: int, lr: float, data_wait_s: float, samples_seen: np.ndarray | None = None) -> dict:
-        """Collective. `samples_seen`: this rank's samples of each set of a mixture since the run began."""
+    def log(self, step: int, lr: float, data_wait_s: float, samples_seen: np.ndarray | None = None,
+            extra: dict | None = None) -> dict:
+        """Collective. `samples_seen`: this rank's samples of each set of a mixture since the run began; `extra`:
+        more fields of this step (the validation loss, train/validate.py)."""
         names = sorted(self.sums)
         vec = torch.stack([self.sums[k] for k in names]).to(self.device) / max(1, self.count)
         dist.all_reduce(vec)
@@ -127,7 +129,7 @@ class MetricsLogger:
         wait = data_wait_s - self.wait0
         per_gpu = self.samples / elapsed
         record = {"step": step, **dict(zip(names, vec)), "lr": lr, "samples_per_s_per_gpu": per_gpu,
-                  "data_wait_pct": 100 * wait / elapsed, **per_set, "time": time.time()}
+                  "data_wait_pct": 100 * wait / elapsed, **per_set, **(extra or {}), "time": time.time()}
         if self.peak_flops:
             record["mfu_pct"] = 100 * per_gpu * self.flops_per_sample / self.peak_flops
         if self.device.type == "cuda":
@@ -216,6 +218,8 @@ def format_line(r: dict) -> str:
     sets = [k.split("/", 1)[1] for k in r if k.startswith("loss/")]
     if sets:
         parts.append("per set loss " + " ".join(f"{name} {r[f'loss/{name}']:.4f}" for name in sets))
+    if "val_loss" in r:
+        parts.append(f"val loss {r['val_loss']:.4f}")
     if "peak_mem_gib" in r:
         parts.append(f"mem {r['peak_mem_gib']:.1f} GiB")
     if r.get("alloc_retries"):
