@@ -47,16 +47,19 @@ sample-data: $(STAMP)  ## write the three sample LeRobot datasets into $(SAMPLE)
 	$(PY) scripts/make_sample_dataset.py --layout libero --out $(SAMPLE)/libero --episodes 4 --seed 0
 	$(PY) scripts/make_sample_dataset.py --layout libero-v3 --out $(SAMPLE)/libero-v3 --episodes 4 --seed 0
 
-demo: $(STAMP)  ## sample DROID + LIBERO datasets -> shards (tiny encoders) -> integrity checks -> 2-process CPU training on their weighted mixture from a tiny official base -> eval-ready export + curves
-	$(MAKE) --no-print-directory demo-data DATASET=droid && $(PY) -m preprocess shards --dataset droid --src build/sample/droid $(TINY_WEIGHTS) --out build/demo/droid --anchor-stride 4 --samples-per-shard 16
-	$(MAKE) --no-print-directory demo-data DATASET=libero && $(PY) -m preprocess shards --dataset libero --src build/sample/libero $(TINY_WEIGHTS) --out build/demo/libero --anchor-stride 4 --samples-per-shard 16
+demo: $(STAMP)  ## sample DROID + LIBERO datasets -> shards with a held-out episode (tiny encoders) -> integrity checks -> a decoded preview -> 2-process CPU training on their weighted mixture from a tiny official base, with validation loss and open-loop action error -> eval-ready export + curves
+	$(MAKE) --no-print-directory demo-data DATASET=droid && $(PY) -m preprocess shards --dataset droid --src build/sample/droid $(TINY_WEIGHTS) --out build/demo/droid --anchor-stride 4 --samples-per-shard 16 --val-episodes 5
+	$(MAKE) --no-print-directory demo-data DATASET=libero && $(PY) -m preprocess shards --dataset libero --src build/sample/libero $(TINY_WEIGHTS) --out build/demo/libero --anchor-stride 4 --samples-per-shard 16 --val-episodes 5
 	$(PY) -m preprocess check build/demo/droid
 	$(PY) -m preprocess check build/demo/libero
+	$(PY) -m preprocess preview build/demo/droid --vae $(TINY)/wan2.2/Wan2.2_VAE.pth --samples 1 --out build/demo/preview --src build/sample/droid
 	$(PY) scripts/make_tiny_base.py --out build/demo/base --shards build/demo/droid --also libero_sim
 	rm -rf build/demo/run
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc-per-node=2 train/main.py --preset tiny \
 	  --data.mixture build/demo/droid=0.7 build/demo/libero=0.3 --checkpoint.dir build/demo/run --steps 30 \
-	  --metrics.interval 5 --model.init-from build/demo/base --checkpoint.export-base build/demo/base
+	  --metrics.interval 5 --metrics.val-interval 10 --metrics.action-interval 10 --metrics.action-samples 4 \
+	  --metrics.action-shards build/demo/droid/val build/demo/libero/val \
+	  --model.init-from build/demo/base --checkpoint.export-base build/demo/base
 	$(PY) scripts/plot_metrics.py build/demo/run
 
 demo-data: $(STAMP)  ## sample LeRobot dataset build/sample/$(DATASET) (6 episodes) and tiny encoders build/tiny_checkpoints (once)

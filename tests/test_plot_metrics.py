@@ -36,11 +36,21 @@ def test_missing_or_broken_metrics_name_the_file(tmp_path):
         plot_run(tmp_path)
 
 
-def test_the_validation_loss_joins_the_loss_panels(tmp_path):
+def read_rows(rows: list[dict], tmp_path) -> list[dict]:
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return read_metrics(tmp_path / "metrics.jsonl")
+
+
+def test_the_validation_loss_and_the_action_error_get_their_panels(tmp_path):
     rows = [_row(s, 1.0) | {"loss/a": 1.0, "loss/b": 2.0, "samples_seen/a": s, "samples_seen/b": s} for s in (1, 2)]
     rows[1] |= {"val_loss": 1.5, "val_loss/a": 1.4, "val_loss/b": 1.6}  # train/validate.py, on its steps
     fields = {title: f for title, f, _ in panels_of(rows)}
     assert "val_loss" in fields["loss"] and {"val_loss/a", "val_loss/b"} <= set(fields["loss per set"])
+    assert "open-loop action MSE (normalised)" not in fields  # logged by no row
+    rows.append({"step": 2, "action_mse/a": 0.3, "action_mse_raw/a": 0.02})  # the action error's own row (5 panels)
+    fields = {title: f for title, f, _ in panels_of(read_rows(rows, tmp_path))}
+    assert fields["open-loop action MSE (normalised)"] == ("action_mse/a",)
+    assert fields["open-loop action MSE (raw units)"] == ("action_mse_raw/a",)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with Image.open(plot_run(tmp_path)) as image:
         assert image.format == "PNG"

@@ -13,8 +13,10 @@ PANELS = (  # (title, metrics.jsonl fields, y scale)
     ("samples/s per GPU", ("samples_per_s_per_gpu",), "linear"),
     ("data wait (% of time)", ("data_wait_pct",), "linear"),
 )
-# a mixture's, by field prefix
-SET_PANELS = (("loss per set", ("loss/", "val_loss/"), "log"), ("samples seen per set", ("samples_seen/",), "linear"))
+# per set, by field prefix: a mixture's loss and samples seen, every run's open-loop action error (train/sample.py)
+SET_PANELS = (("loss per set", ("loss/", "val_loss/"), "log"), ("samples seen per set", ("samples_seen/",), "linear"),
+              ("open-loop action MSE (normalised)", ("action_mse/",), "log"),
+              ("open-loop action MSE (raw units)", ("action_mse_raw/",), "log"))
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -33,10 +35,10 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def panels_of(rows: list[dict]) -> tuple:
-    """(title, fields, y scale) of each panel: PANELS, and for a mixture the SET_PANELS with the fields logged."""
+    """(title, fields, y scale) of each panel: PANELS, then those of SET_PANELS with fields logged."""
     per_set = [(name, tuple(sorted({f for r in rows for f in r if f.startswith(prefixes)})), scale)
                for name, prefixes, scale in SET_PANELS]
-    return PANELS + (tuple(per_set) if per_set[0][1] else ())
+    return PANELS + tuple(panel for panel in per_set if panel[1])
 
 
 def plot(rows: list[dict], out: Path, title: str) -> Path:
@@ -48,7 +50,10 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     panels = panels_of(rows)
-    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(11, 3.5 * (len(panels) // 2)), sharex=True)
+    rows_of_panels = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows_of_panels, 2, figsize=(11, 3.5 * rows_of_panels), sharex=True, squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     for ax, (name, fields, scale) in zip(axes.flat, panels):
         for field in fields:
             points = [(r["step"], r[field]) for r in rows if field in r]

@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         raise
     finally:
         runtime.shut_down()
+    if __name__ == "__main__":
+        runtime.leave_finished()
 
 
 if __name__ == "__main__":

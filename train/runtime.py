@@ -8,6 +8,7 @@ gradient norm on any rank, and SIGTERM on any rank, so every rank skips, stops o
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import faulthandler
 import os
@@ -191,6 +192,17 @@ def leave_now(failure: BaseException) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def leave_finished() -> NoReturn:
+    """A finished torchrun worker's exit: Python's exit handlers run, then the process ends without the interpreter's
+    teardown. Why: that teardown destroys the process group's C++ objects in no set order, and under load a rank whose
+    run was complete aborted there ("terminate called without an active exception", exit status -6), failing the
+    whole torchrun job."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def shut_down() -> None:

@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(record), flush=True)
     finally:
         dist.destroy_process_group()
+    if __name__ == "__main__":
+        from train.runtime import leave_finished
+
+        leave_finished()
 
 
 if __name__ == "__main__":
