@@ -100,7 +100,8 @@ def measured_window(run_dir: Path, warmup_steps: int, samples_per_rank_step: int
     """Aggregate the metrics.jsonl records after the warm-up: rates over the summed time, not a mean of rates."""
     path = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    measured = [r for r in records if r["step"] > warmup_steps]
+    # the training rows (the open-loop action error logs rows of its own)
+    measured = [r for r in records if r["step"] > warmup_steps and "samples_per_s_per_gpu" in r]
     if not measured:
         raise SystemExit(f"{path}: no record after step {warmup_steps}")
     steps, seconds, wait_s, flops_s = 0, 0.0, 0.0, 0.0

@@ -82,7 +82,11 @@ def test_the_same_weights_give_the_same_loss_on_one_rank_or_two(full_run, val_sh
     logged = {k: rows(full_run)[4][k] for k in VAL}  # trained on 2 ranks
     one = evaluate(1, full_run, "--data.shards", str(val_shards))
     two = evaluate(2, full_run, "--data.shards", str(val_shards))
+    assert one.pop("val_s") > 0 and two.pop("val_s") > 0  # the seconds it took
     assert one == two == {"step": 4, **logged}
+    # the split named explicitly: the same number
+    given = evaluate(1, full_run, "--data.shards", str(val_shards), "--metrics.val-shards", str(val_shards / "val"))
+    assert {k: given[k] for k in VAL} == logged
     # a mixture of the set and its copy: each set's own loss, the same as the set's alone
     copy = shutil.copytree(val_shards, tmp_path / "droid")
     mixed = evaluate(1, full_run, "--data.mixture", str(val_shards), str(copy))

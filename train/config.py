@@ -300,11 +300,11 @@ class MetricsConfig:
     """Step after which torch.profiler records `profile_steps` steps (0 with profile_steps 0 = off)."""
     profile_steps: int = 0
     """Steps to profile; rank 0 writes <checkpoint.dir>/profile-rank0.txt (top ops) and a gzipped Chrome trace."""
-    action_interval: int = 0
+    action_interval: int = 500
     """Every N steps, the open-loop action error (train/sample.py) on `action_samples` windows of each
-    `action_shards` set, logged as action_mse/<set> and action_mse_raw/<set> (0 = off)."""
+    `action_shards` set, logged as action_mse/<set> and action_mse_raw/<set> with its seconds as action_s (0 = off)."""
     action_shards: tuple[str, ...] = ()
-    """Shard directories the action error is measured on, e.g. held-out splits (default: the run's sets)."""
+    """Shard directories the action error is measured on (default: each set's validation split, else the set)."""
     action_samples: int = 16
     """Windows per set for the action error: the first N of its manifest."""
     wandb_project: str | None = None
@@ -317,6 +317,9 @@ class MetricsConfig:
     val_interval: int = 500
     """Validation loss every N steps and at the run's last step, on each set's validation split (<shards>/val, from
     preprocess shards --val-episodes; sets without one are left out); 0 = off (train/validate.py)."""
+    val_shards: tuple[str, ...] = ()
+    """Shard directories to validate on instead of each set's validation split (e.g. another dataset's build), each
+    logged under its folder's name."""
     val_samples: int = 64
     """Validation samples per set at most (evenly spaced over the split's sorted keys): the cost of one validation."""
     val_batch: int = 0

@@ -15,6 +15,7 @@ trainer's periodic version of it.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -291,11 +292,15 @@ class ActionProbe:
 
     @classmethod
     def from_config(cls, cfg, model_cfg: DiTConfig, rank: int, world: int, device, image_encoder=None):
-        """None when --metrics.action-interval is 0; else on --metrics.action-shards (default: the run's sets)."""
+        """None when --metrics.action-interval is 0; else on --metrics.action-shards (default: each set's validation
+        split, else the set)."""
+        from train.validate import val_dir
+
         m = cfg.metrics
         if not m.action_interval:
             return None
-        dirs = list(m.action_shards) or [str(s.shards) for s in cfg.data.sets()]
+        sets = [str(s.shards) for s in cfg.data.sets()]
+        dirs = list(m.action_shards) or [val_dir(s, open_index(s, cfg.data.cache_dir)) or s for s in sets]
         return cls(dirs, model_cfg, m.action_samples, rank, world, device, image_encoder,
                    cache_dir=cfg.data.cache_dir)
 
@@ -308,10 +313,12 @@ class ActionProbe:
             yield batch
 
     def __call__(self, model: CausalWanModel, step: int) -> dict:
-        """{'step', 'action_mse/<set>', 'action_mse_raw/<set>'}: the chunk's MSE averaged over the real dims."""
+        """{'step', 'action_mse/<set>', 'action_mse_raw/<set>', 'action_s'}: the chunk's MSE averaged over the real
+        dims, and the seconds it took."""
+        started = time.perf_counter()
         row = {"step": step}
         for name, index in zip(self.names, self.indexes):
             report = action_error(model, self._batches(index), index.q01["action"], index.q99["action"]).report()
             row[f"action_mse/{name}"] = report["chunk"]["mean"]
             row[f"action_mse_raw/{name}"] = report["chunk_raw"]["mean"]
-        return row
+        return row | {"action_s": time.perf_counter() - started}

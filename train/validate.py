@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from shardformat.index import ShardIndex
 from shardformat.manifest import ShardFormatError
-from train.config import Config
+from train.config import Config, ShardSet
 from train.data import SampleReader, collate, open_index, set_names
 from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.model import CausalWanModel, DiTBatch
@@ -72,9 +73,12 @@ class Validation:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.names, self.splits = [], []
         sets = cfg.data.sets()
-        for name, s, index in zip(set_names(sets), sets, indexes):
-            where = val_dir(s.shards, index) if cfg.metrics.val_interval else None
-            if where is not None:
+        if cfg.metrics.val_shards:  # given splits instead of the sets' own
+            places = list(zip(set_names([ShardSet(d) for d in cfg.metrics.val_shards]), cfg.metrics.val_shards))
+        else:
+            places = [(name, val_dir(s.shards, index)) for name, s, index in zip(set_names(sets), sets, indexes)]
+        for name, where in places:
+            if where is not None and cfg.metrics.val_interval:
                 self.names.append(name)
                 self.splits.append(open_index(where, cfg.data.cache_dir))
         if cfg.metrics.val_interval and not self.splits and self.rank == 0:
@@ -97,7 +101,8 @@ class Validation:
         return self.evaluate()
 
     def evaluate(self) -> dict:
-        """Collective: {field: value} of the weights as they are now."""
+        """Collective: {field: value} of the weights as they are now, and val_s, the seconds it took."""
+        started = time.perf_counter()
         was_training = self.model.training
         self.model.eval()
         sums = torch.zeros(len(self.batches), len(TERMS), dtype=torch.float64)
@@ -114,7 +119,7 @@ class Validation:
             self.model.train(was_training)
         sums = sums.to(self.device)
         dist.all_reduce(sums)
-        return self.summed(sums.cpu())
+        return self.summed(sums.cpu()) | {"val_s": time.perf_counter() - started}
 
     def summed(self, sums: torch.Tensor) -> dict:
         """The fields of the all-reduced [batch, term] sums: each set's in batch order, then all sets'."""
