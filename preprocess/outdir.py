@@ -28,21 +28,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from preprocess.write import WORK_DIR
 from shardformat.files import (atomic_write_json, fsync_dir, is_temporary, lock_directory, sha256_file,
                                temporary_path)
-from shardformat.manifest import MANIFEST, WIDS_INDEX, ShardFormatError, parse_sealed_json
-from shardformat.storage import INPUTS
-from shardformat.text import PROMPTS, TABLE
+from shardformat.layout import (INPUTS, MANIFEST, SHARD_NAME, STATISTICS, TEXT_PROMPTS, TEXT_TABLE, UNIT_NAME,
+                                WIDS_INDEX, WORK_DIR)
+from shardformat.manifest import ShardFormatError, parse_sealed_json
 
 LOCK = ".lock"
-STATISTICS = "metadata.json"
 # Inputs that change only the finalize stage (shards, text table, statistics); the rest change the units too.
 FINALIZE_INPUTS = ("samples_per_shard", "text_encoder", "tokenizer", "metadata")
 # Inputs added after builds were recorded without them, with the value those builds were made with: they resume.
 ADDED_INPUTS = {"image_features": "encoded", "vae_compile": False}
-FIXED_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TABLE, PROMPTS)  # the finalize outputs, manifest first
-NUMBERED = re.compile(rf"(shard|{WORK_DIR}/unit)-\d{{6,}}\.(tar|json)")  # SHARD_PATTERN, UNIT_PATTERN, their JSONs
+FIXED_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TEXT_TABLE, TEXT_PROMPTS)  # the finalize outputs, manifest first
+# the shards, the units and their JSONs
+NUMBERED = re.compile(rf"({SHARD_NAME.pattern}|{WORK_DIR}/{UNIT_NAME.pattern})".replace(r"\.tar", r"\.(tar|json)"))
 
 
 # ---------------------------------------------------------------- one run per directory
@@ -61,7 +60,7 @@ def hold(out: Path, shared: bool = False) -> Iterator[None]:
 def remove_temporaries(out: Path) -> None:
     """Delete the temporaries of writes a killed run left behind (only while holding OUT exclusively); a user's
     own hidden files stay."""
-    for folder in (out, out / WORK_DIR, out / Path(TABLE).parent):
+    for folder in (out, out / WORK_DIR, out / Path(TEXT_TABLE).parent):
         for tmp in folder.glob(".*.tmp"):
             if is_temporary(tmp):
                 tmp.unlink()
