@@ -4,7 +4,6 @@ last, the manifest (its presence means the directory is complete).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ def finalize(job: Job, units: list[list[int]]) -> dict:
     missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
     if missing:
         raise SystemExit(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not done")
-    indexes = [json.loads(write.unit_paths(out, u)[1].read_text()) for u in range(len(units))]
+    indexes = [write.read_unit_index(out, u) for u in range(len(units))]
     shards = write_shards(out, indexes, job)
     prompts = {pid: text for idx in indexes for pid, text in idx["prompts"].items()}
     emb = get_embodiment(job.embodiment)

@@ -103,6 +103,19 @@ def write_unit(out: Path, unit: int, samples: Iterable[tuple[str, list[tuple[str
     return index
 
 
+def read_unit_index(out: Path, unit: int) -> dict:
+    """A unit's JSON; one written before units recorded their schema gets its first sample's (read from the unit's
+    tar), so such a build resumes."""
+    tar, path = unit_paths(out, unit)
+    index = json.loads(path.read_text())
+    first = next(iter(index["index"].values()), [])
+    if "schema" not in index and first:
+        offset, size = next((offset, size) for name, offset, size in first if split_member_name(name)[1] == META)
+        with open(tar, "rb") as f:
+            index["schema"] = schema_of(json.loads(os.pread(f.fileno(), size, offset))["tensors"])
+    return index
+
+
 # ---------------------------------------------------------------- finalize stage
 
 

@@ -31,14 +31,16 @@ from preprocess.lerobot import LeRobotDataset
 from preprocess.pipeline import Job, episode_samples
 from preprocess.sample_data import write_sample_dataset
 from preprocess.shards import DATASETS
-from shardformat.members import encode_sample
+from preprocess.synthetic import SHAPES
+from shardformat.layout import CLIP, LATENTS, Y, tensor_suffix
+from shardformat.members import encode_sample, split_member_name
 
-# (dataset preset, model recipe) -> encoder output shapes per sample (docs/REFERENCE.md#11-sizes-and-flops)
-ENCODED = {
-    ("droid", "5b"): {"latents": (48, 9, 11, 20), "clip": (257, 1280)},
-    ("droid", "14b"): {"latents": (16, 9, 44, 80), "clip": (257, 1280), "y": (20, 9, 44, 80)},
-    ("libero", "5b"): {"latents": (48, 9, 10, 20), "clip": (257, 1280)},
-}
+
+def encoded_shapes(dataset: str, model: str) -> dict[str, tuple]:
+    """The encoder outputs of one sample of the recipe of (dataset preset, model), as its shards hold them (the
+    recipe's sample shapes, configs/<name>.yaml; docs/REFERENCE.md#11-sizes-and-flops)."""
+    shapes = next(s for s in SHAPES.values() if (s.dataset, s.model) == (dataset, model))
+    return {name: shape for name, shape in ((LATENTS, shapes.latents), (CLIP, shapes.clip), (Y, shapes.y)) if shape}
 
 
 def measure(root: Path, dataset: str, model: str) -> dict:
@@ -55,14 +57,10 @@ def measure(root: Path, dataset: str, model: str) -> dict:
             samples += 1
     elapsed = time.perf_counter() - start
     key, video, tensors, meta = last.key, last.video, last.tensors, last.meta
-    shapes = ENCODED[(dataset, model)]
-    raw = {name: int(np.prod(shape)) * 2 + 128 for name, shape in shapes.items()}  # bf16 + .npy header
-    stored = {}
-    for name, data in encode_sample(key, tensors, meta, "auto"):
-        member = name.split(".", 1)[1]
-        stored[member] = len(data)
-    plain = {m.split(".", 1)[1]: len(d) for m, d in encode_sample(key, tensors, meta, "none")}
-    members = {f"{n}.npy": {"raw": b} for n, b in raw.items()}
+    raw = {name: int(np.prod(shape)) * 2 + 128 for name, shape in encoded_shapes(dataset, model).items()}  # bf16
+    stored = {split_member_name(m)[1]: len(d) for m, d in encode_sample(key, tensors, meta, "auto")}
+    plain = {split_member_name(m)[1]: len(d) for m, d in encode_sample(key, tensors, meta, "none")}
+    members = {tensor_suffix(n, zstd=False): {"raw": b} for n, b in raw.items()}
     for m, size in stored.items():
         members[m.removesuffix(".zst")] = {"raw": plain[m.removesuffix(".zst")], "stored": size}
     return {"dataset": dataset, "model": model, "samples": samples, "seconds": elapsed,

@@ -221,9 +221,6 @@ def build_manifest(units: list[dict], shards: list[dict], **fields) -> Manifest:
     entries = [{k: s[k] for k in ("shard", "count", "bytes", "sha256")} for s in shards]
     try:
         schema = merge_schemas([u["schema"] for u in units if u["count"]])
-    except KeyError:
-        raise ShardFormatError("a unit records no sample schema (an older wampipe wrote it): rebuild with "
-                               "--overwrite") from None
     except SchemaError as err:
         raise ShardFormatError(str(err)) from None
     totals = {"samples": sum(s["count"] for s in entries), "bytes": sum(s["bytes"] for s in entries),

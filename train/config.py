@@ -20,6 +20,7 @@ import torch
 import tyro
 
 import configs
+from shardformat.layout import MANIFEST
 from train import memory
 from train.lora import LoRAConfig
 from train.loss import LossConfig
@@ -463,9 +464,9 @@ DEFAULT_SHARDS = Path("shards/droid")  # where `make shards` writes
 
 
 def default_shards() -> Path:
-    if (DEFAULT_SHARDS / "manifest.json").is_file():
+    if (DEFAULT_SHARDS / MANIFEST).is_file():
         return DEFAULT_SHARDS
-    raise SystemExit(f"no shards given and {DEFAULT_SHARDS}/manifest.json does not exist: pass --data.shards DIR (a "
+    raise SystemExit(f"no shards given and {DEFAULT_SHARDS / MANIFEST} does not exist: pass --data.shards DIR (a "
                      f"directory written by `python -m preprocess shards` or `make shards`)")
 
 
