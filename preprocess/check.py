@@ -13,8 +13,8 @@ input pixels, as image_features says), keys are unique and well formed, anchor m
 every prompt id resolves in the text table (shardformat.shard.read_sample decodes, as for every reader), the
 statistics file is present and matches its hash, the text table matches its hash and prompts.json its ids and token
 counts. Paths named by the manifest must lie inside the directory, and members inside their tar
-(shardformat.manifest). Every problem names the file and the sample. Each tar is read once, front to back (its hash, headers and members in one
-pass), through shardformat.storage.
+(shardformat.manifest). Every problem names the file and the sample. Each tar is read once, front to back (its hash,
+headers and members in one pass), through shardformat.storage.
 """
 
 from __future__ import annotations

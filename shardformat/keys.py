@@ -9,8 +9,6 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from shardformat.layout import IMAGE_MEMBER  # noqa: F401  (its earlier home)
-
 _KEY = re.compile(r"(?P<dataset>[A-Za-z0-9_]+)-e(?P<episode>\d{6,})-s(?P<start>\d{5,})-v(?P<variant>\d+)")
 
 

@@ -22,6 +22,7 @@ import zstandard
 
 from shardformat.keys import parse_key
 from shardformat.layout import META, tensor_suffix
+
 ZSTD_LEVEL = 3
 COMPRESS_MODES = ("auto", "none", "all")
 # zstd is kept only where it saves at least this fraction: bf16 latents are near-incompressible noise.
