@@ -107,8 +107,9 @@ def verify_members(shard: Path | str, sample: SampleRecord, members: dict[str, b
     """Check a sample's member bytes ({suffix: bytes}) against its record; ShardFormatError names what differs."""
     expected = {m.name: m for m in sample.members}
     if members.keys() != expected.keys():
-        raise ShardFormatError(f"{shard}: sample {sample.key}: members {sorted(members)}, the shard JSON lists "
-                               f"{sorted(expected)}")
+        differ = ([f"member {m} missing, the shard JSON lists it" for m in sorted(expected.keys() - members.keys())]
+                  + [f"member {m} not in the shard JSON" for m in sorted(members.keys() - expected.keys())])
+        raise ShardFormatError(f"{shard}: sample {sample.key}: {'; '.join(differ)}")
     for name, data in members.items():
         if len(data) != expected[name].size or checksum(data) != expected[name].crc32:
             raise ShardFormatError(f"{shard}: sample {sample.key}: member {name} checksum mismatch (corrupt shard)")
