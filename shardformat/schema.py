@@ -76,8 +76,9 @@ def _entry(entry: dict | None) -> str:
 
 def model_dims(schema: dict, patch_hw: tuple[int, int] = (2, 2)) -> dict:
     """The DiT fields a build's samples fix: model type (i2v when samples hold `y`), channels in (latents + y) and
-    out, tokens per latent frame (the latent grid over the DiT's spatial patch, an odd side floored), actions per
-    block (one state row per chunk, one chunk per block) and, with CLIP features stored, their (tokens, width)."""
+    out, tokens per latent frame (the latent grid over the DiT's spatial patch `patch_hw`, Wan's 1x2x2 patch conv;
+    an odd side floored), actions per block (one state row per chunk, one chunk per block) and, with CLIP features
+    stored, their (tokens, width)."""
     shape = {name: entry["shape"] for name, entry in schema.items()}
     channels, _, h, w = shape[LATENTS]
     y = shape[Y][0] if Y in shape else 0
