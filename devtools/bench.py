@@ -18,6 +18,7 @@ import torch
 
 import configs
 from preprocess import synthetic
+from shardformat.layout import MANIFEST
 from train.config import Config
 from train.parallel import computes_on_cuda
 
@@ -71,8 +72,8 @@ def check_same_resolution(cfg: Config, run_dir: Path) -> None:
 
 def write_shards(cfg: Config, preset: str, shards: Path, windows: int) -> None:
     """At least `windows` synthetic windows of the preset's shapes (an existing shard directory is reused)."""
-    if (shards / "manifest.json").is_file():
-        have = json.loads((shards / "manifest.json").read_text()).get("totals", {}).get("samples", 0)
+    if (shards / MANIFEST).is_file():
+        have = json.loads((shards / MANIFEST).read_text()).get("totals", {}).get("samples", 0)
         note = f" (fewer than the {windows} this run reads: windows repeat)" if have < windows else ""
         print(f"reusing {shards}: {have} samples{note}", flush=True)
         return

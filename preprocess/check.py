@@ -7,15 +7,16 @@ promises holds.
 Checked: the manifest (readable, this format version, its seal over its own content, its fields), wids.json,
 manifest <-> files (no shard missing, none extra), each shard's JSON (readable, sealed, agrees with the manifest,
 lists exactly the tar's members at their offsets), byte counts and sha256, sample counts, every member's CRC-32,
-every member decodes with its recorded shape and dtype and holds finite values, keys are unique and well formed,
-anchor multiplicities agree with meta.json, every prompt id resolves in the text table, frame 0 is stored as the
-manifest's image_features says (CLIP features, or CLIP's input pixels in the encoders' dtype), the statistics file is
-present and matches its hash, the text table matches its hash and prompts.json its ids and token counts. A build
-with a validation split (preprocess shards --val-episodes) has its split checked the same way, both manifests record
-the same held-out episodes, and no sample lies in the other split than its episode's. Paths
-named by the manifest must lie inside the directory, and members inside their tar (shardformat.manifest). Every
-problem names the file and the sample. Each tar is read once, front to back (its hash, headers and members in one
-pass), through shardformat.storage.
+every member decodes with its recorded shape and dtype, holds finite values and is what the manifest's schema says
+(the same members, dtypes and shapes in every sample; frame 0 as CLIP features or, in the encoders' dtype, CLIP's
+input pixels, as image_features says), keys are unique and well formed, anchor multiplicities agree with meta.json,
+every prompt id resolves in the text table (shardformat.shard.read_sample decodes, as for every reader), the
+statistics file is present and matches its hash, the text table matches its hash and prompts.json its ids and token
+counts. A build with a validation split (preprocess shards --val-episodes) has its split checked the same way, both
+manifests record the same held-out episodes, and no sample lies in the other split than its episode's. Paths named by
+the manifest must lie inside the directory, and members inside their tar
+(shardformat.manifest). Every problem names the file and the sample. Each tar is read once, front to back (its hash,
+headers and members in one pass), through shardformat.storage.
 """
 
 from __future__ import annotations
@@ -26,19 +27,18 @@ import os
 import sys
 import tarfile
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from typing import Annotated, BinaryIO, Iterator
 
 import numpy as np
 import tyro
 from tqdm import tqdm
 
-from shardformat.keys import IMAGE_MEMBER, parse_key
 from shardformat.files import sha256_file
-from shardformat.manifest import (MANIFEST, WIDS_INDEX, Manifest, ShardEntry, ShardFormatError, check_json_size,
-                                  check_sha256)
-from shardformat.members import decode_members, split_member_name
-from shardformat.shard import ShardRecord, json_path, verify_members
+from shardformat.keys import parse_key
+from shardformat.layout import CLIP_PIXELS, MANIFEST, SHARD_NAME, WIDS_INDEX
+from shardformat.manifest import Manifest, ShardEntry, ShardFormatError, check_json_size, check_sha256
+from shardformat.members import split_member_name
+from shardformat.shard import ShardRecord, json_path, read_sample, verify_members
 from shardformat.storage import COPY_BLOCK, STORE_ERRORS, ShardStore
 from shardformat.text import TextTable
 
@@ -240,7 +240,7 @@ def check_split(root: str | os.PathLike, decode: bool) -> tuple[list[str], Manif
     except ShardFormatError as err:
         return [str(err)], None, {}
     files = set(store.list())
-    problems: list[str] = []
+    problems: list[str] = check_image(manifest)
     check_statistics(store, manifest, files, problems)
     prompt_ids = check_text_table(store, manifest, files, problems)
     try:
@@ -250,7 +250,7 @@ def check_split(root: str | os.PathLike, decode: bool) -> tuple[list[str], Manif
         problems.append(f"{WIDS_INDEX}: unreadable: {err}")
 
     listed = {s.shard for s in manifest.shards}
-    for extra in sorted({f for f in files if fnmatch(f, "shard-*.tar") and "/" not in f} - listed):
+    for extra in sorted({f for f in files if SHARD_NAME.fullmatch(f)} - listed):
         problems.append(f"{extra}: not listed in {MANIFEST}")
     keys: dict[str, str] = {}
     for entry in tqdm(manifest.shards, desc="check", unit="shard", disable=not sys.stderr.isatty()):
@@ -274,41 +274,35 @@ def check_sample(shard: str, key: str, members: dict[str, bytes], record, prompt
         parse_key(key)
     except ValueError as err:
         problems.append(f"{where}: {err}")
-    if record is not None:
-        try:
-            verify_members(shard, record, members)
-        except ShardFormatError as err:
-            problems.append(str(err))
-    if not decode:
-        return problems
     try:
-        meta, tensors = decode_members(members)
-    except Exception as err:  # decode_members raises ValueError; numpy and json their own
-        return problems + [f"{where}: {err}"]
+        if not decode:
+            if record is not None:
+                verify_members(shard, record, members)
+            return problems
+        meta, tensors = read_sample(shard, key, members, manifest.schema, record)
+    except ShardFormatError as err:
+        return problems + [str(err)]
     for tname, value in tensors.items():
         if not _finite(value):
             problems.append(f"{where}: {tname} holds NaN or inf")
     if record is not None and meta.get("anchor_multiplicity") != record.anchor_multiplicity:
         problems.append(f"{where}: anchor_multiplicity {meta.get('anchor_multiplicity')} in meta.json, "
                         f"{record.anchor_multiplicity} in the shard JSON")
-    for column, pid in meta.get("prompt_ids", {}).items():
+    for column, pid in meta["prompt_ids"].items():
         if pid not in prompt_ids:
             problems.append(f"{where}: prompt id {pid} ({column}) not in the text table")
-    return problems + check_image(where, meta, manifest)
+    return problems
 
 
-def check_image(where: str, meta: dict, manifest: Manifest) -> list[str]:
-    """Frame 0 is stored as the manifest's image_features says: CLIP features, or CLIP's input pixels [3, S, S] in
-    the encoders' dtype (what the trainer's CLIP consumes)."""
-    tensors, member = meta["tensors"], manifest.image_member
-    stored = sorted(m for m in IMAGE_MEMBER.values() if m in tensors)
-    if stored != [member]:
-        return [f"{where}: holds {stored} for frame 0, image_features {manifest.image_features!r} needs [{member!r}]"]
-    record = tensors[member]
-    shape, dtype = record["shape"], manifest.encoders.get("dtype")
-    if member == "clip_pixels" and (len(shape) != 3 or shape[0] != 3 or shape[1] != shape[2] or
-                                    record["dtype"] != dtype):
-        return [f"{where}: clip_pixels is {record['dtype']} {shape}, CLIP's input is {dtype} [3, S, S]"]
+def check_image(manifest: Manifest) -> list[str]:
+    """CLIP's input pixels, where the samples hold them (the schema, which every sample matches), are [3, S, S] in the
+    encoders' dtype: what the trainer's CLIP consumes."""
+    entry, dtype = manifest.schema.get(CLIP_PIXELS), manifest.encoders.get("dtype")
+    if entry is None:
+        return []
+    shape = entry["shape"]
+    if len(shape) != 3 or shape[0] != 3 or shape[1] != shape[2] or entry["dtype"] != dtype:
+        return [f"{MANIFEST}: schema: {CLIP_PIXELS} is {entry['dtype']} {shape}, CLIP's input is {dtype} [3, S, S]"]
     return []
 
 

@@ -4,7 +4,6 @@ last, the manifest (its presence means the directory is complete).
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -13,12 +12,12 @@ from tqdm import tqdm
 
 from preprocess import write
 from preprocess.lerobot import LeRobotDataset
-from preprocess.outdir import STATISTICS
 from preprocess.pipeline import VAE_OF_MODEL, Job
 from preprocess.validation import HELD_OUT, split_indexes
 from shardformat.embodiments import get_embodiment
 from shardformat.files import atomic_write_bytes, atomic_writer, sha256_file
-from shardformat.manifest import FORMAT_VERSION, VAL_DIR, Manifest
+from shardformat.layout import STATISTICS, VAL_DIR
+from shardformat.manifest import ShardFormatError, build_manifest
 from shardformat.text import write_text_table
 
 
@@ -30,7 +29,7 @@ def finalize(job: Job, units: list[list[int]]) -> dict:
     missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
     if missing:
         raise SystemExit(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not done")
-    indexes = [json.loads(write.unit_paths(out, u)[1].read_text()) for u in range(len(units))]
+    indexes = [write.read_unit_index(out, u) for u in range(len(units))]
     prompts = {pid: text for idx in indexes for pid, text in idx["prompts"].items()}
     failures = [f for idx in indexes for f in idx["failures"]]
     shared = {"text_table": encode_text_table(out, prompts, job), "statistics": write_statistics(out, job, failures)}
@@ -53,46 +52,41 @@ def write_split(out: Path, indexes: list[dict], job: Job, units: list[list[int]]
     """The shards of the samples of `indexes` in `out`, then its manifest (`shared`: the text table and statistics
     blocks, whose files lie in `out`); returns the manifest."""
     shards = write_shards(out, indexes, job)
-    failures = [f for idx in indexes for f in idx["failures"]]
-    skipped = [s for idx in indexes for s in idx["skipped"]]
     emb = get_embodiment(job.embodiment)
     ds = LeRobotDataset(job.src)
-    manifest = {
-        "format": FORMAT_VERSION,
-        "source": {"root": job.src, "fingerprint": job.inputs["src"], "codebase_version": ds.version,
-                   "episodes": sum(len(u) for u in units), "fps": ds.fps},
-        "dataset": job.dataset, "embodiment": job.embodiment, "model": job.model,
-        "modality_keys": {"state": list(emb.state_keys), "action": list(emb.action_keys)},
-        "transform": {"anchor_stride": job.anchor_stride, "augment_variants": job.augment_variants,
-                      "view_hw": list(emb.view_size(job.model)), "target_hw": list(emb.preset(job.model).target_hw),
-                      "vae_variant": VAE_OF_MODEL[job.model], "decode_backend": job.decode_backend,
-                      "threads_per_worker": job.threads},
-        "encoders": {**{name: {"path": getattr(job, name), "sha256": job.inputs[name]}
-                        for name in ("vae", "image_encoder", "text_encoder", "tokenizer")}, "dtype": job.dtype},
-        "image_features": job.image_features,
-        "samples_per_shard": job.samples_per_shard, "seed": job.seed, "compress": job.compress,
-        "shards": shards, **shared,
-        "member_bytes": member_bytes(indexes),
-        "failures": failures, "skipped": skipped,
-        "totals": {"samples": sum(r["count"] for r in shards), "bytes": sum(r["bytes"] for r in shards),
-                   "shards": len(shards), "episodes_encoded": sum(len(i["encoded"]) for i in indexes),
-                   "episodes_failed": len(failures), "episodes_skipped": len(skipped)},
-        "validation": validation or {},
-    }
-    Manifest.from_dict(manifest).write(out)
-    return manifest
+    try:
+        manifest = build_manifest(
+            indexes, shards,
+            source={"root": job.src, "fingerprint": job.inputs["src"], "codebase_version": ds.version,
+                    "episodes": sum(len(u) for u in units), "fps": ds.fps},
+            dataset=job.dataset, embodiment=job.embodiment, model=job.model,
+            modality_keys={"state": list(emb.state_keys), "action": list(emb.action_keys)},
+            transform={"anchor_stride": job.anchor_stride, "augment_variants": job.augment_variants,
+                       "view_hw": list(emb.view_size(job.model)), "target_hw": list(emb.preset(job.model).target_hw),
+                       "vae_variant": VAE_OF_MODEL[job.model], "decode_backend": job.decode_backend,
+                       "threads_per_worker": job.threads},
+            encoders={**{name: {"path": getattr(job, name), "sha256": job.inputs[name]}
+                         for name in ("vae", "image_encoder", "text_encoder", "tokenizer")}, "dtype": job.dtype},
+            image_features=job.image_features,
+            samples_per_shard=job.samples_per_shard, seed=job.seed, compress=job.compress,
+            validation=validation or {}, **shared)
+    except ShardFormatError as err:
+        raise SystemExit(f"cannot finalize {out}: {err}") from None
+    manifest.write(out)
+    return manifest.to_dict()
 
 
 def write_shards(out: Path, indexes: list[dict], job: Job) -> list[dict]:
     """All samples of `indexes` in one seeded permutation, cut into shards in `out` (the build's directory or its
-    validation split); a shard already written with its planned keys is kept. Returns the manifest's shard entries."""
+    validation split); a shard already written with its planned keys is kept. Returns their records
+    (shardformat.shard)."""
     records = []
     for shard, refs in enumerate(tqdm(write.plan_shards(indexes, job.samples_per_shard, job.seed), desc="shards",
                                       unit="shard")):
         done = write.shard_done(out, shard)
         if done is None or done["keys"] != [r.key for r in refs]:
             done = write.write_shard(Path(job.out), shard, refs, into=out)
-        records.append({k: done[k] for k in ("shard", "count", "bytes", "sha256")})
+        records.append(done)
     return records
 
 
@@ -123,14 +117,3 @@ def write_statistics(out: Path, job: Job, failures: list[dict]) -> dict:
                                             skipped=excluded))
     return {"file": STATISTICS, "sha256": sha256_file(path), "excluded": excluded}
 
-
-def member_bytes(indexes: list[dict]) -> dict[str, dict]:
-    """Stored bytes and count per member type (latents.npy, clip.npy.zst, ...) over all samples."""
-    totals: dict[str, dict] = {}
-    for idx in indexes:
-        for members in idx["index"].values():
-            for name, _, size in members:
-                entry = totals.setdefault(name.split(".", 1)[1], {"count": 0, "bytes": 0})
-                entry["count"] += 1
-                entry["bytes"] += size
-    return totals

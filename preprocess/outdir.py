@@ -27,20 +27,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from preprocess.write import WORK_DIR
 from shardformat.files import atomic_write_json, fsync_dir, is_temporary, lock_directory, temporary_path
-from shardformat.manifest import MANIFEST, VAL_DIR, WIDS_INDEX, ShardFormatError, parse_sealed_json
-from shardformat.storage import INPUTS
-from shardformat.text import PROMPTS, TABLE
+from shardformat.layout import (INPUTS, MANIFEST, SHARD_NAME, STATISTICS, TEXT_PROMPTS, TEXT_TABLE, UNIT_NAME,
+                                VAL_DIR, WIDS_INDEX, WORK_DIR)
+from shardformat.manifest import ShardFormatError, parse_sealed_json
 
 LOCK = ".lock"
-STATISTICS = "metadata.json"
 # Inputs that change only the finalize stage (shards, text table, statistics); the rest change the units too.
 FINALIZE_INPUTS = ("samples_per_shard", "text_encoder", "tokenizer", "metadata", "val_episodes")
-SPLIT_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TABLE, PROMPTS)  # the finalize outputs of a split, manifest first
+SPLIT_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TEXT_TABLE, TEXT_PROMPTS)  # a split's finalize outputs, manifest first
 FIXED_NAMES = SPLIT_NAMES + tuple(f"{VAL_DIR}/{name}" for name in SPLIT_NAMES)  # the training split's, then val/'s
-# SHARD_PATTERN (of either split), UNIT_PATTERN, their JSONs
-NUMBERED = re.compile(rf"({VAL_DIR}/shard|shard|{WORK_DIR}/unit)-\d{{6,}}\.(tar|json)")
+# the shards (of either split), the units and their JSONs
+NUMBERED = re.compile(rf"({VAL_DIR}/{SHARD_NAME.pattern}|{SHARD_NAME.pattern}|{WORK_DIR}/{UNIT_NAME.pattern})"
+                      .replace(r"\.tar", r"\.(tar|json)"))
 
 
 # ---------------------------------------------------------------- one run per directory
@@ -59,7 +58,8 @@ def hold(out: Path, shared: bool = False) -> Iterator[None]:
 def remove_temporaries(out: Path) -> None:
     """Delete the temporaries of writes a killed run left behind (only while holding OUT exclusively); a user's
     own hidden files stay."""
-    for folder in (out, out / WORK_DIR, out / Path(TABLE).parent, out / VAL_DIR, out / VAL_DIR / Path(TABLE).parent):
+    for folder in (out, out / WORK_DIR, out / Path(TEXT_TABLE).parent, out / VAL_DIR,
+                   out / VAL_DIR / Path(TEXT_TABLE).parent):
         for tmp in folder.glob(".*.tmp"):
             if is_temporary(tmp):
                 tmp.unlink()

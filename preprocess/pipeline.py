@@ -25,7 +25,8 @@ from preprocess.state_action import columns_for, slice_keys, window_state_action
 from preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
 from preprocess.windows import episode_windows
 from shardformat.embodiments import Embodiment, get_embodiment
-from shardformat.keys import IMAGE_MEMBER, sample_key
+from shardformat.keys import sample_key
+from shardformat.layout import ACTION, CLIP, CLIP_PIXELS, IMAGE_MEMBER, LATENTS, STATE, Y
 from shardformat.members import encode_sample
 
 # Which Wan VAE a model recipe uses; the 14B's (wan2.1) also needs the first-frame input y.
@@ -118,7 +119,7 @@ def episode_samples(job: Job, ds: LeRobotDataset, emb: Embodiment, index: int) -
                 "prompt_ids": {c: prompt_id(p) for c, p in prompts.items()}, "model": job.model,
             }
             yield WindowSample(sample_key(job.dataset, index, window.start, variant), video,
-                               {"state": state, "action": action}, meta, prompts)
+                               {STATE: state, ACTION: action}, meta, prompts)
 
 
 def unit_samples(job: Job, episodes: list[int], report: dict) -> Iterator[WindowSample]:
@@ -160,7 +161,7 @@ class Encoders:
         if job.vae_compile:
             self.vae.compile(job.batch_size)
         self.image_member = IMAGE_MEMBER[job.image_features]
-        tower_device = job.device if self.image_member == "clip" else "meta"  # pixels: no CLIP weight is needed
+        tower_device = job.device if self.image_member == CLIP else "meta"  # pixels: no CLIP weight is needed
         self.clip = load_image_encoder(job.image_encoder, device=tower_device, dtype=self.dtype)
         self.needs_y = VAE_OF_MODEL[job.model] == "wan2.1"
 
@@ -182,14 +183,14 @@ class Encoders:
         """The device half: VAE latents, CLIP features (and the 14B's y) as bf16 on the host; or, in place of the
         features, CLIP's input pixels on the host in the compute dtype."""
         videos = inputs["videos"]
-        out = {"latents": self.vae.encode(videos)}
-        if self.image_member == "clip":
-            out["clip"] = self.clip.encode_pixels(inputs["pixels"])
+        out = {LATENTS: self.vae.encode(videos)}
+        if self.image_member == CLIP:
+            out[CLIP] = self.clip.encode_pixels(inputs["pixels"])
         if self.needs_y:
-            out["y"] = self.vae.encode_first_frame(videos[:, :, 0], videos.shape[2])
+            out[Y] = self.vae.encode_first_frame(videos[:, :, 0], videos.shape[2])
         out = {k: v.to(torch.bfloat16).cpu() for k, v in out.items()}
-        if self.image_member == "clip_pixels":
-            out["clip_pixels"] = inputs["pixels"].cpu()
+        if self.image_member == CLIP_PIXELS:
+            out[CLIP_PIXELS] = inputs["pixels"].cpu()
         return out
 
 

@@ -33,9 +33,8 @@ from typing import Callable, Iterator
 from tqdm import tqdm
 
 from preprocess import outdir
-from preprocess.outdir import INPUTS
 from shardformat.files import atomic_write_bytes
-from shardformat.manifest import MANIFEST
+from shardformat.layout import INPUTS, MANIFEST
 from shardformat.storage import S3_PROTOCOLS, STORE_ERRORS, ShardStore, SyncReport, sync_up, upload_order
 
 try:  # a connection dropped mid-transfer, after s3fs's retries

@@ -34,7 +34,7 @@ from preprocess.lerobot import LeRobotDataset
 from preprocess.validation import HELD_OUT, canonical, held_out
 from shardformat.embodiments import get_embodiment
 from shardformat.files import sha256_file
-from shardformat.manifest import VAL_DIR
+from shardformat.layout import VAL_DIR
 
 if TYPE_CHECKING:  # the farm (torch and the encoders) is imported by the run, not by `--help`
     from preprocess.pipeline import Job

@@ -23,7 +23,8 @@ from preprocess.stats import summarize
 from shardformat.embodiments import get_embodiment
 from shardformat.files import atomic_write_json, sha256_file
 from shardformat.keys import sample_key
-from shardformat.manifest import FORMAT_VERSION, MANIFEST, Manifest
+from shardformat.layout import ACTION, CLIP, LATENTS, MANIFEST, STATE, STATISTICS, Y
+from shardformat.manifest import build_manifest
 from shardformat.members import encode_sample
 from shardformat.text import write_text_table
 
@@ -97,30 +98,28 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
                 for variant in range(max(1, augment_variants)):
                     key = sample_key(shapes.dataset, ep, w * 8, variant)
                     tensors = {
-                        "latents": (offset + 0.5 * torch.randn(shapes.latents, generator=gen)).to(torch.bfloat16),
-                        "clip": torch.randn(shapes.clip, generator=gen).to(torch.bfloat16),
-                        "state": state, "action": action,
+                        LATENTS: (offset + 0.5 * torch.randn(shapes.latents, generator=gen)).to(torch.bfloat16),
+                        CLIP: torch.randn(shapes.clip, generator=gen).to(torch.bfloat16),
+                        STATE: state, ACTION: action,
                     }
                     if shapes.y is not None:
                         y = torch.zeros(shapes.y)
                         y[:4, 0] = 1
                         y[4:] = torch.randn(shapes.y[0] - 4, *shapes.y[1:], generator=gen)
-                        tensors["y"] = y.to(torch.bfloat16)
+                        tensors[Y] = y.to(torch.bfloat16)
                     meta = {"dataset": shapes.dataset, "embodiment": emb.tag, "model": shapes.model, "episode": ep,
                             "window_start": w * 8, "anchor_multiplicity": multiplicity, "variant": variant,
                             "augmentation": {"crop": None, "jitter": None},
                             "prompt_ids": {col: prompt_id(p) for col, p in ep_prompts.items()}}
                     samples.append((key, encode_sample(key, tensors, meta, compress)))
         prompts.update(unit_prompts)
-        record = {"episodes": list(range(first, min(first + episodes_per_unit, episodes))), "failures": [],
-                  "skipped": [], "prompts": unit_prompts, "encoded": []}
+        unit_episodes = list(range(first, min(first + episodes_per_unit, episodes)))
+        record = {"episodes": unit_episodes, "failures": [], "skipped": [], "prompts": unit_prompts,
+                  "encoded": unit_episodes}
         indexes.append(write.write_unit(out, unit, samples, record))
 
-    plan = write.plan_shards(indexes, samples_per_shard, seed)
-    records = []
-    for shard, refs in enumerate(plan):
-        done = write.write_shard(out, shard, refs)
-        records.append({k: done[k] for k in ("shard", "count", "bytes", "sha256")})
+    records = [write.write_shard(out, shard, refs)
+               for shard, refs in enumerate(write.plan_shards(indexes, samples_per_shard, seed))]
 
     table = {}
     for pid in sorted(prompts):
@@ -134,22 +133,16 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
     metadata = {emb.tag: {"statistics": {"state": _statistics(state, dims["state"]),
                                          "action": _statistics(action, dims["action"])},
                           "modalities": modalities, "embodiment_tag": emb.tag}}
-    atomic_write_json(out / "metadata.json", metadata)
+    atomic_write_json(out / STATISTICS, metadata)
 
-    manifest = Manifest.from_dict({
-        "format": FORMAT_VERSION,
-        "source": {"root": "synthetic", "fingerprint": f"synthetic-{preset}-seed{seed}", "codebase_version": None,
-                   "episodes": episodes, "fps": None},
-        "dataset": shapes.dataset, "embodiment": emb.tag, "model": shapes.model,
-        "modality_keys": {"state": list(emb.state_keys), "action": list(emb.action_keys)},
-        "transform": {"anchor_stride": 8, "augment_variants": augment_variants, "synthetic": preset},
-        "encoders": {}, "samples_per_shard": samples_per_shard, "seed": seed, "compress": compress,
-        "shards": records,
-        "text_table": text_table,
-        "statistics": {"file": "metadata.json", "sha256": sha256_file(out / "metadata.json")},
-        "member_bytes": {}, "failures": [], "skipped": [],
-        "totals": {"samples": sum(r["count"] for r in records), "bytes": sum(r["bytes"] for r in records),
-                   "shards": len(records), "episodes_encoded": episodes, "episodes_failed": 0, "episodes_skipped": 0},
-    })
+    manifest = build_manifest(
+        indexes, records,
+        source={"root": "synthetic", "fingerprint": f"synthetic-{preset}-seed{seed}", "codebase_version": None,
+                "episodes": episodes, "fps": None},
+        dataset=shapes.dataset, embodiment=emb.tag, model=shapes.model,
+        modality_keys={"state": list(emb.state_keys), "action": list(emb.action_keys)},
+        transform={"anchor_stride": 8, "augment_variants": augment_variants, "synthetic": preset},
+        encoders={}, samples_per_shard=samples_per_shard, seed=seed, compress=compress, text_table=text_table,
+        statistics={"file": STATISTICS, "sha256": sha256_file(out / STATISTICS)})
     manifest.write(out)
     return manifest.to_dict()

@@ -23,13 +23,11 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from shardformat.files import atomic_write_json, atomic_writer, sha256_file
+from shardformat.layout import META, shard_file, unit_file
 from shardformat.manifest import ShardFormatError
-from shardformat.members import META, checksum, split_member_name
+from shardformat.members import checksum, split_member_name
+from shardformat.schema import describe, schema_of
 from shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
-
-SHARD_PATTERN = "shard-{:06d}.tar"
-UNIT_PATTERN = "unit-{:06d}.tar"
-WORK_DIR = "work"
 
 
 def write_tar(path: Path, members: Iterable[tuple[str, bytes]]) -> dict:
@@ -65,7 +63,7 @@ class _Reader:
 
 
 def unit_paths(out: Path, unit: int) -> tuple[Path, Path]:
-    tar = out / WORK_DIR / UNIT_PATTERN.format(unit)
+    tar = out / unit_file(unit)
     return tar, tar.with_suffix(".json")
 
 
@@ -75,26 +73,46 @@ def unit_done(out: Path, unit: int) -> bool:
 
 
 def write_unit(out: Path, unit: int, samples: Iterable[tuple[str, list[tuple[str, bytes]]]], record: dict) -> dict:
-    """Spill one unit's samples; `record` (episodes, failures, prompts, ...) is stored in the unit's JSON."""
+    """Spill one unit's samples; `record` (episodes, failures, prompts, ...) is stored in the unit's JSON with the
+    index of their members and their schema (shardformat.schema: all samples of a unit have one)."""
     tar, index_path = unit_paths(out, unit)
     tar.parent.mkdir(parents=True, exist_ok=True)
     keys: list[str] = []
+    schemas: list[dict] = []
 
     def members() -> Iterator[tuple[str, bytes]]:
         for key, sample_members in samples:
             keys.append(key)
-            yield from sample_members
+            for name, data in sample_members:
+                if name == f"{key}.{META}" and (schema := schema_of(json.loads(data)["tensors"])) not in schemas:
+                    schemas.append(schema)
+                yield name, data
 
     written = write_tar(tar, members())
-    if len(set(keys)) != len(keys):
+    problem = ("duplicate sample keys" if len(set(keys)) != len(keys) else
+               f"samples differ in their tensors ({'; '.join(map(describe, schemas))})" if len(schemas) > 1 else "")
+    if problem:
         tar.unlink()
-        raise ValueError(f"unit {unit}: duplicate sample keys")
+        raise ValueError(f"unit {unit}: {problem}")
     by_key: dict[str, list[list]] = {}
     for name, offset, size in written["members"]:
         by_key.setdefault(split_member_name(name)[0], []).append([name, offset, size])
     index = {**record, "unit": unit, "count": len(keys), "bytes": written["bytes"], "sha256": written["sha256"],
-             "members": len(written["members"]), "index": by_key}
+             "members": len(written["members"]), "index": by_key, "schema": schemas[0] if schemas else None}
     atomic_write_json(index_path, index)
+    return index
+
+
+def read_unit_index(out: Path, unit: int) -> dict:
+    """A unit's JSON; one written before units recorded their schema gets its first sample's (read from the unit's
+    tar), so such a build resumes."""
+    tar, path = unit_paths(out, unit)
+    index = json.loads(path.read_text())
+    first = next(iter(index["index"].values()), [])
+    if "schema" not in index and first:
+        offset, size = next((offset, size) for name, offset, size in first if split_member_name(name)[1] == META)
+        with open(tar, "rb") as f:
+            index["schema"] = schema_of(json.loads(os.pread(f.fileno(), size, offset))["tensors"])
     return index
 
 
@@ -125,7 +143,7 @@ def write_shard(out: Path, shard: int, refs: list[SampleRef], into: Path | None 
     """Copy the shard's samples out of the unit spills of `out` into shard `shard` of `into` (default `out`; the
     validation split's own directory); then its JSON (offsets, CRC-32s, anchor multiplicities). Returns the JSON
     record."""
-    path = (into or out) / SHARD_PATTERN.format(shard)
+    path = (into or out) / shard_file(shard)
     handles: dict[int, int] = {}
     crcs: list[int] = []
     multiplicity: dict[str, int] = {}
@@ -159,7 +177,7 @@ def write_shard(out: Path, shard: int, refs: list[SampleRef], into: Path | None 
 
 def shard_done(out: Path, shard: int) -> dict | None:
     """The JSON record of a finished shard of this format version, else None (to be written again)."""
-    path = out / SHARD_PATTERN.format(shard)
+    path = out / shard_file(shard)
     if not path.is_file() or not json_path(path).is_file():
         return None
     try:

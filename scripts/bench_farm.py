@@ -43,6 +43,7 @@ from configs.cli import cli
 from devtools.sample_data import write_sample_dataset
 from devtools.tiny_checkpoints import write_tiny_checkpoints
 from preprocess.shards import DATASETS
+from shardformat.layout import WORK_DIR
 
 # the recipes whose preprocess section names a model (configs/<name>.yaml): name -> (dataset, model, sample layout)
 RECIPES = {name: (pre["dataset"], pre["model"], DATASETS[pre["dataset"]].sample_layout)
@@ -151,7 +152,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
         shards.run(cli)
     wall, end_epoch = time.perf_counter() - start, time.time()
     cores = (cpu_seconds() - cpu0) / wall
-    units = sorted((out / "work").glob("unit-*.json"))
+    units = sorted((out / WORK_DIR).glob("unit-*.json"))
     records = [json.loads(p.read_text()) for p in units]
     samples = sum(r["count"] for r in records)
     spill_bytes = sum((p.with_suffix(".tar")).stat().st_size for p in units)

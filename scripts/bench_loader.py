@@ -41,6 +41,7 @@ import configs
 from configs.cli import cli, refuse
 from devtools.bench import emit, provenance, write_shards
 from preprocess.remote import remote_url
+from shardformat.layout import MANIFEST
 from shardformat.storage import ShardStore, sync_up
 from train.builder import model_config
 from train.config import parse_args as parse_trainer_args
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   "--data.micro-batch-size", str(args.micro_batch)])
         if url is None:
             write_shards(cfg, args.preset, Path(shards), args.windows)
-        elif not ShardStore(url).exists("manifest.json"):
+        elif not ShardStore(url).exists(MANIFEST):
             write_shards(cfg, args.preset, work / "shards", args.windows)
             sync_up(work / "shards", url)
         model = model_config(cfg)
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
                 r["ratio_per_worker_to_gpu"] = round(r["samples_per_s_per_worker"] / gpu_rate, 1)
                 print(json.dumps(r), flush=True)
                 runs.append(r)
-        manifest = ShardStore(shards).read_json("manifest.json")
+        manifest = ShardStore(shards).read_json(MANIFEST)
         result = {"bench": "loader", "preset": args.preset, "shards": "local" if url is None else url.split(":")[0],
                   "micro_batch": args.micro_batch,
                   "compact_text": cfg.data.compact_text, "gpu_samples_per_s": gpu_rate,

@@ -34,18 +34,23 @@ from devtools.sample_data import write_sample_dataset
 from preprocess.lerobot import LeRobotDataset
 from preprocess.pipeline import Job, episode_samples
 from preprocess.shards import DATASETS
+from preprocess.synthetic import SHAPES
 from shardformat.embodiments import get_embodiment
-from shardformat.members import encode_sample
+from shardformat.layout import CLIP, LATENTS, Y, tensor_suffix
+from shardformat.members import encode_sample, split_member_name
 
-# (dataset preset, model recipe) -> encoder output shapes per sample (docs/REFERENCE.md#11-sizes-and-flops)
-ENCODED = {
-    ("droid", "5b"): {"latents": (48, 9, 11, 20), "clip": (257, 1280)},
-    ("droid", "14b"): {"latents": (16, 9, 44, 80), "clip": (257, 1280), "y": (20, 9, 44, 80)},
-    ("libero", "5b"): {"latents": (48, 9, 10, 20), "clip": (257, 1280)},
-}
+RECIPES = ("droid-5b", "droid-14b", "libero-5b")
 
 
-def measure(root: Path, dataset: str, model: str) -> dict:
+def encoded_shapes(recipe: str) -> dict[str, tuple]:
+    """The encoder outputs of one sample of `recipe`, as its shards hold them (the recipe's sample shapes,
+    configs/<name>.yaml; docs/REFERENCE.md#11-sizes-and-flops)."""
+    shapes = SHAPES[recipe]
+    return {name: shape for name, shape in ((LATENTS, shapes.latents), (CLIP, shapes.clip), (Y, shapes.y)) if shape}
+
+
+def measure(root: Path, recipe: str) -> dict:
+    dataset, model = SHAPES[recipe].dataset, SHAPES[recipe].model
     preset = DATASETS[dataset]
     emb = get_embodiment(preset.embodiment)
     job = Job(src=str(root), out="", dataset=dataset, embodiment=emb.tag, model=model, vae="", image_encoder="",
@@ -59,14 +64,10 @@ def measure(root: Path, dataset: str, model: str) -> dict:
             samples += 1
     elapsed = time.perf_counter() - start
     key, video, tensors, meta = last.key, last.video, last.tensors, last.meta
-    shapes = ENCODED[(dataset, model)]
-    raw = {name: int(np.prod(shape)) * 2 + 128 for name, shape in shapes.items()}  # bf16 + .npy header
-    stored = {}
-    for name, data in encode_sample(key, tensors, meta, "auto"):
-        member = name.split(".", 1)[1]
-        stored[member] = len(data)
-    plain = {m.split(".", 1)[1]: len(d) for m, d in encode_sample(key, tensors, meta, "none")}
-    members = {f"{n}.npy": {"raw": b} for n, b in raw.items()}
+    raw = {name: int(np.prod(shape)) * 2 + 128 for name, shape in encoded_shapes(recipe).items()}  # bf16 + header
+    stored = {split_member_name(m)[1]: len(d) for m, d in encode_sample(key, tensors, meta, "auto")}
+    plain = {split_member_name(m)[1]: len(d) for m, d in encode_sample(key, tensors, meta, "none")}
+    members = {tensor_suffix(n, zstd=False): {"raw": b} for n, b in raw.items()}
     for m, size in stored.items():
         members[m.removesuffix(".zst")] = {"raw": plain[m.removesuffix(".zst")], "stored": size}
     return {"dataset": dataset, "model": model, "samples": samples, "seconds": elapsed,
@@ -87,12 +88,10 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     torch.set_num_threads(1)
-    results = []
     with tempfile.TemporaryDirectory() as tmp:
         roots = {"droid": write_sample_dataset(Path(tmp) / "droid", "droid", args.episodes, args.seed),
                  "libero": write_sample_dataset(Path(tmp) / "libero", "libero", args.episodes, args.seed)}
-        for dataset, model in ENCODED:
-            results.append(measure(roots[dataset], dataset, model))
+        results = [measure(roots[SHAPES[recipe].dataset], recipe) for recipe in RECIPES]
     print(f"{'dataset':<8} {'model':<5} {'samples':>7} {'samples/s/core':>15} {'raw KiB/sample':>15}")
     for r in results:
         print(f"{r['dataset']:<8} {r['model']:<5} {r['samples']:>7} {r['samples_per_s_per_core']:>15.2f} "

@@ -1,7 +1,8 @@
 """The shard format (docs/FORMAT.md): the one contract between the preprocessor and the trainer.
 
-files     durable writes and hashing          keys      sample keys and window names
-members   a sample's tar members              shard     a shard's JSON: offsets, CRC-32, verified reads
+layout    every file and member name          files     durable writes and hashing
+keys      sample keys and window names        members   a sample's tar members
+schema    the sample schema, the DiT's widths shard     a shard's JSON, `read_sample` (every reader's decode)
 manifest  version, sealed JSON, the manifest  text      the prompt embedding table
 stats     q99 normalization and padding       wds       `webdataset_decoder` for webdataset / wids
 embodiments  what a sample of each robot holds (windows, views, state/action keys, prompt templates)

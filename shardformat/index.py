@@ -14,8 +14,8 @@ import numpy as np
 
 from shardformat.keys import parse_key, window_name
 from shardformat.manifest import ShardFormatError, check_sha256
-from shardformat.members import decode_members
-from shardformat.shard import json_path, read_members
+from shardformat.layout import ACTION, STATE
+from shardformat.shard import json_path, read_members, read_sample
 from shardformat.stats import stat_vector
 from shardformat.storage import STORE_ERRORS, ShardStore
 from shardformat.text import TextTable
@@ -98,8 +98,8 @@ class ShardIndex:
         keys = self.manifest.modality_keys
         try:
             stats = metadata[tag]["statistics"]
-            return ({m: stat_vector(stats, m, keys[m], "q01") for m in ("state", "action")},
-                    {m: stat_vector(stats, m, keys[m], "q99") for m in ("state", "action")})
+            return ({m: stat_vector(stats, m, keys[m], "q01") for m in (STATE, ACTION)},
+                    {m: stat_vector(stats, m, keys[m], "q99") for m in (STATE, ACTION)})
         except (KeyError, TypeError, ValueError) as err:
             raise ShardFormatError(f"{where}: statistics of {tag!r} unusable: {err}") from None
 
@@ -149,15 +149,7 @@ class ShardReader:
         if record is None:
             raise ShardFormatError(f"{self.index.store.where(json_path(name).as_posix())}: no sample {key}")
         try:
-            members = read_members(lambda offset, size: self.index.store.read_range(name, offset, size), where, record)
+            members = read_members(lambda offset, size: self.index.store.read_range(name, offset, size), record)
         except (*STORE_ERRORS, EOFError) as err:  # a truncated file, or the object store failed
             raise ShardFormatError(f"{where}: sample {key}: unreadable: {err}") from None
-        try:
-            meta, tensors = decode_members(members)
-        except ValueError as err:
-            raise ShardFormatError(f"{where}: sample {key}: {err}") from None
-        lacking = [name for name in ("latents", self.index.manifest.image_member, "state", "action")
-                   if name not in tensors] + ([] if isinstance(meta.get("prompt_ids"), dict) else ["prompt_ids"])
-        if lacking:  # a crafted meta.json: one line here, not a KeyError where the member is used
-            raise ShardFormatError(f"{where}: sample {key}: no {', '.join(lacking)}")
-        return meta, tensors
+        return read_sample(where, key, members, self.index.manifest.schema, record)

@@ -9,10 +9,6 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-# The frame-0 image tensor of a sample under each `--image-features` choice: CLIP's output features, or the
-# preprocessed pixels the CLIP tower consumes (the trainer then runs the frozen CLIP itself).
-IMAGE_MEMBER = {"encoded": "clip", "pixels": "clip_pixels"}
-
 _KEY = re.compile(r"(?P<dataset>[A-Za-z0-9_]+)-e(?P<episode>\d{6,})-s(?P<start>\d{5,})-v(?P<variant>\d+)")
 
 

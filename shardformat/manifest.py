@@ -18,15 +18,14 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from shardformat.files import atomic_write_json, canonical_json
-from shardformat.keys import IMAGE_MEMBER
+from shardformat.layout import IMAGE_MEMBER, MANIFEST, SHARD_NAME, WIDS_INDEX
+from shardformat.members import split_member_name
+from shardformat.schema import SchemaError, merge_schemas, model_dims, validate
 
-FORMAT_VERSION = "wampipe-shards/2"  # 2: per-member offsets and CRC-32 in shard JSONs, sealed JSON, wids.json
-MANIFEST = "manifest.json"
-WIDS_INDEX = "wids.json"
+# 2: per-member offsets and CRC-32 in shard JSONs, sealed JSON, wids.json; 3: the sample schema in the manifest
+FORMAT_VERSION = "wampipe-shards/3"
 SEAL = "content_sha256"
 MAX_JSON_BYTES = 1 << 28  # 256 MiB: far above any manifest or shard JSON, far below what exhausts a reader's memory
-VAL_DIR = "val"  # the held-out split of a build (preprocess shards --val-episodes): a shard directory of its own
-SHARD_NAME = re.compile(r"shard-\d{6,}\.tar")
 # (manifest block, field, pattern) of every file besides the shards that the manifest names
 SIDE_FILES = (("text_table", "file", re.compile(r".+\.safetensors")),
               ("text_table", "prompts", re.compile(r".+\.json")),
@@ -137,6 +136,7 @@ class Manifest:
     text_table: dict  # file, prompts, count, sha256
     statistics: dict  # file, sha256
     member_bytes: dict
+    schema: dict  # {tensor member: {dtype, shape}}, the same in every sample (shardformat.schema)
     failures: list
     skipped: list
     totals: dict
@@ -179,6 +179,10 @@ class Manifest:
         total = sum(s.count for s in shards)
         if d["totals"].get("samples") != total:
             raise ShardFormatError(f"{where}: totals.samples is {d['totals'].get('samples')}, the shards hold {total}")
+        try:
+            validate(d["schema"], d.get("image_features", "encoded"), total)
+        except SchemaError as err:
+            raise ShardFormatError(f"{where}: {err}") from None
         return cls(**{**d, "shards": shards})
 
     def to_dict(self) -> dict:
@@ -205,7 +209,43 @@ class Manifest:
         atomic_write_json(root / WIDS_INDEX, self.wids_index())
         write_sealed_json(root / MANIFEST, self.to_dict())
 
+    @property
+    def dims(self) -> dict:
+        """The DiT fields its samples fix (shardformat.schema.model_dims), read from the schema."""
+        return model_dims(self.schema)
+
     def wids_index(self) -> dict:
         """The shard list in wids' format; urls are relative to the file, so the directory can move."""
         return {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": self.dataset,
                 "shardlist": [{"url": s.shard, "nsamples": s.count, "filesize": s.bytes} for s in self.shards]}
+
+
+def build_manifest(units: list[dict], shards: list[dict], **fields) -> Manifest:
+    """The manifest of a finished build (real or synthetic), checked: `units` are the records of the units it mixed
+    (their samples' schema and member index, episodes encoded, failures and skips), `shards` those of its shards
+    (shard, count, bytes, sha256, ...), `fields` every other Manifest field (source, dataset, ..., statistics)."""
+    failures = [f for u in units for f in u["failures"]]
+    skipped = [s for u in units for s in u["skipped"]]
+    entries = [{k: s[k] for k in ("shard", "count", "bytes", "sha256")} for s in shards]
+    try:
+        schema = merge_schemas([u["schema"] for u in units if u["count"]])
+    except SchemaError as err:
+        raise ShardFormatError(str(err)) from None
+    totals = {"samples": sum(s["count"] for s in entries), "bytes": sum(s["bytes"] for s in entries),
+              "shards": len(entries), "episodes_encoded": sum(len(u["encoded"]) for u in units),
+              "episodes_failed": len(failures), "episodes_skipped": len(skipped)}
+    return Manifest.from_dict({"format": FORMAT_VERSION, **fields, "shards": entries, "schema": schema,
+                               "member_bytes": member_bytes(units), "failures": failures, "skipped": skipped,
+                               "totals": totals})
+
+
+def member_bytes(units: list[dict]) -> dict[str, dict]:
+    """Stored bytes and count per member type (latents.npy, clip.npy.zst, ...) over all samples of the units."""
+    totals: dict[str, dict] = {}
+    for unit in units:
+        for members in unit["index"].values():
+            for name, _, size in members:
+                entry = totals.setdefault(split_member_name(name)[1], {"count": 0, "bytes": 0})
+                entry["count"] += 1
+                entry["bytes"] += size
+    return totals

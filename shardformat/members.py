@@ -20,11 +20,11 @@ import numpy as np
 import zstandard
 
 from shardformat.keys import parse_key
+from shardformat.layout import META, tensor_suffix
 
 if TYPE_CHECKING:  # torch is imported where a bf16 tensor is met: the CLIs' --help stays quick
     import torch
 
-META = "meta.json"
 ZSTD_LEVEL = 3
 COMPRESS_MODES = ("auto", "none", "all")
 # zstd is kept only where it saves at least this fraction: bf16 latents are near-incompressible noise.
@@ -80,7 +80,7 @@ def encode_sample(key: str, tensors: dict[str, Any], meta: dict, compress: str =
         raw = npy_bytes(array)
         packed = compressor.compress(raw) if compress != "none" else raw
         use_zstd = compress == "all" or (compress == "auto" and len(packed) <= (1 - MIN_SAVING) * len(raw))
-        members.append((f"{key}.{name}.npy" + (".zst" if use_zstd else ""), packed if use_zstd else raw))
+        members.append((f"{key}.{tensor_suffix(name, use_zstd)}", packed if use_zstd else raw))
         records[name] = {"dtype": dtype, "shape": list(array.shape), "zstd": use_zstd}
     meta = {**meta, "tensors": records}
     members.append((f"{key}.{META}", json.dumps(meta, sort_keys=True).encode()))
@@ -137,7 +137,7 @@ def decode_members(members: dict[str, bytes]) -> tuple[dict, dict[str, np.ndarra
     seen = {META}
     decompressor = zstandard.ZstdDecompressor()
     for name, record in records.items():
-        suffix = f"{name}.npy" + (".zst" if record["zstd"] else "")
+        suffix = tensor_suffix(name, record["zstd"])
         if suffix not in members:
             raise ValueError(f"member {suffix} listed in {META} is missing")
         seen.add(suffix)

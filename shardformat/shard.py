@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from shardformat.manifest import (FORMAT_VERSION, MANIFEST, SHARD_NAME, ShardEntry, ShardFormatError,
-                                  non_negative, read_sealed_json, relative_path, write_sealed_json)
-from shardformat.members import checksum
+from shardformat.layout import MANIFEST, SHARD_NAME
+from shardformat.manifest import (FORMAT_VERSION, ShardEntry, ShardFormatError, non_negative, read_sealed_json,
+                                  relative_path, write_sealed_json)
+from shardformat.members import checksum, decode_members
+from shardformat.schema import check_sample
 
 
 @dataclass(frozen=True)
@@ -105,19 +107,36 @@ def verify_members(shard: Path | str, sample: SampleRecord, members: dict[str, b
     """Check a sample's member bytes ({suffix: bytes}) against its record; ShardFormatError names what differs."""
     expected = {m.name: m for m in sample.members}
     if members.keys() != expected.keys():
-        raise ShardFormatError(f"{shard}: sample {sample.key}: members {sorted(members)}, the shard JSON lists "
-                               f"{sorted(expected)}")
+        differ = ([f"member {m} missing, the shard JSON lists it" for m in sorted(expected.keys() - members.keys())]
+                  + [f"member {m} not in the shard JSON" for m in sorted(members.keys() - expected.keys())])
+        raise ShardFormatError(f"{shard}: sample {sample.key}: {'; '.join(differ)}")
     for name, data in members.items():
         if len(data) != expected[name].size or checksum(data) != expected[name].crc32:
             raise ShardFormatError(f"{shard}: sample {sample.key}: member {name} checksum mismatch (corrupt shard)")
 
 
-def read_members(read: Callable[[int, int], bytes], shard: Path | str, sample: SampleRecord) -> dict[str, bytes]:
-    """One sample's verified member bytes ({suffix: bytes}). `read(offset, size)` is called once, for the span from
-    the first member's data to the last one's end (the tar headers between are a few hundred bytes each): one pread,
-    or one ranged request to an object store."""
+def read_members(read: Callable[[int, int], bytes], sample: SampleRecord) -> dict[str, bytes]:
+    """One sample's member bytes ({suffix: bytes}), for `read_sample` to verify. `read(offset, size)` is called
+    once, for the span from the first member's data to the last one's end (the tar headers between are a few hundred
+    bytes each): one pread, or one ranged request to an object store."""
     start = min(m.offset for m in sample.members)
     span = read(start, max(m.offset + m.size for m in sample.members) - start)
-    members = {m.name: span[m.offset - start : m.offset - start + m.size] for m in sample.members}
-    verify_members(shard, sample, members)
-    return members
+    return {m.name: span[m.offset - start : m.offset - start + m.size] for m in sample.members}
+
+
+def read_sample(shard: Path | str, key: str, members: dict[str, bytes], schema: dict,
+                record: SampleRecord | None) -> tuple[dict, dict]:
+    """(meta, tensors) of one sample's member bytes ({suffix: bytes}), the one decode path of every reader (the
+    trainer's, the webdataset decoder, `preprocess check`): the bytes checked against the shard JSON's `record`
+    (sizes, CRC-32; None where the JSON is unusable), decoded against meta.json, the tensors against the manifest's
+    `schema`, and the prompt ids present. ShardFormatError names the shard, sample and member otherwise."""
+    if record is not None:
+        verify_members(shard, record, members)
+    try:
+        meta, tensors = decode_members(members)
+        check_sample(meta["tensors"], schema)
+    except (ValueError, TypeError, KeyError) as err:  # decode_members raises ValueError; numpy and json their own
+        raise ShardFormatError(f"{shard}: sample {key}: {err}") from None
+    if not isinstance(meta.get("prompt_ids"), dict):  # a crafted meta.json: one line, not a KeyError where it is used
+        raise ShardFormatError(f"{shard}: sample {key}: no prompt_ids")
+    return meta, tensors

@@ -49,14 +49,13 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from shardformat.files import atomic_writer, sha256_file
-from shardformat.manifest import (MANIFEST, MAX_JSON_BYTES, Manifest, ShardFormatError, check_json_size,
+from shardformat.layout import INPUTS, MANIFEST, WORK_DIR
+from shardformat.manifest import (MAX_JSON_BYTES, Manifest, ShardFormatError, check_json_size,
                                   parse_sealed_json, relative_path)
 from shardformat.shard import ShardRecord, json_path
 
-WORK_DIR = "work"  # the preprocessor's unit spills, never part of a finished directory's copy
 COPY_BLOCK = 1 << 23  # 8 MiB per read when streaming a whole file
 S3_PROTOCOLS = ("s3", "s3a")
-INPUTS = "inputs.json"  # the preprocessor's record of a build (preprocess.outdir): uploaded first
 READ_MANY = 64  # files in flight together when reading many small ones (the index's shard JSONs)
 try:  # what a failed request raises: OSError, or botocore's own errors (no connection, no credentials)
     from botocore.exceptions import BotoCoreError

@@ -10,13 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardformat.files import atomic_write_json, atomic_writer, sha256_file
-from shardformat.manifest import MANIFEST, SIDE_FILES, ShardFormatError, check_sha256, relative_path
+from shardformat.layout import MANIFEST, TEXT_PROMPTS, TEXT_TABLE
+from shardformat.manifest import SIDE_FILES, ShardFormatError, check_sha256, relative_path
 
 if TYPE_CHECKING:  # imported where used: the CLIs' --help stays quick
     import torch
-
-TABLE = "text/embeddings.safetensors"
-PROMPTS = "text/prompts.json"
 
 
 def write_text_table(out: Path, prompts: dict[str, str], embeddings: dict) -> dict:
@@ -26,12 +24,14 @@ def write_text_table(out: Path, prompts: dict[str, str], embeddings: dict) -> di
     from safetensors.torch import save_file
 
     out = Path(out)
-    (out / TABLE).parent.mkdir(parents=True, exist_ok=True)
+    (out / TEXT_TABLE).parent.mkdir(parents=True, exist_ok=True)
     tensors = {i: embeddings[i].to(torch.bfloat16).cpu().contiguous() for i in sorted(prompts)}
-    with atomic_writer(out / TABLE) as f:
+    with atomic_writer(out / TEXT_TABLE) as f:
         save_file(tensors, f.name)  # streams to the temporary file by name; the writer fsyncs and renames it
-    atomic_write_json(out / PROMPTS, {i: {"text": prompts[i], "tokens": int(t.shape[0])} for i, t in tensors.items()})
-    return {"file": TABLE, "prompts": PROMPTS, "count": len(tensors), "sha256": sha256_file(out / TABLE)}
+    atomic_write_json(out / TEXT_PROMPTS, {i: {"text": prompts[i], "tokens": int(t.shape[0])}
+                                           for i, t in tensors.items()})
+    return {"file": TEXT_TABLE, "prompts": TEXT_PROMPTS, "count": len(tensors),
+            "sha256": sha256_file(out / TEXT_TABLE)}
 
 
 class TextTable:

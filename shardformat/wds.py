@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from shardformat.manifest import SHARD_NAME, Manifest, ShardFormatError, relative_path
-from shardformat.members import decode_members
-from shardformat.shard import ShardRecord, json_path, verify_members
+from shardformat.layout import SHARD_NAME
+from shardformat.manifest import Manifest, ShardFormatError, relative_path
+from shardformat.shard import ShardRecord, json_path, read_sample
 from shardformat.text import TextTable
 
 
@@ -23,8 +23,9 @@ def webdataset_decoder(root: Path | str) -> Callable[[dict], dict]:
     """A `map` function for samples of the shard directory `root`, as WebDataset or wids yield them.
 
     It checks the text table against the manifest's sha256 once, verifies every member against the shard's JSON
-    (CRC-32), restores the tensors (bf16 as torch bf16, `.zst` members decompressed) and joins the umT5 embedding of
-    each prompt column from the text table. Returns
+    (CRC-32), restores the tensors (bf16 as torch bf16, `.zst` members decompressed) and checks them against the
+    manifest's schema (shardformat.shard.read_sample), and joins the umT5 embedding of each prompt column from the
+    text table. Returns
     {"__key__", "__url__", "meta": meta.json, <tensor name>: tensor, "text": {column: bf16 [tokens, dim]}}.
     It pickles, so DataLoader workers of any start method can run it.
     """
@@ -34,7 +35,8 @@ def webdataset_decoder(root: Path | str) -> Callable[[dict], dict]:
 class _Decoder:
     def __init__(self, root: Path):
         self.root = root
-        self.text = TextTable(root, Manifest.read(root).text_table).verify()
+        manifest = Manifest.read(root)
+        self.text, self.schema = TextTable(root, manifest.text_table).verify(), manifest.schema
         self.records: dict[str, dict] = {}  # shard name -> {key: SampleRecord}, read on first use
 
     def __call__(self, sample: dict) -> dict:
@@ -51,10 +53,6 @@ class _Decoder:
         # WebDataset gives bytes named by suffix (latents.npy), wids streams named with the dot (.latents.npy)
         members = {k.lstrip("."): v if isinstance(v, bytes) else v.read() for k, v in sample.items()
                    if not k.startswith("__")}
-        verify_members(shard, record, members)
-        try:
-            meta, tensors = decode_members(members)
-        except ValueError as err:
-            raise ShardFormatError(f"{shard}: sample {key}: {err}") from None
+        meta, tensors = read_sample(shard, key, members, self.schema, record)
         prompts = {column: self.text.get(pid) for column, pid in meta["prompt_ids"].items()}
         return {"__key__": key, "__url__": str(url), "meta": meta, **tensors, "text": prompts}

@@ -176,5 +176,5 @@ def test_tiny_trainer_runs_on_pipeline_shards(droid_shards, tmp_path):
     refused = subprocess.run(run + ["--preset", "droid-5b", "--checkpoint.dir", str(tmp_path / "5b")], cwd=ROOT,
                              capture_output=True, text=True)
     assert refused.returncode != 0
-    assert "does not fit --model.name droid-5b: text_dim: model 4096, shards 32, image_dim: model 1280, shards 160" in (
+    assert "does not fit --model.name droid-5b: image_dim: model 1280, shards 160, text_dim: model 4096, shards 32" in (
         refused.stdout + refused.stderr)

@@ -24,6 +24,7 @@ from configs.cli import cli
 
 if TYPE_CHECKING:
     import torch
+from shardformat.layout import MANIFEST
 
 RecipeName = Literal[tuple(configs.names())]  # type: ignore[valid-type]
 
@@ -560,9 +561,9 @@ DEFAULT_SHARDS = Path("shards/droid")  # where `make shards` writes
 
 
 def default_shards() -> Path:
-    if (DEFAULT_SHARDS / "manifest.json").is_file():
+    if (DEFAULT_SHARDS / MANIFEST).is_file():
         return DEFAULT_SHARDS
-    raise SystemExit(f"no shards given and {DEFAULT_SHARDS}/manifest.json does not exist: pass --data.shards DIR (a "
+    raise SystemExit(f"no shards given and {DEFAULT_SHARDS / MANIFEST} does not exist: pass --data.shards DIR (a "
                      f"directory written by `python -m preprocess shards` or `make shards`)")
 
 

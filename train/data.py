@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from shardformat.layout import ACTION, LATENTS, MANIFEST, STATE, Y
 from shardformat.manifest import ShardFormatError
 from shardformat.stats import normalize_q99, pad_with_mask
 from shardformat.index import ShardIndex, ShardReader, Window
@@ -161,25 +162,12 @@ def mixture_dims(indexes: Sequence[ShardIndex]) -> dict:
 
 
 def data_dims(source: str | os.PathLike | ShardIndex) -> dict:
-    """The DiTConfig fields a shard directory fixes: latent channels (+ y), tokens per latent frame, actions per block,
-    text and CLIP widths, longest prompt. The tiny preset takes them from the data; real presets are checked. Shards
-    of CLIP's input pixels fix no CLIP width: the trainer's CLIP does (train/main.py)."""
+    """The DiTConfig fields a shard directory fixes: those of its manifest's sample schema (latent channels (+ y),
+    tokens per latent frame, actions per block, CLIP width: shardformat.schema.model_dims) and of its text table
+    (width, longest prompt); no sample is decoded. The tiny preset takes them from the data; real presets are checked.
+    Shards of CLIP's input pixels fix no CLIP width: the trainer's CLIP does (train/main.py)."""
     index = source if isinstance(source, ShardIndex) else open_index(source)
-    reader = SampleReader(index, None)
-    try:
-        _, t = reader.raw(*index.windows[0].variants[0])
-    except ShardFormatError as err:
-        raise SystemExit(str(err)) from None
-    finally:
-        reader.close()
-    c, frames, h, w = t["latents"].shape
-    blocks = (frames - 1) // 2  # num_frame_per_block = 2
-    dims = {"model_type": "i2v" if "y" in t else "ti2v", "in_dim": c + (t["y"].shape[0] if "y" in t else 0),
-            "out_dim": c, "frame_seqlen": (h // 2) * (w // 2), "num_action_per_block": t["action"].shape[0] // blocks,
-            "text_dim": index.text.dim, "text_len": index.longest_prompt}
-    if "clip" in t:
-        dims |= {"image_dim": int(t["clip"].shape[-1]), "image_len": int(t["clip"].shape[0])}
-    return dims
+    return index.manifest.dims | {"text_dim": index.text.dim, "text_len": index.longest_prompt}
 
 
 class SampleReader(ShardReader):
@@ -207,19 +195,19 @@ class SampleReader(ShardReader):
         column = column or columns[rng.integers(len(columns))]
         m = self.model
         image = self.index.manifest.image_member  # CLIP's features, or its input pixels
-        out = {"latents": t["latents"], image: t[image], "text": self.text(prompt_ids[column])}
-        for name, width in (("state", m.max_state_dim), ("action", m.action_dim)):
+        out = {LATENTS: t[LATENTS], image: t[image], "text": self.text(prompt_ids[column])}
+        for name, width in ((STATE, m.max_state_dim), (ACTION, m.action_dim)):
             x = torch.from_numpy(np.asarray(t[name], np.float32))
             if x.shape[-1] != self.index.q01[name].size:
                 raise ShardFormatError(f"{self.index.shards[shard]}: sample {key}: {name} has {x.shape[-1]} dims, the "
                                        f"statistics of {self.index.manifest.embodiment} have "
                                        f"{self.index.q01[name].size}")
             x, mask = pad_with_mask(normalize_q99(x, self.index.q01[name], self.index.q99[name]), width)
-            out["actions" if name == "action" else name] = x
-            if name == "action":
+            out["actions" if name == ACTION else name] = x
+            if name == ACTION:
                 out["action_mask"] = mask
-        if "y" in t:
-            out["y"] = t["y"]
+        if Y in t:
+            out[Y] = t[Y]
         return out
 
 
@@ -307,7 +295,7 @@ class ShardLoader:
         """`index`: the index of each set (`open_sets`) when the caller has opened them already (reading every shard
         JSON once per rank, not twice); else they are opened here from cfg."""
         if cfg.shards is None and not cfg.mixture:
-            raise SystemExit("--data.shards is required (a directory or URL with manifest.json)")
+            raise SystemExit(f"--data.shards is required (a directory or URL with {MANIFEST})")
         self.cfg, self.model, self.rank, self.world_size, self.device = cfg, model, rank, world_size, device
         self.indexes = [index] if isinstance(index, ShardIndex) else list(index or open_sets(cfg))
         self.index = self.indexes[0]
@@ -319,7 +307,7 @@ class ShardLoader:
             if batches_per_epoch(length, world_size, cfg.micro_batch_size) == 0:
                 raise SystemExit(f"{s.shards}: {length} window visits per epoch cannot fill one micro-batch of "
                                  f"{cfg.micro_batch_size} on each of {world_size} ranks")
-            for name, width in (("state", model.max_state_dim), ("action", model.action_dim)):
+            for name, width in ((STATE, model.max_state_dim), (ACTION, model.action_dim)):
                 if index.q01[name].size > width:
                     raise SystemExit(f"{s.shards}: {name} has {index.q01[name].size} dims, more than the model's "
                                      f"{width} ({'max_state_dim' if name == 'state' else 'action_dim'})")
