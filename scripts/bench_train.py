@@ -17,7 +17,7 @@
 
 Everything after `--` is passed to the trainer unchanged (and to the config the bound is built from). The presets'
 auto settings (recompute, micro-batch, resharding) are resolved here as the trainer resolves them on these GPUs
-(train/config.py resolve_auto), and checked against the trainer's config.yaml. Prints the trainer's own log, then one
+(train/auto.py resolve_auto), and checked against the trainer's config.yaml. Prints the trainer's own log, then one
 final JSON line.
 """
 
@@ -43,8 +43,9 @@ from devtools.bench import (check_same_resolution, device_name, emit, measured_w
                          run_trainer, split_passthrough, trainer_argv, trainer_device, write_shards)
 from preprocess import synthetic
 from train.attention import make_attention_mask
+from train.auto import device_memory_gib, resolve_auto
 from train.builder import model_config
-from train.config import batch_plan, device_memory_gib, resolve_auto
+from train.config import batch_plan
 from train.config import parse_args as parse_trainer_args
 from train.data import data_dims
 from train.flops import dit_flops

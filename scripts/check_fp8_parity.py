@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtu
 from configs.cli import cli, refuse
 from devtools import bench
 from preprocess import synthetic
-from train.config import batch_plan, device_memory_gib, resolve_auto
+from train.auto import device_memory_gib, resolve_auto
+from train.config import batch_plan
 from train.config import parse_args as parse_trainer_args
 from train.parallel import check_float8
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from train.config import ParallelConfig, parse_args, resolve_auto, validate
+from train.auto import resolve_auto
+from train.config import ParallelConfig, parse_args, validate
 from train.model import build_model
 from train.parallel import parallelize
 

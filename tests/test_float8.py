@@ -26,8 +26,9 @@ from preprocess import synthetic
 from tests.conftest import tiny_model
 from devtools import bench
 from train import checkpoint
+from train.auto import resolve_auto
 from train.builder import sharded_model
-from train.config import CheckpointConfig, Config, OptimConfig, parse_args, resolve_auto
+from train.config import CheckpointConfig, Config, OptimConfig, parse_args
 from train.export import export_weights
 from train.loss import FlowMatchScheduler, flow_matching_loss
 from train.model import build_model, preset, random_batch

@@ -3,7 +3,8 @@ and the choices and refusals it makes for every card size."""
 
 import pytest
 
-from train.config import parse_args, resolve_auto
+from train.auto import resolve_auto
+from train.config import parse_args
 from train.lora import LoRAConfig
 from train.memory import Plan, estimate, recipe_size
 

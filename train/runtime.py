@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from train import checkpoint
-from train.config import BatchPlan, Config, batch_plan, device_memory_gib, resolve_auto, validate
+from train.auto import device_memory_gib, resolve_auto
+from train.config import BatchPlan, Config, batch_plan, validate
 from train.data import ShardIndex
 from train.metrics import check_wandb
 from train.model import MODEL_INPUTS

@@ -1,0 +1,159 @@
+"""Auto settings: the recompute mode, micro-batch, resharding, gradient reduction, gathering and AdamW moments a run
+leaves to `auto` take the fastest setting measured for its recipe (configs/<name>.yaml, section throughput) that fits
+the GPUs, else one the memory model (train/memory.py) estimates to fit. The flags stay in train/config.py, which
+parses them without torch."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import torch
+
+import configs
+from train import memory
+from train.config import AUTO_MICRO, Config
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The parts of a configuration that `auto` resolves."""
+
+    ac: str
+    micro: int
+    reshard: bool
+    ac_blocks: int = -1  # with them: --parallel.ac-blocks / --parallel.ac-others
+    ac_others: str = "none"
+    reduce_every: bool = False  # --parallel.reduce-every-micro-batch
+    gather_once: bool = False  # --parallel.gather-once-per-step (only without resharding after forward)
+    moments: str = "fp32"  # --optim.moments
+
+    def describe(self) -> str:
+        recompute = "no recompute" if self.ac == "none" else f"{self.ac} recompute"
+        if self.ac != "none" and self.ac_blocks >= 0:
+            others = "none" if self.ac_others == "none" else f"{self.ac_others} recompute"
+            recompute += f" on {self.ac_blocks} blocks ({others} on the others)"
+        reduce = ", gradients reduced every micro-batch" if self.reduce_every else ""
+        once = ", parameters gathered once per step" if self.gather_once else ""
+        moments = ", bf16 AdamW moments" if self.moments == "bf16" else ""
+        return (f"{recompute}, micro-batch {self.micro}, {'' if self.reshard else 'no '}reshard after forward"
+                f"{reduce}{once}{moments}")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A setting measured to fit (scripts/bench_train.py, docs/PERFORMANCE.md) on `min_gpus` GPUs of `min_gib`
+    each with --parallel.float8 `float8` and --parallel.cpu-offload `cpu_offload`; it also fits more GPUs (less
+    sharded state per GPU) and larger ones."""
+
+    preset: str
+    min_gpus: int
+    min_gib: float
+    setting: Throughput
+    evidence: str
+    float8: str = "none"
+    cpu_offload: bool = False
+
+
+def _measured(name: str, entry: dict) -> Measured:
+    setting = Throughput(entry["ac"], entry["micro"], entry["reshard"], entry.get("ac_blocks", -1),
+                         entry.get("ac_others", "none"), entry.get("reduce_every", False),
+                         entry.get("gather_once", False), entry.get("moments", "fp32"))
+    return Measured(name, entry["min_gpus"], entry["min_gib"], setting, entry["evidence"], entry.get("float8", "none"),
+                    entry.get("cpu_offload", False))
+
+
+@functools.cache
+def throughput_table() -> tuple[list[Measured], dict[str, Throughput]]:
+    """Per recipe (configs/<name>.yaml, section throughput, read on first use): the measured settings, fastest first,
+    and the fallback where nothing measured fits, and on CPU: the preset's batch recipe with full recompute, the
+    safest (tiny: none)."""
+    tables = {name: configs.section(configs.recipe(name), "throughput", name) for name in configs.names()}
+    measured = [_measured(name, entry) for name, table in tables.items() for entry in table.get("measured", [])]
+    return measured, {name: Throughput(**table["recipe"]) for name, table in tables.items()}
+
+
+def _fitting_micro(micro: int, global_batch: int, world_size: int) -> int:
+    """The largest micro-batch <= `micro` that keeps the recipe's global batch (a whole number of micro-batches per
+    rank and step); `micro` itself when none does (the trainer then says why)."""
+    if not global_batch:
+        return micro
+    return next((m for m in range(micro, 0, -1) if global_batch % (m * world_size) == 0), micro)
+
+
+def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tuple[Config, str | None]:
+    """A copy of `cfg` whose auto parts (--parallel.activation-checkpoint auto, --data.micro-batch-size 0, unset
+    --parallel.[no-]reshard-after-forward, --parallel.[no-]reduce-every-micro-batch and
+    --parallel.[no-]gather-once-per-step) take the fastest measured
+    setting for the preset that fits `world_size` GPUs of `gpu_mem_gib` each, else the preset's recipe entry (None =
+    CPU: the recipe). Settings measured with the run's --parallel.float8 come first, then the bf16 ones (float8 did
+    not take more memory where both were measured). The recompute mode brings its entry's --parallel.ac-blocks and
+    --parallel.ac-others unless those are given. Given parts are kept. Returns the copy and one line saying what was
+    chosen and why (None when nothing was auto). With --parallel.cpu-offload the gradients are reduced every
+    micro-batch unless that is given."""
+    p, d = cfg.parallel, cfg.data
+    auto = {"ac": p.activation_checkpoint == "auto", "micro": d.micro_batch_size == AUTO_MICRO,
+            "reshard": p.reshard_after_forward is None, "reduce": p.reduce_every_micro_batch is None,
+            "once": p.gather_once_per_step is None}
+    moments = cfg.optim.moments
+    if not any(auto.values()):
+        return cfg, None  # --optim.moments auto stays fp32
+    measured, recipes = throughput_table()
+    # a setting measured with fp32 moments fits bf16 ones too; one measured with bf16 moments needs them
+    on_gpus = [m for m in measured if m.preset == cfg.preset and gpu_mem_gib is not None
+               and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib and m.float8 in (p.float8, "none")
+               and moments in ("auto", m.setting.moments, "bf16" if m.setting.moments == "fp32" else "")]
+    # an offloaded setting fits only offloaded runs; an offloaded run fits any, its own kind first
+    fits = [m for m in on_gpus if m.cpu_offload == p.cpu_offload
+            and (m.setting.moments == "fp32" or moments == "bf16"
+                 or not memory.fits_fp32_moments(cfg, m.setting, gpu_mem_gib, world_size))]
+    # an offloaded run takes only settings measured offloaded: the others' small micro-batches each copy every
+    # gradient to host memory (32 a step for libero-5b's one-H200 entry: no step within 8 minutes); without one,
+    # the memory model sizes it (largest micro-batch first)
+    fits.sort(key=lambda m: m.float8 != p.float8)  # stable: fastest first of each
+    chosen = fits[0].setting if fits else recipes[cfg.preset]
+    gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
+    where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
+    why = (f"measured {fits[0].evidence}" if fits else
+           "the preset's recipe" if gpu_mem_gib is None else "nothing measured fits these GPUs: the preset's recipe")
+    size = memory.run_size(cfg) if not fits and gpu_mem_gib is not None else None
+    if size is not None:  # sized by the memory model instead: a setting estimated to fit, or a refusal now
+        chosen, estimated = memory.fitting_setting(cfg, size, chosen, auto, gpu_mem_gib, world_size)
+        why = f"nothing measured fits these GPUs: {estimated}"
+    offloaded = [m for m in on_gpus if m.cpu_offload]
+    if not fits and not p.cpu_offload and offloaded and p.float8 == "none":  # never with float8
+        why += f"; with --parallel.cpu-offload: measured {offloaded[0].evidence}"
+    if auto["reduce"] and p.cpu_offload and not chosen.reduce_every:
+        why += "; gradients reduced every micro-batch for --parallel.cpu-offload"
+    out = copy.deepcopy(cfg)
+    if auto["ac"]:
+        out.parallel.activation_checkpoint = chosen.ac
+        if (p.ac_blocks, p.ac_others) == (-1, "none"):  # not given
+            out.parallel.ac_blocks, out.parallel.ac_others = chosen.ac_blocks, chosen.ac_others
+    if auto["reduce"]:
+        # host-offloaded state: an unsharded fp32 accumulation between micro-batches would sit on the GPU instead
+        out.parallel.reduce_every_micro_batch = chosen.reduce_every or p.cpu_offload
+    if auto["reshard"]:
+        out.parallel.reshard_after_forward = chosen.reshard
+    if auto["once"]:  # kept gathered through the step only where nothing reshards them after forward
+        out.parallel.gather_once_per_step = chosen.gather_once and out.parallel.reshard_after_forward is False
+    if auto["micro"]:
+        out.data.micro_batch_size = _fitting_micro(chosen.micro, p.global_batch_size, world_size)
+    if moments == "auto":
+        out.optim.moments = chosen.moments
+    result = Throughput(out.parallel.activation_checkpoint, out.data.micro_batch_size,
+                        out.parallel.reshard_after_forward, out.parallel.ac_blocks, out.parallel.ac_others,
+                        out.parallel.reduce_every_micro_batch, out.parallel.gather_once_per_step, out.optim.moments)
+    given = [{"ac": "recompute", "micro": "micro-batch", "reshard": "resharding", "reduce": "gradient reduction",
+              "once": "gathering"}[k] for k, a in auto.items() if not a]
+    batch = f", global batch {p.global_batch_size}" if p.global_batch_size else ""
+    return out, (f"auto settings for {cfg.preset} on {where}: {result.describe()}{batch} ({why})"
+                 + (f"; given: {', '.join(given)}" if given else ""))
+
+
+def device_memory_gib(device: torch.device) -> float | None:
+    """Total memory of a CUDA device in GiB (what resolve_auto sizes by); None for any other device."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / 2**30
