@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import configs
-from preprocess import synthetic
+from devtools import synthetic
 from shardformat.layout import MANIFEST
 from train.config import Config
 from train.parallel import computes_on_cuda

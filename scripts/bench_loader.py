@@ -4,7 +4,7 @@
     python scripts/bench_loader.py --preset droid-14b --workers 0 1 2 4 --batches 16
     python scripts/bench_loader.py --preset libero-5b --shards s3://bucket/bench   # ranged reads from object storage
 
-1. Synthetic shards of the preset's exact sample shapes (preprocess/synthetic.py, the project's writer).
+1. Synthetic shards of the preset's exact sample shapes (devtools/synthetic.py, the project's writer).
 2. `train.data.ShardLoader` on the CPU device, as a rank of `train/main.py` builds it (the preset's data settings,
    the shard index, pread at member offsets, zstd/npy decoding, q01/q99 normalisation, the text table, compact text,
    DataLoader worker processes and their shared-memory hand-off), consumed as fast as it delivers.

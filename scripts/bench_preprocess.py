@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtu
 
 from configs.cli import cli
 from devtools.sample_data import write_sample_dataset
+from devtools.synthetic import SHAPES
 from preprocess.lerobot import LeRobotDataset
 from preprocess.pipeline import Job, episode_samples
 from preprocess.shards import DATASETS
-from preprocess.synthetic import SHAPES
 from shardformat.embodiments import get_embodiment
 from shardformat.layout import CLIP, LATENTS, Y, tensor_suffix
 from shardformat.members import encode_sample, split_member_name

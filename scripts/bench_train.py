@@ -6,7 +6,7 @@
     python scripts/bench_train.py --preset libero-5b --nproc 4 -- --parallel.float8 tensorwise   # auto settings, fp8
     python scripts/bench_train.py --preset tiny --warmup-steps 2 --steps 4                        # CPU smoke run
 
-1. Synthetic shards of the preset's exact sample shapes (preprocess/synthetic.py, the project's writer),
+1. Synthetic shards of the preset's exact sample shapes (devtools/synthetic.py, the project's writer),
    enough windows that the measured steps never revisit one (up to --max-windows).
 2. The real trainer: `torchrun train/main.py` (FSDP2, the shard loader, AdamW) for warm-up + measured steps; the
    measured window is read from its metrics.jsonl (warm-up steps, compile included, are excluded).
@@ -39,9 +39,9 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from configs.cli import cli, refuse
+from devtools import synthetic
 from devtools.bench import (check_same_resolution, device_name, emit, measured_window, provenance,
                          run_trainer, split_passthrough, trainer_argv, trainer_device, write_shards)
-from preprocess import synthetic
 from train.attention import make_attention_mask
 from train.auto import device_memory_gib, resolve_auto
 from train.builder import model_config

@@ -1,16 +1,19 @@
-"""Synthetic shard directories in the real format, of a recipe's exact sample shapes (preprocess/synthetic.py).
+"""Synthetic shard directories in the real format, of a recipe's exact sample shapes (devtools/synthetic.py).
 
     python scripts/make_synthetic_shards.py --preset tiny --out build/shards-tiny --episodes 6
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
+
 from configs.cli import cli
-from preprocess.synthetic import SHAPES, make_synthetic_shards
+from devtools.synthetic import SHAPES, make_synthetic_shards
 
 
 @dataclass

@@ -109,7 +109,7 @@ def droid_shards(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
 @pytest.fixture(scope="session")
 def tiny_shards(tmp_path_factory) -> Path:
     """Synthetic shards of the tiny recipe: 5 episodes x 5 windows, 7 samples per shard (4 shards, the last short)."""
-    from preprocess.synthetic import make_synthetic_shards
+    from devtools.synthetic import make_synthetic_shards
 
     out = tmp_path_factory.mktemp("tiny_shards") / "shards"
     make_synthetic_shards(out, "tiny", episodes=5, windows_per_episode=5, samples_per_shard=7, seed=1)
@@ -119,7 +119,7 @@ def tiny_shards(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def small_shards(tmp_path_factory) -> Path:
     """Synthetic shards of the tiny recipe: 3 episodes x 3 windows, 4 samples per shard."""
-    from preprocess.synthetic import make_synthetic_shards
+    from devtools.synthetic import make_synthetic_shards
 
     out = tmp_path_factory.mktemp("small_shards") / "shards"
     make_synthetic_shards(out, "tiny", episodes=3, windows_per_episode=3, samples_per_shard=4, seed=1)

@@ -91,7 +91,7 @@ def test_trainer_logs_the_action_error_evaluate_reports(run, small_shards, tmp_p
 @pytest.fixture(scope="module")
 def other_dit_shards(tmp_path_factory) -> Path:
     """Synthetic shards of the 5B LIBERO recipe: another DiT's widths, latent grid and prompt lengths."""
-    from preprocess.synthetic import make_synthetic_shards
+    from devtools.synthetic import make_synthetic_shards
 
     out = tmp_path_factory.mktemp("libero5b") / "shards"
     make_synthetic_shards(out, "libero-5b", episodes=1, windows_per_episode=1, samples_per_shard=4, seed=1)

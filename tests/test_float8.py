@@ -22,9 +22,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torchao.float8.float8_linear import Float8Linear  # torchao: a dev dependency (pyproject.toml)
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-from preprocess import synthetic
+from devtools import bench, synthetic
 from tests.conftest import tiny_model
-from devtools import bench
 from train import checkpoint
 from train.auto import resolve_auto
 from train.builder import sharded_model

@@ -3,8 +3,10 @@ and encoders/ (what both halves import) neither half, and no product package imp
 
 Each package is walked in a fresh interpreter that imports every one of its modules and lists what got loaded; the
 source is read too, so an import inside a function (one that runs only when it is called) is caught as well. The
-wheel ships those five packages, not devtools/."""
+wheel ships those five packages, not devtools/. A module moved out of the product is gone from it, and no import
+anywhere in the checkout names its old place."""
 
+import ast
 import json
 import re
 import subprocess
@@ -22,6 +24,8 @@ FORBIDDEN = {
     "shardformat": ("train", "preprocess", "devtools"),
     "encoders": ("train", "preprocess", "devtools"),
 }
+MOVED = {"preprocess.synthetic": "devtools.synthetic"}  # fixtures: synthetic shards for tests and benchmarks
+CHECKOUT = (*FORBIDDEN, "devtools", "scripts", "tests")
 WALK = """
 import importlib, json, pkgutil, sys
 package = importlib.import_module(sys.argv[1])
@@ -55,3 +59,23 @@ def test_the_wheel_ships_every_product_package_and_no_fixture():
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     shipped = {name.split(".")[0] for name in find_packages(str(ROOT), include=include)}
     assert shipped == set(FORBIDDEN) and (ROOT / "devtools" / "__init__.py").is_file()
+
+
+def _imported_names(path):
+    """Every module an import statement in `path` names, with `from a import b` also as a.b (b may be a module)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.module
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_module_moved_out_of_the_product_is_gone_and_imported_from_its_new_place_only(old):
+    source = {name: ROOT / f"{name.replace('.', '/')}.py" for name in (old, MOVED[old])}
+    assert not source[old].exists() and source[MOVED[old]].is_file()
+    paths = [path for package in CHECKOUT for path in sorted((ROOT / package).rglob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}: {name}" for path in paths for name in _imported_names(path)
+             if name == old or name.startswith(f"{old}.")]
+    assert found == [], f"{old} is {MOVED[old]} now"

@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from preprocess import synthetic
+from devtools import synthetic
 from shardformat.manifest import Manifest
 from shardformat.stats import normalize_q99, pad_with_mask
 from tests.conftest import build

@@ -12,10 +12,10 @@ import pytest
 import tyro
 
 import configs
+from devtools.synthetic import SHAPES, SUBKEY_DIMS, make_synthetic_shards
 from preprocess import shards as preprocess_shards
 from preprocess.__main__ import main as preprocess_main
 from preprocess.pipeline import VAE_OF_MODEL
-from preprocess.synthetic import SHAPES, SUBKEY_DIMS, make_synthetic_shards
 from shardformat.embodiments import get_embodiment
 from train.config import Config, parse_args, preset_config
 from train.main import main as train_main

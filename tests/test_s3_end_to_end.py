@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from preprocess import outdir, synthetic
+from devtools import synthetic
+from preprocess import outdir
 from preprocess.__main__ import main as preprocess_main
 from preprocess.check import check
 from preprocess.remote import prefetch_remote_state, publish, published, staging_dir

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import configs
+from devtools.synthetic import SHAPES
 from preprocess.check import check, tar_samples
-from preprocess.synthetic import SHAPES
 from preprocess.write import read_unit_index, unit_paths, write_tar, write_unit
 from shardformat import webdataset_decoder
 from shardformat.layout import ACTION, CLIP, LATENTS, MANIFEST, STATE, Y, shard_file

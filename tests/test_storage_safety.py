@@ -19,7 +19,8 @@ from typing import Iterator
 import pytest
 from s3fs import S3FileSystem
 
-from preprocess import outdir, synthetic
+from devtools import synthetic
+from preprocess import outdir
 from preprocess.__main__ import main
 from preprocess.check import check
 from preprocess.remote import AT_START, publish, staging_dir

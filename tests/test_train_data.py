@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from preprocess import synthetic
+from devtools import synthetic
 from preprocess.check import check
 from shardformat.keys import parse_key
 from shardformat.manifest import ShardFormatError

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from preprocess import synthetic
+from devtools import synthetic
 from shardformat.members import checksum, npy_bytes
 from shardformat.shard import ShardRecord, json_path
 from tests.conftest import tiny_model

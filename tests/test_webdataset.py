@@ -11,7 +11,7 @@ import torch
 import webdataset as wds
 import wids
 
-from preprocess import synthetic
+from devtools import synthetic
 from shardformat import ShardFormatError, webdataset_decoder
 from shardformat.manifest import Manifest
 from shardformat.shard import ShardRecord, json_path
