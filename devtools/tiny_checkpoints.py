@@ -12,7 +12,8 @@ OUT/
   clip/image_encoder/                           same vision weights, transformers CLIPVisionModelWithProjection
 
 Same architectures and key names as the released weights, small widths (latent channels, patch 14 and image 224
-stay real so normalization constants and preprocessing paths are the real ones). Deterministic.
+stay real so normalization constants and preprocessing paths are the real ones). The CLIP keeps ViT-H/14's width,
+1280 x 257 features, so a DiT trained on its shards loads in the official code. Deterministic.
 
 size="full" writes the VAEs and CLIP at their released widths instead (random weights, for throughput
 benchmarks of the real loading and encoding code; ~3 GB); the umT5 encoder stays small, since the unit stage
@@ -105,8 +106,9 @@ def write_clip(out: Path, seed: int, full: bool = False) -> None:
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
     folder = out / "clip"
-    small = {"hidden_size": 160, "intermediate_size": 320, "num_hidden_layers": 3, "num_attention_heads": 2,
-             "projection_dim": 24}
+    # ViT-H/14's width, patch, image and head count (the official DiT projects 257 x 1280 features; Wan's file
+    # implies 16 heads), two blocks so the kept one runs, a narrow MLP and projection: ~16 M parameters
+    small = {"intermediate_size": 320, "num_hidden_layers": 2, "projection_dim": 24}
     config = CLIPVisionConfig(**{**VIT_H_14, **({} if full else small)})
     model = CLIPVisionModelWithProjection(config)
     randomize(model, seed)

@@ -15,10 +15,10 @@ def frames(b=3, seed=0):
 def test_formats_shapes_batch_invariance(tiny_checkpoints):
     wan = load_image_encoder(tiny_checkpoints / WAN_FILE)
     folder = load_image_encoder(tiny_checkpoints / "clip" / "image_encoder")
-    assert len(wan.model.encoder.layers) == 2  # 3 blocks in the file, the last one dropped (penultimate output)
+    assert len(wan.model.encoder.layers) == 1  # 2 blocks in the file, the last one dropped (penultimate output)
     x = frames()
     out = wan.encode(x)
-    assert out.shape == (3, 257, 160) and out.dtype == torch.bfloat16  # real model: [257, 1280]
+    assert out.shape == (3, 257, 1280) and out.dtype == torch.bfloat16  # the real model's, which the official DiT takes
     assert torch.equal(out, folder.encode(x))
     torch.testing.assert_close(out.float(), wan.encode(x, batch_size=1).float(), atol=0.05, rtol=0.02)
     assert torch.equal(out, wan.encode(x))
@@ -35,7 +35,7 @@ def test_preprocessing_and_penultimate_block(tiny_checkpoints):
     full = CLIPVisionModelWithProjection.from_pretrained(str(tiny_checkpoints / "clip" / "image_encoder")).eval()
     with torch.no_grad():
         hidden = full(pixel_values=pixels, output_hidden_states=True).hidden_states
-    torch.testing.assert_close(enc.encode(x), hidden[-2], atol=1e-5, rtol=1e-5)  # after block 2 of 3, no final LN
+    torch.testing.assert_close(enc.encode(x), hidden[-2], atol=1e-5, rtol=1e-5)  # after block 1 of 2, no final LN
 
 
 def test_strict_errors(tiny_checkpoints, tmp_path):
@@ -47,6 +47,6 @@ def test_strict_errors(tiny_checkpoints, tmp_path):
     with pytest.raises(WeightsError) as err:
         load_image_encoder(tmp_path / "clip.pth")
     assert str(err.value) == (f"{tmp_path / 'clip.pth'}: missing keys: visual.post_norm.bias; unexpected keys: "
-                              "visual.extra; wrong shapes: visual.transformer.0.attn.to_qkv.bias (7,) != (480,)")
+                              "visual.extra; wrong shapes: visual.transformer.0.attn.to_qkv.bias (7,) != (3840,)")
     with pytest.raises(WeightsError, match="this file is a Wan2.2 VAE38 .* but the image encoder needs"):
         load_image_encoder(tiny_checkpoints / "wan2.2" / "Wan2.2_VAE.pth")

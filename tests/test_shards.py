@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from preprocess.__main__ import main as preprocess_main
 from preprocess.check import check
 from shardformat.files import sha256_file
 from shardformat.members import decode_members
+from train.export import OFFICIAL_CLIP_DIM
 from tests.conftest import ROOT, build, manifest, shard_samples, shards_cmd
 
 
@@ -165,16 +167,21 @@ def test_check_cli_exit_codes(droid_shards, tmp_path, capsys):
 
 def test_tiny_trainer_runs_on_pipeline_shards(droid_shards, tmp_path):
     """The shards `preprocess shards` writes are what `train/main.py` reads: the tiny preset takes its widths from
-    them; a real preset whose widths differ is refused with the fields named."""
+    them (the tiny CLIP's are the released ones, so the export's CLIP branch is the official shape); a real preset
+    whose widths differ is refused with the fields named."""
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "train/main.py",
            "--data.shards", str(droid_shards), "--metrics.no-progress"]
     out = subprocess.run(run + ["--preset", "tiny", "--steps", "4", "--metrics.interval", "2",
                                 "--checkpoint.dir", str(tmp_path / "tiny")], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 4 | loss" in out.stdout
-    assert (tmp_path / "tiny" / "export" / "model.safetensors").is_file()
+    export = tmp_path / "tiny" / "export" / "model.safetensors"
+    with safe_open(export, "pt") as f:  # the official DiT projects CLIP features from ViT-H/14's width
+        assert f.get_slice("img_emb.proj.1.weight").get_shape() == [OFFICIAL_CLIP_DIM, OFFICIAL_CLIP_DIM]
+    assert "official loader stops" not in out.stdout + out.stderr
     refused = subprocess.run(run + ["--preset", "droid-5b", "--checkpoint.dir", str(tmp_path / "5b")], cwd=ROOT,
                              capture_output=True, text=True)
     assert refused.returncode != 0
-    assert "does not fit --model.name droid-5b: image_dim: model 1280, shards 160, text_dim: model 4096, shards 32" in (
-        refused.stdout + refused.stderr)
+    said = refused.stdout + refused.stderr
+    assert "does not fit --model.name droid-5b: text_dim: model 4096, shards 32" in said
+    assert "image_dim" not in said  # the tiny CLIP gives the released 1280-wide features
