@@ -27,7 +27,7 @@ from tests.conftest import build
 from train.builder import model_config
 from train.config import DataConfig, ShardSet, file_config, parse_args, save_config
 from train.curves import plot
-from train.data import SampleReader, ShardLoader, SetDraws, open_sets
+from train.data import SampleReader, ShardLoader, SetDraws, open_sets, set_names
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -39,6 +39,12 @@ def libero_shards(tmp_path_factory, libero_root, tiny_checkpoints) -> Path:
     out = tmp_path_factory.mktemp("shards") / "libero"
     build(libero_root, out, "libero", tiny_checkpoints)
     return out
+
+
+def test_sets_are_named_after_their_folders_and_a_validation_split_after_its_build():
+    sets = [ShardSet(p) for p in ("/d/droid", "s3://b/libero/", "/d/droid/val", "/d/libero/val", "/x/droid")]
+    assert set_names(sets) == ["droid-0", "libero", "droid-val", "libero-val", "droid-4"]
+    assert set_names([ShardSet("val")]) == ["val"]
 
 
 def _data(droid, libero, weights=(3.0, 1.0), **kw) -> DataConfig:

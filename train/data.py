@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from shardformat.layout import ACTION, LATENTS, MANIFEST, STATE, Y
+from shardformat.layout import ACTION, LATENTS, MANIFEST, STATE, VAL_DIR, Y
 from shardformat.manifest import ShardFormatError
 from shardformat.stats import normalize_q99, pad_with_mask
 from shardformat.index import ShardIndex, ShardReader, Window
@@ -101,8 +101,15 @@ class SetDraws:
 
 
 def set_names(sets: Sequence[ShardSet]) -> list[str]:
-    """Short names of a mixture's sets for metrics: the folder name, with its position where two share one."""
-    base = [str(s.shards).rstrip("/").rsplit("/", 1)[-1] or f"set{i}" for i, s in enumerate(sets)]
+    """Short names of a mixture's sets for metrics: the folder name (a validation split's: `<build>-val`), with its
+    position where two share one."""
+    def name(i: int, s: ShardSet) -> str:
+        parts = str(s.shards).rstrip("/").rsplit("/", 2)
+        if parts[-1] == VAL_DIR and len(parts) > 1 and parts[-2]:
+            return f"{parts[-2]}-{VAL_DIR}"
+        return parts[-1] or f"set{i}"
+
+    base = [name(i, s) for i, s in enumerate(sets)]
     return [b if base.count(b) == 1 else f"{b}-{i}" for i, b in enumerate(base)]
 
 
