@@ -40,7 +40,7 @@ def train(cfg: Config) -> dict:
     model, optimizer, state = run.model, run.optimizer, run.state
     # periodic evaluations after an optimizer step, each (interval in steps, 0 = off; collective hook(step))
     evaluations: list[tuple[int, Callable[[int], None]]] = []
-    probe = ActionProbe.from_config(cfg, model.cfg, rank, world, device, run.image_encoder)
+    probe = ActionProbe.from_config(cfg, model.cfg, rank, world, device, run.loader.indexes, run.image_encoder)
     if probe is not None:  # the open-loop action error (train/sample.py)
         evaluations.append((cfg.metrics.action_interval, lambda step: metrics.record(probe(model, step))))
     start, end = state.step, min(cfg.steps, state.step + cfg.stop_after) if cfg.stop_after else cfg.steps

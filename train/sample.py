@@ -291,16 +291,16 @@ class ActionProbe:
         self.rank, self.world, self.device, self.image_encoder = rank, world, device, image_encoder
 
     @classmethod
-    def from_config(cls, cfg, model_cfg: DiTConfig, rank: int, world: int, device, image_encoder=None):
+    def from_config(cls, cfg, model_cfg: DiTConfig, rank: int, world: int, device, indexes, image_encoder=None):
         """None when --metrics.action-interval is 0; else on --metrics.action-shards (default: each set's validation
-        split, else the set)."""
+        split, else the set; `indexes`: the run's open set indexes, which name the splits)."""
         from train.validate import val_dir
 
         m = cfg.metrics
         if not m.action_interval:
             return None
         sets = [str(s.shards) for s in cfg.data.sets()]
-        dirs = list(m.action_shards) or [val_dir(s, open_index(s, cfg.data.cache_dir)) or s for s in sets]
+        dirs = list(m.action_shards) or [val_dir(s, index) or s for s, index in zip(sets, indexes)]
         return cls(dirs, model_cfg, m.action_samples, rank, world, device, image_encoder,
                    cache_dir=cfg.data.cache_dir)
 
