@@ -1,7 +1,7 @@
 """Where units run: in this process, in a local process pool, streamed through long-lived encoder processes
 (preprocess.stream), or as Ray tasks feeding Ray encoder actors (array jobs pick their units in the CLI and use one of
 these). Every executor
-encodes the same batches of the same (job, unit, episodes), so the choice never changes the output bytes.
+encodes the same batches of the same (spec, unit, episodes), so the choice never changes the output bytes.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Iterator, Literal, NoReturn
 
-from preprocess.pipeline import Job, process_unit
+from preprocess.pipeline import process_unit
+from preprocess.spec import BuildSpec
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def run_units(job: Job, units: dict[int, list[int]], executor: Literal["stream", "local", "ray"], workers: int,
-              ray_address: str | None = None) -> Iterator[dict]:
+def run_units(spec: BuildSpec, units: dict[int, list[int]], executor: Literal["stream", "local", "ray"],
+              workers: int, ray_address: str | None = None) -> Iterator[dict]:
     """Process {unit: episodes}; yields each unit's record as it finishes. An error (e.g. a bad episode with
     --fail-fast) cancels the units not yet started and propagates."""
     if not units:
@@ -28,23 +29,23 @@ def run_units(job: Job, units: dict[int, list[int]], executor: Literal["stream",
     if executor == "stream":
         from preprocess.stream import run_stream
 
-        yield from run_stream(job, units, workers)
+        yield from run_stream(spec, units, workers)
     elif executor == "ray":
         from preprocess.stream import run_ray
 
-        yield from run_ray(job, units, ray_address)
+        yield from run_ray(spec, units, ray_address)
     elif workers <= 1:
         for unit, episodes in units.items():
-            yield process_unit(job, unit, episodes)
+            yield process_unit(spec, unit, episodes)
     else:
-        yield from _pool(job, units, workers)
+        yield from _pool(spec, units, workers)
 
 
-def _pool(job: Job, units: dict[int, list[int]], workers: int) -> Iterator[dict]:
+def _pool(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> Iterator[dict]:
     # spawn: torch and the decoders are not fork-safe
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
-        futures = [pool.submit(process_unit, job, unit, episodes) for unit, episodes in units.items()]
+        futures = [pool.submit(process_unit, spec, unit, episodes) for unit, episodes in units.items()]
         try:
             for future in as_completed(futures):
                 yield future.result()

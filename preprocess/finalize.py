@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from preprocess import write
 from preprocess.lerobot import LeRobotDataset
-from preprocess.pipeline import VAE_OF_MODEL, Job
+from preprocess.pipeline import VAE_OF_MODEL
+from preprocess.spec import BuildSpec
 from preprocess.validation import HELD_OUT, split_indexes
 from shardformat.embodiments import get_embodiment
 from shardformat.files import atomic_write_bytes, atomic_writer, sha256_file
@@ -21,54 +22,48 @@ from shardformat.manifest import ShardFormatError, build_manifest
 from shardformat.text import write_text_table
 
 
-def finalize(job: Job, units: list[list[int]]) -> dict:
+def finalize(spec: BuildSpec, units: list[list[int]]) -> dict:
     """Shards, text table, statistics and manifest from the finished units; returns the training split's manifest.
-    With held-out episodes (`job.val_episodes`), their samples go into the validation split OUT/val, a sealed shard
+    With held-out episodes (`spec.held_out`), their samples go into the validation split OUT/val, a sealed shard
     directory of its own (the same text table and statistics), written before the training split's manifest."""
-    out = Path(job.out)
+    out = Path(spec.out)
     missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
     if missing:
         raise SystemExit(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not done")
     indexes = [write.read_unit_index(out, u) for u in range(len(units))]
     prompts = {pid: text for idx in indexes for pid, text in idx["prompts"].items()}
     failures = [f for idx in indexes for f in idx["failures"]]
-    shared = {"text_table": encode_text_table(out, prompts, job), "statistics": write_statistics(out, job, failures)}
-    if not job.val_episodes:
-        return write_split(out, indexes, job, units, shared)
-    train, val = split_indexes(indexes, list(job.val_episodes))
-    held = {"choice": job.val_choice, "episodes": list(job.val_episodes)}
+    shared = {"text_table": encode_text_table(out, prompts, spec), "statistics": write_statistics(out, spec, failures)}
+    if not spec.held_out:
+        return write_split(out, indexes, spec, units, shared)
+    train, val = split_indexes(indexes, list(spec.held_out))
+    held = {"choice": spec.val_episodes, "episodes": list(spec.held_out)}
     val_dir = out / VAL_DIR
     val_dir.mkdir(exist_ok=True)
     for name in (shared["text_table"]["file"], shared["text_table"]["prompts"], shared["statistics"]["file"]):
         (val_dir / name).parent.mkdir(parents=True, exist_ok=True)
         with open(out / name, "rb") as src, atomic_writer(val_dir / name) as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
-    write_split(val_dir, val, job, units, shared, {"split": "val", **held})
-    return write_split(out, train, job, units, shared, {"split": "train", **held, "val_dir": VAL_DIR})
+    write_split(val_dir, val, spec, units, shared, {"split": "val", **held})
+    return write_split(out, train, spec, units, shared, {"split": "train", **held, "val_dir": VAL_DIR})
 
 
-def write_split(out: Path, indexes: list[dict], job: Job, units: list[list[int]], shared: dict,
+def write_split(out: Path, indexes: list[dict], spec: BuildSpec, units: list[list[int]], shared: dict,
                 validation: dict | None = None) -> dict:
     """The shards of the samples of `indexes` in `out`, then its manifest (`shared`: the text table and statistics
     blocks, whose files lie in `out`); returns the manifest."""
-    shards = write_shards(out, indexes, job)
-    emb = get_embodiment(job.embodiment)
-    ds = LeRobotDataset(job.src)
+    shards = write_shards(out, indexes, spec)
+    emb = get_embodiment(spec.embodiment)
+    ds = LeRobotDataset(spec.src)
+    stated = spec.manifest_fields()
+    stated["transform"] |= {"view_hw": list(emb.view_size(spec.model)), "vae_variant": VAE_OF_MODEL[spec.model],
+                            "target_hw": list(emb.preset(spec.model).target_hw)}
     try:
         manifest = build_manifest(
-            indexes, shards,
-            source={"root": job.src, "fingerprint": job.inputs["src"], "codebase_version": ds.version,
+            indexes, shards, **stated,
+            source={"root": spec.src, "fingerprint": spec.digests["src"], "codebase_version": ds.version,
                     "episodes": sum(len(u) for u in units), "fps": ds.fps},
-            dataset=job.dataset, embodiment=job.embodiment, model=job.model,
             modality_keys={"state": list(emb.state_keys), "action": list(emb.action_keys)},
-            transform={"anchor_stride": job.anchor_stride, "augment_variants": job.augment_variants,
-                       "view_hw": list(emb.view_size(job.model)), "target_hw": list(emb.preset(job.model).target_hw),
-                       "vae_variant": VAE_OF_MODEL[job.model], "decode_backend": job.decode_backend,
-                       "threads_per_worker": job.threads},
-            encoders={**{name: {"path": getattr(job, name), "sha256": job.inputs[name]}
-                         for name in ("vae", "image_encoder", "text_encoder", "tokenizer")}, "dtype": job.dtype},
-            image_features=job.image_features,
-            samples_per_shard=job.samples_per_shard, seed=job.seed, compress=job.compress,
             validation=validation or {}, **shared)
     except ShardFormatError as err:
         raise SystemExit(f"cannot finalize {out}: {err}") from None
@@ -76,43 +71,44 @@ def write_split(out: Path, indexes: list[dict], job: Job, units: list[list[int]]
     return manifest.to_dict()
 
 
-def write_shards(out: Path, indexes: list[dict], job: Job) -> list[dict]:
+def write_shards(out: Path, indexes: list[dict], spec: BuildSpec) -> list[dict]:
     """All samples of `indexes` in one seeded permutation, cut into shards in `out` (the build's directory or its
     validation split); a shard already written with its planned keys is kept. Returns their records
     (shardformat.shard)."""
     records = []
-    for shard, refs in enumerate(tqdm(write.plan_shards(indexes, job.samples_per_shard, job.seed), desc="shards",
+    for shard, refs in enumerate(tqdm(write.plan_shards(indexes, spec.samples_per_shard, spec.seed), desc="shards",
                                       unit="shard")):
         done = write.shard_done(out, shard)
         if done is None or done["keys"] != [r.key for r in refs]:
-            done = write.write_shard(Path(job.out), shard, refs, into=out)
+            done = write.write_shard(Path(spec.out), shard, refs, into=out)
         records.append(done)
     return records
 
 
-def encode_text_table(out: Path, prompts: dict[str, str], job: Job) -> dict:
+def encode_text_table(out: Path, prompts: dict[str, str], spec: BuildSpec) -> dict:
     """umT5 output per unique prompt, trimmed to its token count, written as the shard directory's text table."""
     from encoders.text_encoder import load_text_encoder
 
     ids = sorted(prompts)
-    encoder = load_text_encoder(job.text_encoder, job.tokenizer, device=job.device, dtype=getattr(torch, job.dtype))
+    dtype = getattr(torch, spec.dtype)
+    encoder = load_text_encoder(spec.text_encoder, spec.tokenizer, device=spec.device, dtype=dtype)
     with torch.inference_mode():
         embeddings = encoder.encode([prompts[i] for i in ids])
     return write_text_table(out, prompts, dict(zip(ids, embeddings)))
 
 
-def write_statistics(out: Path, job: Job, failures: list[dict]) -> dict:
+def write_statistics(out: Path, spec: BuildSpec, failures: list[dict]) -> dict:
     """metadata.json: --metadata's copy, or computed without the episodes the units could not use, the held-out
     episodes (--val-episodes: the statistics are the training split's) and any other episode whose rows are
     unusable, each listed with its reason. Returns the manifest entry."""
     from preprocess.stats import build_metadata, write_metadata
 
     path, excluded = out / STATISTICS, []
-    if job.metadata is not None:
-        atomic_write_bytes(path, Path(job.metadata).read_bytes())
+    if spec.metadata is not None:
+        atomic_write_bytes(path, Path(spec.metadata).read_bytes())
     else:
-        write_metadata(path, build_metadata([Path(job.src)], get_embodiment(job.embodiment),
-                                            exclude={**{e: HELD_OUT for e in job.val_episodes},
+        write_metadata(path, build_metadata([Path(spec.src)], get_embodiment(spec.embodiment),
+                                            exclude={**{e: HELD_OUT for e in spec.held_out},
                                                      **{f["episode"]: f["reason"] for f in failures}},
                                             skipped=excluded))
     return {"file": STATISTICS, "sha256": sha256_file(path), "excluded": excluded}

@@ -1,11 +1,11 @@
 """The output directory: one run holds it at a time, and it only ever holds one build.
 
 A run holds an exclusive flock on OUT/.lock for its whole life (array jobs a shared one: together they build one
-output); the kernel releases it however the process ends. What the build is made from (the source's fingerprint,
-every argument that changes output bytes, the encoders' sha256) is recorded in OUT/inputs.json before any unit,
-and in every unit's JSON. A run whose inputs differ from those recorded refuses to start, naming each difference,
-instead of mixing two builds in one directory; `--overwrite` deletes the old build (its units only where they
-differ) first.
+output); the kernel releases it however the process ends. What the build is made from (preprocess.spec: the
+source's fingerprint, every argument that changes output bytes, the encoders' sha256) is recorded in OUT/inputs.json
+before any unit, and the part that changes a unit's bytes in every unit's JSON. A run whose inputs differ from those
+recorded refuses to start, naming each difference, instead of mixing two builds in one directory; `--overwrite`
+deletes the old build (its units only where they differ) first.
 
 A run deletes or replaces only files of a build, never a file someone else put in OUT (`ownership`). The names a
 build writes are inputs.json, manifest.json, wids.json, metadata.json, text/embeddings.safetensors,
@@ -27,14 +27,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from preprocess.spec import BuildSpec
 from shardformat.files import atomic_write_json, fsync_dir, is_temporary, lock_directory, temporary_path
 from shardformat.layout import (INPUTS, MANIFEST, SHARD_NAME, STATISTICS, TEXT_PROMPTS, TEXT_TABLE, UNIT_NAME,
                                 VAL_DIR, WIDS_INDEX, WORK_DIR)
 from shardformat.manifest import ShardFormatError, parse_sealed_json
 
 LOCK = ".lock"
-# Inputs that change only the finalize stage (shards, text table, statistics); the rest change the units too.
-FINALIZE_INPUTS = ("samples_per_shard", "text_encoder", "tokenizer", "metadata", "val_episodes")
 SPLIT_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TEXT_TABLE, TEXT_PROMPTS)  # a split's finalize outputs, manifest first
 FIXED_NAMES = SPLIT_NAMES + tuple(f"{VAL_DIR}/{name}" for name in SPLIT_NAMES)  # the training split's, then val/'s
 # the shards (of either split), the units and their JSONs
@@ -127,13 +126,6 @@ def fingerprint(root: Path) -> str:
     return digest.hexdigest()
 
 
-def unit_inputs(inputs: dict) -> dict:
-    """The inputs that change a unit's bytes: all but the finalize-only ones, and the seed only with augmentation
-    (without, it only permutes the shards)."""
-    drop = FINALIZE_INPUTS + (() if inputs["augment_variants"] else ("seed",))
-    return {k: v for k, v in inputs.items() if k not in drop}
-
-
 def differences(recorded: dict, inputs: dict) -> list[str]:
     """`--flag: old -> new` for every input that differs."""
     return [f"--{k.replace('_', '-')}: {_show(recorded.get(k))} -> {_show(inputs.get(k))}"
@@ -154,17 +146,17 @@ def conflicts(out: Path, inputs: dict) -> tuple[list[str], bool]:
     if recorded.is_file():
         old = json.loads(recorded.read_text())
         problems += differences(old, inputs)
-        units_differ = unit_inputs(old) != unit_inputs(inputs)
+        units_differ = BuildSpec.unit_inputs(old) != BuildSpec.unit_inputs(inputs)
     elif (out / MANIFEST).is_file():
         problems.append(f"{out / MANIFEST} has no {INPUTS} beside it (an older wampipe wrote it)")
-    expected = unit_inputs(inputs)
+    expected = BuildSpec.unit_inputs(inputs)
     for index in sorted((out / WORK_DIR).glob("unit-*.json")):  # also catches units copied in from elsewhere
         old = json.loads(index.read_text()).get("inputs")
         if old is None:
             problems.append(f"{index} records no inputs (an older wampipe wrote it)")
             units_differ = True
             continue
-        old = unit_inputs(old)
+        old = BuildSpec.unit_inputs(old)
         problems += differences(old, expected)
         units_differ |= old != expected
     return list(dict.fromkeys(problems)), units_differ

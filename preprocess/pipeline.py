@@ -19,8 +19,8 @@ import torch
 from preprocess import write
 from preprocess.errors import DatasetError
 from preprocess.lerobot import LeRobotDataset
-from preprocess.outdir import unit_inputs
 from preprocess.prompts import prompt_id, window_prompts
+from preprocess.spec import BuildSpec
 from preprocess.state_action import columns_for, slice_keys, window_state_action
 from preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
 from preprocess.windows import episode_windows
@@ -31,38 +31,6 @@ from shardformat.members import encode_sample
 
 # Which Wan VAE a model recipe uses; the 14B's (wan2.1) also needs the first-frame input y.
 VAE_OF_MODEL = {"5b": "wan2.2", "5b-wan22": "wan2.2", "14b": "wan2.1"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Job:
-    """Everything a build needs, picklable for worker processes and Ray."""
-
-    src: str
-    out: str
-    dataset: str
-    embodiment: str
-    model: str
-    vae: str
-    image_encoder: str
-    text_encoder: str
-    tokenizer: str
-    metadata: str | None  # a statistics file to copy instead of computing one
-    device: str
-    dtype: str
-    threads: int  # torch threads per unit: float reductions, and so the stored bits, depend on it
-    batch_size: int
-    anchor_stride: int
-    augment_variants: int
-    seed: int
-    compress: str
-    decode_backend: str
-    samples_per_shard: int
-    fail_fast: bool
-    inputs: dict  # what the build is made from (preprocess.outdir); units record their part in their JSON
-    image_features: str = "encoded"  # encoded: CLIP's features; pixels: the tower's input (the trainer runs CLIP)
-    vae_compile: bool = False  # torch.compile the VAE encoder (encoders.vae.WanVAE.compile)
-    val_choice: str | None = None  # --val-episodes as given
-    val_episodes: tuple[int, ...] = ()  # the episodes it holds out: finalize writes them to the validation split
 
 
 @dataclass
@@ -84,12 +52,12 @@ def _variant_seed(*parts: int) -> int:
 # ---------------------------------------------------------------- CPU: decode, windows, views
 
 
-def episode_samples(job: Job, ds: LeRobotDataset, emb: Embodiment, index: int) -> Iterator[WindowSample]:
+def episode_samples(spec: BuildSpec, ds: LeRobotDataset, emb: Embodiment, index: int) -> Iterator[WindowSample]:
     """Every window x variant of one episode (none if it is shorter than a window); raises DatasetError."""
     state_cols = columns_for(ds.modality.state, emb.state_keys)
     action_cols = columns_for(ds.modality.action, emb.action_keys)
     episode = ds.episode(index, columns=list(dict.fromkeys(state_cols + action_cols)))
-    windows = episode_windows(episode.length, emb.window, job.anchor_stride)
+    windows = episode_windows(episode.length, emb.window, spec.anchor_stride)
     if not windows:
         return
     states = slice_keys(episode, ds.modality.state, emb.state_keys)
@@ -97,40 +65,41 @@ def episode_samples(job: Job, ds: LeRobotDataset, emb: Embodiment, index: int) -
     needed = np.unique(np.concatenate([w.video_rows for w in windows]))
     position = np.full(episode.length, -1, np.int64)
     position[needed] = np.arange(len(needed))
-    frames = np.stack([episode.cameras[c].read(needed, backend=job.decode_backend) for c in emb.cameras])
+    frames = np.stack([episode.cameras[c].read(needed, backend=spec.decode_backend) for c in emb.cameras])
     height, width = frames.shape[2:4]
     model_video = None
-    if not job.augment_variants:  # one deterministic, per-frame transform: apply it to each frame once per episode
+    if not spec.augment_variants:  # one deterministic, per-frame transform: apply it to each frame once per episode
         params = eval_params(height, width)
-        model_video = episode_model_video(episode_canvas(frames, emb, job.model, params), emb.preset(job.model).target_hw)
+        canvas = episode_canvas(frames, emb, spec.model, params)
+        model_video = episode_model_video(canvas, emb.preset(spec.model).target_hw)
     for window in windows:
         state, action = window_state_action(states, actions, window, emb)
         prompts = window_prompts(episode, window.start, emb)
         rows = position[window.video_rows]
-        for variant in range(max(1, job.augment_variants)):
+        for variant in range(max(1, spec.augment_variants)):
             if model_video is not None:
                 video = model_video[:, rows]
             else:
-                generator = torch.Generator().manual_seed(_variant_seed(job.seed, index, window.start, variant))
-                video, _, params = sample_video(list(frames[:, rows]), emb, job.model, generator=generator)
+                generator = torch.Generator().manual_seed(_variant_seed(spec.seed, index, window.start, variant))
+                video, _, params = sample_video(list(frames[:, rows]), emb, spec.model, generator=generator)
             meta = {
-                "dataset": job.dataset, "embodiment": emb.tag, "episode": index, "window_start": window.start,
+                "dataset": spec.dataset, "embodiment": emb.tag, "episode": index, "window_start": window.start,
                 "anchor_multiplicity": window.weight, "variant": variant, "augmentation": params,
-                "prompt_ids": {c: prompt_id(p) for c, p in prompts.items()}, "model": job.model,
+                "prompt_ids": {c: prompt_id(p) for c, p in prompts.items()}, "model": spec.model,
             }
-            yield WindowSample(sample_key(job.dataset, index, window.start, variant), video,
+            yield WindowSample(sample_key(spec.dataset, index, window.start, variant), video,
                                {STATE: state, ACTION: action}, meta, prompts)
 
 
-def unit_samples(job: Job, episodes: list[int], report: dict) -> Iterator[WindowSample]:
+def unit_samples(spec: BuildSpec, episodes: list[int], report: dict) -> Iterator[WindowSample]:
     """The samples of a unit's episodes. A bad episode is left out (unless --fail-fast) and, like one shorter than
     a window, recorded with its reason in `report`, which also collects the encoded episodes and their prompts."""
-    ds, emb = LeRobotDataset(job.src), get_embodiment(job.embodiment)
+    ds, emb = LeRobotDataset(spec.src), get_embodiment(spec.embodiment)
     for index in episodes:
         try:
-            produced = list(episode_samples(job, ds, emb, index))  # whole episodes only: a failure leaves no part
+            produced = list(episode_samples(spec, ds, emb, index))  # whole episodes only: a failure leaves no part
         except DatasetError as err:
-            if job.fail_fast:
+            if spec.fail_fast:
                 raise
             report["failures"].append({"episode": index, "reason": str(err)})
             continue
@@ -149,21 +118,21 @@ def unit_samples(job: Job, episodes: list[int], report: dict) -> Iterator[Window
 
 
 class Encoders:
-    """The unit-side frozen encoders (VAE, CLIP) on the job's device. With `--image-features pixels` only CLIP's
+    """The unit-side frozen encoders (VAE, CLIP) on the spec's device. With `--image-features pixels` only CLIP's
     preprocessing runs: its output, the exact tensor the tower consumes, is stored in the compute dtype."""
 
-    def __init__(self, job: Job):
+    def __init__(self, spec: BuildSpec):
         from encoders.image_encoder import load_image_encoder
         from encoders.vae import load_vae
 
-        self.device, self.dtype = torch.device(job.device), getattr(torch, job.dtype)
-        self.vae = load_vae(job.vae, variant=VAE_OF_MODEL[job.model], device=job.device, dtype=self.dtype)
-        if job.vae_compile:
-            self.vae.compile(job.batch_size)
-        self.image_member = IMAGE_MEMBER[job.image_features]
-        tower_device = job.device if self.image_member == CLIP else "meta"  # pixels: no CLIP weight is needed
-        self.clip = load_image_encoder(job.image_encoder, device=tower_device, dtype=self.dtype)
-        self.needs_y = VAE_OF_MODEL[job.model] == "wan2.1"
+        self.device, self.dtype = torch.device(spec.device), getattr(torch, spec.dtype)
+        self.vae = load_vae(spec.vae, variant=VAE_OF_MODEL[spec.model], device=spec.device, dtype=self.dtype)
+        if spec.vae_compile:
+            self.vae.compile(spec.batch_size)
+        self.image_member = IMAGE_MEMBER[spec.image_features]
+        tower_device = spec.device if self.image_member == CLIP else "meta"  # pixels: no CLIP weight is needed
+        self.clip = load_image_encoder(spec.image_encoder, device=tower_device, dtype=self.dtype)
+        self.needs_y = VAE_OF_MODEL[spec.model] == "wan2.1"
 
     def __call__(self, videos_bcthw: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.run(self.prepare(videos_bcthw))
@@ -217,16 +186,16 @@ def _encode_batch(encoders: Encoders, batch: list[WindowSample], compress: str):
 # ---------------------------------------------------------------- one unit
 
 
-def unit_report(job: Job, episodes: list[int]) -> dict:
+def unit_report(spec: BuildSpec, episodes: list[int]) -> dict:
     """A unit's JSON record before its samples: `unit_samples` fills in what became of each episode."""
     return {"episodes": episodes, "failures": [], "skipped": [], "prompts": {}, "encoded": [],
-            "inputs": unit_inputs(job.inputs)}
+            "inputs": BuildSpec.unit_inputs(spec.inputs())}
 
 
-def process_unit(job: Job, unit: int, episodes: list[int]) -> dict:
+def process_unit(spec: BuildSpec, unit: int, episodes: list[int]) -> dict:
     """Decode, transform and encode the unit's episodes; spill its samples. Returns the unit's JSON record."""
-    torch.set_num_threads(job.threads)
-    report = unit_report(job, episodes)
-    samples = encode_samples(Encoders(job), unit_samples(job, episodes, report), job.batch_size, job.compress)
+    torch.set_num_threads(spec.threads_per_worker)
+    report = unit_report(spec, episodes)
+    samples = encode_samples(Encoders(spec), unit_samples(spec, episodes, report), spec.batch_size, spec.compress)
     # write_unit stores `report` after draining `samples`, so it holds the outcome of every episode
-    return write.write_unit(Path(job.out), unit, samples, report)
+    return write.write_unit(Path(spec.out), unit, samples, report)

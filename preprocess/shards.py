@@ -11,9 +11,11 @@ it on; `make shards` with no SRC uses them). Work is cut into units of whole epi
 preprocess.pipeline); units run here, in a process pool or on Ray (preprocess.executors) and spill their samples
 under OUT/work/; the finalize stage (preprocess.finalize) mixes all samples into shards of --samples-per-shard with
 one seeded permutation, encodes each unique prompt once, writes the statistics and finally manifest.json.
-Re-running skips finished units and shards; two runs with the same inputs give byte-identical shards. One run holds
-OUT at a time, and a run with other inputs than those OUT was built from refuses to start (preprocess.outdir). Bad
-arguments and unusable weights stop the run before any decoding. See docs/FORMAT.md for the format.
+Re-running skips finished units and shards; two runs with the same inputs give byte-identical shards. The flags that
+decide the output bytes become one build spec (preprocess.spec), which every stage reads and which names the build's
+inputs. One run holds OUT at a time, and a run with other inputs than those OUT was built from refuses to start
+(preprocess.outdir). Bad arguments and unusable weights stop the run before any decoding. See docs/FORMAT.md for the
+format.
 """
 
 from __future__ import annotations
@@ -24,20 +26,17 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from tqdm import tqdm
 
 import configs
 from preprocess import outdir, remote, write
 from preprocess.lerobot import LeRobotDataset
+from preprocess.spec import ENCODERS, BuildSpec
 from preprocess.validation import HELD_OUT, canonical, held_out
 from shardformat.embodiments import get_embodiment
-from shardformat.files import sha256_file
 from shardformat.layout import VAL_DIR
-
-if TYPE_CHECKING:  # the farm (torch and the encoders) is imported by the run, not by `--help`
-    from preprocess.pipeline import Job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +55,6 @@ DatasetName = Literal[tuple(DATASETS)]  # type: ignore[valid-type]
 AT_LEAST = {"batch_size": 1, "workers": 0, "threads_per_worker": 1, "num_units": 1, "unit_index": 0,
             "episodes_per_unit": 1, "anchor_stride": 1, "augment_variants": 0, "samples_per_shard": 1, "seed": 0,
             "max_episodes": 1}
-ENCODERS = ("vae", "image_encoder", "text_encoder", "tokenizer")
 
 
 @dataclass
@@ -229,22 +227,6 @@ def check_weights(args: Args) -> None:
         load_text_encoder(args.text_encoder, args.tokenizer, device="meta")
 
 
-def build_inputs(args: Args, threads: int) -> dict:
-    """What the output is made from (preprocess.outdir): the source's fingerprint, every argument that changes output
-    bytes, and the sha256 of each encoder and of --metadata. Keys are argument names."""
-    import torch
-
-    from encoders.weights import weights_sha256
-
-    same = ("dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend", "dtype",
-            "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes", "samples_per_shard",
-            "val_episodes")
-    hashes = dict(zip(ENCODERS, weights_sha256(*(Path(getattr(args, name)) for name in ENCODERS))))
-    return {"src": outdir.fingerprint(args.src), **{name: getattr(args, name) for name in same},
-            "threads_per_worker": threads, "device": torch.device(args.device).type, **hashes,
-            "metadata": None if args.metadata is None else sha256_file(args.metadata)}
-
-
 # ---------------------------------------------------------------- the run
 
 
@@ -257,15 +239,15 @@ def default_workers(args: Args) -> int:
     return max(1, (os.cpu_count() or 1) - len(encoder_devices(args.device)))
 
 
-def build_units(job: Job, units: list[list[int]], args: Args) -> None:
+def build_units(spec: BuildSpec, units: list[list[int]], args: Args) -> None:
     from preprocess.executors import run_units
 
-    todo = {u: units[u] for u in range(len(units)) if not write.unit_done(Path(job.out), u)
+    todo = {u: units[u] for u in range(len(units)) if not write.unit_done(Path(spec.out), u)
             and (args.num_units is None or u % args.num_units == args.unit_index)}
     bar = tqdm(total=len(todo), desc="units", unit="unit")
     start, samples = time.perf_counter(), 0
     try:
-        for record in run_units(job, todo, args.executor, args.workers, args.ray_address):
+        for record in run_units(spec, todo, args.executor, args.workers, args.ray_address):
             samples += record["count"]
             bar.update(1)
             bar.set_postfix(samples=samples, per_s=f"{samples / (time.perf_counter() - start):.2f}")
@@ -275,7 +257,6 @@ def build_units(job: Job, units: list[list[int]], args: Args) -> None:
 
 def run(args: Args) -> None:
     from preprocess.finalize import finalize
-    from preprocess.pipeline import Job
 
     check_arguments(args)
     args = prepare_defaults(args)
@@ -300,34 +281,26 @@ def run(args: Args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with outdir.hold(args.out, shared=array_job):
         args.workers = args.workers or default_workers(args)
-        threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
+        args.threads_per_worker = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
         hashing = time.perf_counter()
-        inputs = build_inputs(args, threads)
+        spec = BuildSpec.from_args(args, embodiment=emb.tag, held_out=held)
         print(f"start: encoder weights checked in {checked:.1f} s, inputs hashed in {time.perf_counter() - hashing:.1f} s",
               flush=True)
         if url:
             remote.prefetch_remote_state(url, args.out, args.overwrite)
-        outdir.claim(args.out, inputs, args.overwrite)
+        outdir.claim(args.out, spec.inputs(), args.overwrite)
         if url and remote.published(url, args.out):
             print(f"{url} already holds this build")
             return
         if not array_job:  # no other run writes here: what a killed run left half-written can go
             outdir.remove_temporaries(args.out)
-        job = Job(src=str(args.src), out=str(args.out), dataset=args.dataset, embodiment=emb.tag, model=args.model,
-                  **{name: str(getattr(args, name)) for name in ENCODERS},
-                  metadata=None if args.metadata is None else str(args.metadata), device=args.device,
-                  dtype=args.dtype, threads=threads, batch_size=args.batch_size, anchor_stride=args.anchor_stride,
-                  augment_variants=args.augment_variants, seed=args.seed, compress=args.compress,
-                  decode_backend=args.decode_backend, samples_per_shard=args.samples_per_shard,
-                  fail_fast=args.fail_fast, inputs=inputs, image_features=args.image_features,
-                  vae_compile=args.vae_compile, val_choice=args.val_episodes, val_episodes=held)
         print(f"{args.src}: {len(ds)} episodes -> {len(units)} units -> {args.out}")
         if args.stage in ("all", "units"):
-            build_units(job, units, args)
+            build_units(spec, units, args)
         if args.stage == "units" or array_job:
             print("units done; run again with --stage finalize once every unit is finished")
             return
-        manifest = finalize(job, units)
+        manifest = finalize(spec, units)
         if url:
             remote.publish(args.out, url, overwrite=args.overwrite)
     t = manifest["totals"]

@@ -35,7 +35,8 @@ from encoders.weights import WeightsError
 from preprocess import write
 from preprocess.errors import DatasetError
 from preprocess.executors import die_with_parent, leave_child
-from preprocess.pipeline import Encoders, Job, WindowSample, unit_report, unit_samples
+from preprocess.pipeline import Encoders, WindowSample, unit_report, unit_samples
+from preprocess.spec import BuildSpec
 from shardformat.members import encode_sample
 
 IN_FLIGHT = 2  # batches a worker submits before it waits for the oldest one's codes
@@ -52,13 +53,13 @@ def encoder_devices(device: str) -> list[str]:
     return [device]
 
 
-def run_stream(job: Job, units: dict[int, list[int]], workers: int) -> Iterator[dict]:
-    """Process {unit: episodes} with `workers` CPU workers and one encoder process per device of `job.device`;
+def run_stream(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> Iterator[dict]:
+    """Process {unit: episodes} with `workers` CPU workers and one encoder process per device of `spec.device`;
     yields each unit's record as its spill is complete. A failure anywhere stops every process and is raised here."""
     if not units:
         return
     ctx = torch.multiprocessing.get_context("spawn")  # torch and the decoders are not fork-safe
-    devices = encoder_devices(job.device)
+    devices = encoder_devices(spec.device)
     workers = max(1, min(workers, len(units)))
     todo, requests, results = ctx.Queue(), ctx.Queue(maxsize=IN_FLIGHT * max(workers, len(devices))), ctx.Queue()
     replies = [ctx.Queue() for _ in range(workers)]
@@ -68,9 +69,9 @@ def run_stream(job: Job, units: dict[int, list[int]], workers: int) -> Iterator[
         todo.put(None)
     parent = os.getpid()
     started = time.time()
-    encoders = [ctx.Process(target=_encoder_main, args=(job, d, requests, replies, results, parent, started),
+    encoders = [ctx.Process(target=_encoder_main, args=(spec, d, requests, replies, results, parent, started),
                             daemon=True, name=f"encoder-{d}") for d in devices]
-    cpu = [ctx.Process(target=_worker_main, args=(job, w, todo, requests, replies[w], results, parent), daemon=True,
+    cpu = [ctx.Process(target=_worker_main, args=(spec, w, todo, requests, replies[w], results, parent), daemon=True,
                        name=f"cpu-worker-{w}") for w in range(workers)]
     for p in encoders + cpu:
         p.start()
@@ -112,18 +113,18 @@ def _report_failure(results, where: str, err: BaseException) -> None:
     results.put(("error", err))
 
 
-def _encoder_main(job: Job, device: str, requests, replies, results, parent: int, started: float) -> None:
+def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, parent: int, started: float) -> None:
     """Load the encoders once; encode each request's batch and send the codes back to its worker. A thread takes
     the next request and prepares it (CLIP's resize on the host, the copy to the device on a side stream) while the
     device runs the current one, so the device does not wait on the host between batches."""
     die_with_parent(parent)
-    torch.set_num_threads(job.threads)  # a CPU encoder's reductions (and so the stored bits) depend on it
+    torch.set_num_threads(spec.threads_per_worker)  # a CPU encoder's reductions (and so the stored bits) depend on it
     try:
         cuda = device.startswith("cuda")
         if cuda:
             torch.cuda.set_device(device)
         loading = time.time()
-        encoders = Encoders(replace(job, device=device))
+        encoders = Encoders(replace(spec, device=device))
         results.put(("info", f"encoders on {device}: ready {time.time() - started:.1f} s after the start of the "
                              f"workers (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s)"))
         prepared: queue.Queue = queue.Queue(maxsize=1)
@@ -160,20 +161,20 @@ def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bo
         prepared.put(err)
 
 
-def _worker_main(job: Job, worker: int, todo, requests, replies, results, parent: int) -> None:
+def _worker_main(spec: BuildSpec, worker: int, todo, requests, replies, results, parent: int) -> None:
     """Take units until the queue says stop; spill each one with codes from the encoder processes."""
     die_with_parent(parent)
-    torch.set_num_threads(job.threads)  # the views' resize rounds differently with another thread count
+    torch.set_num_threads(spec.threads_per_worker)  # the views' resize rounds differently with another thread count
     try:
         while (item := todo.get()) is not None:
             unit, episodes = item
-            results.put(("unit", _stream_unit(job, unit, episodes, worker, requests, replies)))
+            results.put(("unit", _stream_unit(spec, unit, episodes, worker, requests, replies)))
     except BaseException as err:  # noqa: BLE001
         _report_failure(results, f"CPU worker {worker}", err)
     leave_child(results)  # every request was answered (on failure the run stops every process)
 
 
-def _stream_unit(job: Job, unit: int, episodes: list[int], worker: int, requests, replies) -> dict:
+def _stream_unit(spec: BuildSpec, unit: int, episodes: list[int], worker: int, requests, replies) -> dict:
     counter = itertools.count()
     arrived: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -188,15 +189,15 @@ def _stream_unit(job: Job, unit: int, episodes: list[int], worker: int, requests
             arrived[got] = codes
         return arrived.pop(seq)
 
-    return spill_unit(job, unit, episodes, submit, collect)
+    return spill_unit(spec, unit, episodes, submit, collect)
 
 
-def spill_unit(job: Job, unit: int, episodes: list[int], submit: Callable[[torch.Tensor], Any],
+def spill_unit(spec: BuildSpec, unit: int, episodes: list[int], submit: Callable[[torch.Tensor], Any],
                collect: Callable[[Any], dict[str, torch.Tensor]]) -> dict:
     """One unit's samples in batches of `batch_size` (as `pipeline.encode_samples` cuts them), each sent to an
     encoder with `submit(videos) -> handle` and its codes taken back with `collect(handle)`, IN_FLIGHT batches
     ahead; then the unit's spill. Returns the unit's JSON record."""
-    report = unit_report(job, episodes)
+    report = unit_report(spec, episodes)
     pending: deque[tuple[Any, list[WindowSample]]] = deque()
 
     def finish_oldest() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
@@ -204,18 +205,18 @@ def spill_unit(job: Job, unit: int, episodes: list[int], submit: Callable[[torch
         codes = collect(handle)
         for i, s in enumerate(batch):
             yield s.key, encode_sample(s.key, {**s.tensors, **{k: v[i] for k, v in codes.items()}}, s.meta,
-                                       job.compress)
+                                       spec.compress)
 
     def members() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
-        samples = unit_samples(job, episodes, report)
-        while batch := list(itertools.islice(samples, job.batch_size)):
+        samples = unit_samples(spec, episodes, report)
+        while batch := list(itertools.islice(samples, spec.batch_size)):
             pending.append((submit(torch.stack([s.video for s in batch])), batch))
             if len(pending) >= IN_FLIGHT:
                 yield from finish_oldest()
         while pending:
             yield from finish_oldest()
 
-    return write.write_unit(Path(job.out), unit, members(), report)
+    return write.write_unit(Path(spec.out), unit, members(), report)
 
 
 # ---------------------------------------------------------------- the same stages as Ray actors and tasks
@@ -224,24 +225,24 @@ def spill_unit(job: Job, unit: int, episodes: list[int], submit: Callable[[torch
 class EncoderActor:
     """A Ray actor holding the encoders for the whole run (one per GPU of the cluster, or one on CPU)."""
 
-    def __init__(self, job: Job):
-        torch.set_num_threads(job.threads)
-        self.encoders = Encoders(job)
+    def __init__(self, spec: BuildSpec):
+        torch.set_num_threads(spec.threads_per_worker)
+        self.encoders = Encoders(spec)
 
     def encode(self, videos: torch.Tensor) -> dict[str, torch.Tensor]:
         with torch.inference_mode():
             return self.encoders(videos)
 
 
-def ray_unit(job: Job, unit: int, episodes: list[int], actor) -> dict:
+def ray_unit(spec: BuildSpec, unit: int, episodes: list[int], actor) -> dict:
     """A Ray task: decode, window and transform one unit on CPU, encode its batches on `actor`, spill it."""
     import ray
 
-    torch.set_num_threads(job.threads)
-    return spill_unit(job, unit, episodes, lambda videos: actor.encode.remote(videos), ray.get)
+    torch.set_num_threads(spec.threads_per_worker)
+    return spill_unit(spec, unit, episodes, lambda videos: actor.encode.remote(videos), ray.get)
 
 
-def run_ray(job: Job, units: dict[int, list[int]], address: str | None) -> Iterator[dict]:
+def run_ray(spec: BuildSpec, units: dict[int, list[int]], address: str | None) -> Iterator[dict]:
     """Units as Ray tasks on the cluster's CPUs feeding one encoder actor per GPU (one CPU actor without GPUs)."""
     try:
         import ray
@@ -249,15 +250,15 @@ def run_ray(job: Job, units: dict[int, list[int]], address: str | None) -> Itera
         raise SystemExit("--executor ray needs ray: pip install 'wampipe[ray]'") from None
 
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    gpu = job.device.startswith("cuda")
+    gpu = spec.device.startswith("cuda")
     count = int(ray.cluster_resources().get("GPU", 0)) if gpu else 1
     if count == 0:
         raise SystemExit("--executor ray --device cuda: the Ray cluster has no GPU")
     # a CPU actor asks for no CPU of its own: the unit tasks' CPU requests would otherwise starve it
     actor_cls = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0)(EncoderActor)
-    actors = [actor_cls.remote(job) for _ in range(count)]
-    task = ray.remote(num_cpus=job.threads)(ray_unit)
-    refs = [task.remote(job, unit, episodes, actors[i % count]) for i, (unit, episodes) in enumerate(units.items())]
+    actors = [actor_cls.remote(spec) for _ in range(count)]
+    task = ray.remote(num_cpus=spec.threads_per_worker)(ray_unit)
+    refs = [task.remote(spec, unit, episodes, actors[i % count]) for i, (unit, episodes) in enumerate(units.items())]
     try:
         while refs:
             ready, refs = ray.wait(refs, num_returns=1)

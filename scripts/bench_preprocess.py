@@ -33,8 +33,9 @@ from configs.cli import cli
 from devtools.sample_data import write_sample_dataset
 from devtools.synthetic import SHAPES
 from preprocess.lerobot import LeRobotDataset
-from preprocess.pipeline import Job, episode_samples
+from preprocess.pipeline import episode_samples
 from preprocess.shards import DATASETS
+from preprocess.spec import BuildSpec
 from shardformat.embodiments import get_embodiment
 from shardformat.layout import CLIP, LATENTS, Y, tensor_suffix
 from shardformat.members import encode_sample, split_member_name
@@ -53,14 +54,15 @@ def measure(root: Path, recipe: str) -> dict:
     dataset, model = SHAPES[recipe].dataset, SHAPES[recipe].model
     preset = DATASETS[dataset]
     emb = get_embodiment(preset.embodiment)
-    job = Job(src=str(root), out="", dataset=dataset, embodiment=emb.tag, model=model, vae="", image_encoder="",
-              text_encoder="", tokenizer="", metadata=None, device="cpu", dtype="float32", threads=1, batch_size=1,
-              anchor_stride=1, augment_variants=0, seed=0, compress="auto", decode_backend="torchcodec",
-              samples_per_shard=1, fail_fast=True, inputs={})
+    spec = BuildSpec(src=str(root), dataset=dataset, embodiment=emb.tag, model=model, vae="", image_encoder="",
+                     text_encoder="", tokenizer="", metadata=None, device="cpu", dtype="float32", threads_per_worker=1,
+                     batch_size=1, episodes_per_unit=1, max_episodes=None, anchor_stride=1, augment_variants=0, seed=0,
+                     compress="auto", decode_backend="torchcodec", image_features="encoded", vae_compile=False,
+                     samples_per_shard=1, val_episodes=None, fail_fast=True)
     ds = LeRobotDataset(root)
     samples, start, last = 0, time.perf_counter(), None
     for index in ds.episode_indices:
-        for last in episode_samples(job, ds, emb, index):
+        for last in episode_samples(spec, ds, emb, index):
             samples += 1
     elapsed = time.perf_counter() - start
     key, video, tensors, meta = last.key, last.video, last.tensors, last.meta

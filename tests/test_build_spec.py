@@ -1,0 +1,76 @@
+"""The build spec (preprocess.spec) is the one list of a build's inputs: what inputs.json records, what each unit
+records and what reruns compare all come from its fields' stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import pytest
+
+from preprocess.shards import Args
+from preprocess.spec import FINALIZE, UNIT, BuildSpec, arg
+
+# The flags that change no output byte: where and how the run goes, not what it builds.
+RUN_ONLY = {"config", "out", "staging_dir", "workers", "executor", "ray_address", "unit_index", "num_units", "stage",
+            "fail_fast", "overwrite"}
+# inputs.json's keys as builds before the spec recorded them: a build made then resumes now
+RECORDED = {"src", "dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend",
+            "dtype", "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes",
+            "samples_per_shard", "val_episodes", "threads_per_worker", "device", "vae", "image_encoder", "text_encoder",
+            "tokenizer", "metadata"}
+
+
+@pytest.fixture
+def args(tmp_path) -> Args:
+    """Completed arguments (as preprocess.shards.run makes them) over a tiny source and stand-in weight files."""
+    (tmp_path / "src" / "meta").mkdir(parents=True)
+    (tmp_path / "src" / "meta" / "info.json").write_text("{}")
+    for name in ("vae", "image_encoder", "text_encoder", "tokenizer", "other", "metadata"):
+        (tmp_path / name).write_text(name)
+    return Args(src=tmp_path / "src", out=str(tmp_path / "out"), model="5b", dtype="float32", threads_per_worker=2,
+                **{name: tmp_path / name for name in ("vae", "image_encoder", "text_encoder", "tokenizer")})
+
+
+def spec_of(args: Args, **flags) -> BuildSpec:
+    return BuildSpec.from_args(replace(args, **flags), embodiment="oxe_droid")
+
+
+def test_every_argument_that_changes_bytes_is_recorded(args):
+    staged = {f.name for f in fields(BuildSpec) if f.metadata["stage"]}
+    assert {f.name for f in fields(Args)} - staged == RUN_ONLY
+    inputs = spec_of(args).inputs()
+    assert set(inputs) == staged == RECORDED
+    assert inputs["device"] == "cpu" and spec_of(args, device="cuda:1").inputs()["device"] == "cuda"
+    assert inputs["vae"] != inputs["image_encoder"] and len(inputs["vae"]) == 64  # the files' sha256, not their paths
+
+
+def test_finalize_only_arguments_leave_the_units_alone(args):
+    base, files = spec_of(args).inputs(), args.vae.parent
+    others = {"samples_per_shard": 7, "val_episodes": "1", "text_encoder": files / "other", "tokenizer": files / "other",
+              "metadata": files / "metadata"}
+    assert {f.name for f in fields(BuildSpec) if f.metadata["stage"] == FINALIZE} == set(others)
+    for name, value in others.items():
+        changed = spec_of(args, **{name: value}).inputs()
+        assert changed[name] != base[name]
+        assert BuildSpec.unit_inputs(changed) == BuildSpec.unit_inputs(base), name
+    assert BuildSpec.unit_inputs(spec_of(args, anchor_stride=3).inputs()) != BuildSpec.unit_inputs(base)
+
+
+def test_seed_changes_the_units_only_with_augmentation(args):
+    def unit_seed(augment_variants: int, seed: int):
+        return BuildSpec.unit_inputs(spec_of(args, augment_variants=augment_variants, seed=seed).inputs()).get("seed")
+
+    assert unit_seed(0, 1) is None and unit_seed(0, 2) is None  # without augmentation it only permutes the shards
+    assert (unit_seed(2, 1), unit_seed(2, 2)) == (1, 2)
+
+
+def test_a_field_given_a_stage_is_an_input_with_no_other_list_to_edit(args):
+    @dataclass(frozen=True, kw_only=True)
+    class Wider(BuildSpec):
+        crop: int = arg(UNIT, default=5)
+        palette: str = arg(FINALIZE, default="warm")
+        where: str = arg(default="here")  # no stage: no byte depends on it
+
+    inputs = Wider.from_args(args, embodiment="oxe_droid").inputs()
+    assert (inputs["crop"], inputs["palette"]) == (5, "warm") and "where" not in inputs
+    assert Wider.unit_inputs(inputs)["crop"] == 5 and "palette" not in Wider.unit_inputs(inputs)
