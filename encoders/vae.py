@@ -169,6 +169,13 @@ class WanVAE:
         self.model.encoder = torch.compile(self.model.encoder, dynamic=False)
         self.padded_batch = batch_size
 
+    def warm_up(self, frames: int, height: int, width: int) -> None:
+        """Compile now, on one padded batch of black clips, instead of on the first real batch: a streaming encoder
+        process does it while the CPU workers decode their first episodes. The graphs depend on shapes only, so
+        the latents of real clips are the same bits either way."""
+        if self.padded_batch:
+            self.encode(torch.zeros(1, 3, frames, height, width, device=self.device, dtype=self.dtype))
+
     @torch.no_grad()
     def encode_first_frame(self, frame0_bchw: torch.Tensor, num_frames: int, batch_size: int = 0) -> torch.Tensor:
         """The 14B i2v input `y`: [mask (4 ch, 1 on latent frame 0) ; VAE([frame 0, zeros x (T-1)])] -> [B, 4+C, T', h, w].

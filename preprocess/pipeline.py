@@ -129,6 +129,8 @@ class Encoders:
         self.vae = load_vae(spec.vae, variant=VAE_OF_MODEL[spec.model], device=spec.device, dtype=self.dtype)
         if spec.vae_compile:
             self.vae.compile(spec.batch_size)
+            emb = get_embodiment(spec.embodiment)
+            self.vae.warm_up(emb.window.num_frames, *emb.preset(spec.model).target_hw)
         self.image_member = IMAGE_MEMBER[spec.image_features]
         tower_device = spec.device if self.image_member == CLIP else "meta"  # pixels: no CLIP weight is needed
         self.clip = load_image_encoder(spec.image_encoder, device=tower_device, dtype=self.dtype)

@@ -128,29 +128,52 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
         results.put(("info", f"encoders on {device}: ready {time.time() - started:.1f} s after the start of the "
                              f"workers (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s)"))
         prepared: queue.Queue = queue.Queue(maxsize=1)
-        threading.Thread(target=_prepare_ahead, args=(encoders, requests, prepared, cuda), daemon=True).start()
-        while (item := prepared.get()) is not None:
+        spent = dict.fromkeys(("encoding", "waiting for a prepared batch", "preparing", "waiting for work"), 0.0)
+        threading.Thread(target=_prepare_ahead, args=(encoders, requests, prepared, cuda, spent), daemon=True).start()
+        batches = 0
+        while True:
+            with _timed(spent, "waiting for a prepared batch"):
+                item = prepared.get()
+            if item is None:
+                break
             if isinstance(item, BaseException):
                 raise item
             worker, seq, inputs, ready = item
-            if ready is not None:
-                torch.cuda.current_stream().wait_event(ready)
-                for tensor in inputs.values():
-                    tensor.record_stream(torch.cuda.current_stream())  # made on the side stream, freed after use here
-            with torch.inference_mode():
-                codes = encoders.run(inputs)
+            with _timed(spent, "encoding"):
+                if ready is not None:
+                    torch.cuda.current_stream().wait_event(ready)
+                    for tensor in inputs.values():
+                        tensor.record_stream(torch.cuda.current_stream())  # made on the side stream, freed after use
+                with torch.inference_mode():
+                    codes = encoders.run(inputs)  # ends with the copy to the host: the device's time is in here
             replies[worker].put((seq, codes))
+            batches += 1
+        # where the encoder process's time went: a device waiting on preparation or on the CPU workers shows here
+        print(f"encoder on {device}: {batches} batches; " + ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()),
+              flush=True)
     except BaseException as err:  # noqa: BLE001 — reported to the run, which stops every process
         _report_failure(results, f"encoder on {device}", err)
     leave_child(results)  # every reply was taken: the workers wait for theirs before they finish
 
 
-def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bool) -> None:
+@contextlib.contextmanager
+def _timed(spent: dict[str, float], what: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    spent[what] += time.perf_counter() - start
+
+
+def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bool, spent: dict[str, float]) -> None:
     side = torch.cuda.Stream() if cuda else None
     try:
-        while (request := requests.get()) is not None:
+        while True:
+            with _timed(spent, "waiting for work"):
+                request = requests.get()
+            if request is None:
+                break
             worker, seq, videos = request
-            with torch.inference_mode(), (torch.cuda.stream(side) if cuda else contextlib.nullcontext()):
+            with _timed(spent, "preparing"), torch.inference_mode(), (
+                    torch.cuda.stream(side) if cuda else contextlib.nullcontext()):
                 inputs = encoders.prepare(videos)
                 ready = torch.cuda.Event() if cuda else None
                 if ready is not None:

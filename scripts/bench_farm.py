@@ -112,10 +112,11 @@ def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
     from shardformat.embodiments import get_embodiment
 
     device = "cuda:0" if cli.device == "cuda" else cli.device
+    emb = get_embodiment(DATASETS[cli.dataset].embodiment)
     encoders = Encoders(SimpleNamespace(vae=str(cli.vae), image_encoder=str(cli.image_encoder), model=cli.model,
+                                        embodiment=emb.tag,
                                         device=device, dtype=cli.dtype, image_features=cli.image_features,
                                         vae_compile=cli.vae_compile, batch_size=cli.batch_size))
-    emb = get_embodiment(DATASETS[cli.dataset].embodiment)
     (h, w), t = emb.preset(cli.model).target_hw, emb.window.num_frames
     videos = torch.rand(cli.batch_size, 3, t, h, w) * 2 - 1
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -168,7 +169,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     first = busy.first_busy()
     window = (first, end_epoch) if first is not None else None
     steady = samples / (window[1] - window[0]) / devices if window else None
-    bound = encoder_bound(cli, args.bound_iters, warmup=4 if args.vae_compile else 2)  # compile: 3 graphs
+    bound = encoder_bound(cli, args.bound_iters)
     rate = samples / wall / devices
     return {"bench": "farm", "recipe": recipe, "device": torch.cuda.get_device_name() if args.device == "cuda" else
             args.device, "devices": devices, "workers": args.workers, "executor": args.executor,

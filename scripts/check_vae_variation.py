@@ -1,0 +1,154 @@
+"""How far apart the Wan VAE encoder's stored latents fall: the eager encoder against itself in other batch sizes (and,
+comparing the files of two runs, on another GPU model), and the compiled encoder against the eager one. The evidence
+behind `preprocess shards --vae-compile`'s default.
+
+    python scripts/check_vae_variation.py --device cuda --save h100.pt          # one GPU: batch sizes, compile
+    python scripts/check_vae_variation.py --compare h100.pt h200.pt             # two GPU models, from saved latents
+    python scripts/check_vae_variation.py --device cpu --quick                  # smoke run of this script
+
+Every run builds the same VAE (random init at the released widths, seeded on the host, so two machines hold the same
+weights) and encodes the same clips: half uniform noise (the hardest case for rounding), half smooth moving gradients
+(closer to camera frames). Latents are compared as stored, in bf16: `ulps` counts the representable bf16 values
+between two numbers (0 = same bits, 1 = neighbours), `rel_rms` is the RMS of the difference over the RMS of the
+latents. One JSON line per recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from configs.cli import cli
+from scripts.bench_vae import SHAPES, build_vae
+
+
+def ordered_bf16(x: torch.Tensor) -> torch.Tensor:
+    """bf16 bits as integers that count up with the value (-0 and +0 both 0), so a difference is a distance in ulps."""
+    bits = x.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    return torch.where(bits >= 0, bits, -(bits & 0x7FFF))
+
+
+def distance(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """How far the bf16 tensors `a` and `b` (same shape) are apart, element by element."""
+    ulps = (ordered_bf16(a) - ordered_bf16(b)).abs().flatten().float()
+    a, b = a.float(), b.float()
+    rms = a.pow(2).mean().sqrt().item()
+    return {"frac_differ": round(ulps.gt(0).float().mean().item(), 5),
+            "frac_over_1_ulp": round(ulps.gt(1).float().mean().item(), 5),
+            # near zero one step of the value is many ulps: the tail of the count, not its max, says how far
+            "p99_ulps": float(ulps.kthvalue(max(1, int(0.99 * ulps.numel()))).values),
+            "max_abs_over_rms": float((a - b).abs().max()) / rms if rms else 0.0,
+            "rel_rms": (a - b).pow(2).mean().sqrt().item() / rms if rms else 0.0}
+
+
+def distances(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """`distance` over the noise clips (the first half) and over the smooth ones."""
+    half = len(a) - len(a) // 2
+    return {"noise": distance(a[:half], b[:half]), "smooth": distance(a[half:], b[half:])}
+
+
+def clips(n: int, t: int, h: int, w: int) -> torch.Tensor:
+    """`n` clips in [-1, 1]: the first half uniform noise, the rest smooth gradients drifting over time."""
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.rand(n - n // 2, 3, t, h, w, generator=gen) * 2 - 1
+    ys, xs = torch.linspace(0, 1, h).view(1, 1, h, 1), torch.linspace(0, 1, w).view(1, 1, 1, w)
+    time = torch.linspace(0, 1, t).view(1, t, 1, 1)
+    smooth = []
+    for _ in range(n // 2):
+        f, p = torch.rand(3, 3, generator=gen) * 6 + 1, torch.rand(3, generator=gen) * 2 * math.pi
+        smooth.append(torch.stack([torch.sin(f[c, 0] * xs + f[c, 1] * ys + f[c, 2] * time + p[c])[0]
+                                   for c in range(3)]))
+    return torch.cat([noise, torch.stack(smooth)]) if smooth else noise
+
+
+def measure(recipe: str, args) -> tuple[dict, dict]:
+    variant, t, h, w = SHAPES[recipe]
+    if args.quick:
+        t, h, w = 9, 32, 64
+    torch.manual_seed(0)
+    vae = build_vae(variant, "cpu", args.quick)  # the same weights on every machine ...
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    vae.model.to(device=args.device, dtype=dtype)  # ... then on the device in the encoder's dtype
+    vae.device, vae.dtype = torch.device(args.device), dtype
+    vae.mean, vae.inv_std = vae.mean.to(vae.device, dtype), vae.inv_std.to(vae.device, dtype)
+    x = clips(args.clips, t, h, w)
+    latents = {f"eager_b{b}": vae.encode(x, batch_size=b).cpu() for b in args.batch_sizes}
+    again = vae.encode(x, batch_size=args.batch_sizes[0]).cpu()
+    if not args.quick or args.compile:
+        vae.compile(args.batch_sizes[0])
+        latents[f"compiled_b{args.batch_sizes[0]}"] = vae.encode(x).cpu()
+    base = f"eager_b{args.batch_sizes[0]}"
+    out = {"recipe": recipe, "variant": variant, "clip": [t, h, w], "clips": args.clips,
+           "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+           "torch": torch.__version__, "eager_rerun_same_bits": bool(torch.equal(again, latents[base]))}
+    for name, value in latents.items():
+        if name != base:
+            out[f"{name}_vs_{base}"] = distances(value, latents[base])
+    keep = torch.tensor([*range(args.save_clips // 2), *range(len(x) - args.save_clips // 2, len(x))])
+    return out, {name: value[keep] for name, value in latents.items()}
+
+
+def compare(files: list[Path]) -> list[dict]:
+    """Each saved tensor of the second run against the same tensor of the first (two GPU models)."""
+    first, second = (torch.load(f, weights_only=True) for f in files)
+    rows = []
+    for recipe in sorted(first.keys() & second.keys()):
+        a, b = first[recipe], second[recipe]
+        rows.append({"recipe": recipe, "devices": [a["device"], b["device"]],
+                     **{name: distances(a["latents"][name], b["latents"][name])
+                        for name in sorted(a["latents"].keys() & b["latents"].keys())}})
+    return rows
+
+
+@dataclass
+class Args:
+    recipes: tuple[Literal[tuple(SHAPES)], ...] = tuple(SHAPES)  # type: ignore[valid-type]
+    """Clip shapes to measure (the recipe's VAE and clip)."""
+    device: str = "cuda"
+    """Where the encoder runs."""
+    clips: int = 16
+    """Clips encoded (half noise, half smooth)."""
+    batch_sizes: tuple[int, ...] = (16, 1)
+    """Eager batch sizes; the first is also the compiled one and the baseline of every comparison."""
+    save: Path | None = None
+    """Write the latents of --save-clips clips (each batch size and the compiled encoder) here for --compare, one
+    file per recipe (the recipe's name after the stem)."""
+    save_clips: int = 4
+    """Clips saved: half from the noise ones, half from the smooth ones."""
+    compare: tuple[Path, ...] = ()
+    """Two files of --save of one recipe (e.g. from an H100 and an H200): compare them and do nothing else."""
+    quick: bool = False
+    """Narrow VAE and small clips (smoke runs); no compile unless --compile."""
+    compile: bool = False
+    """With --quick: compile too."""
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = cli(Args, args=argv, description=__doc__)
+    if args.compare:
+        if len(args.compare) != 2:
+            raise SystemExit("--compare takes two files of --save")
+        rows = compare(list(args.compare))
+    else:
+        rows = []
+        for recipe in args.recipes:
+            row, latents = measure(recipe, args)
+            rows.append(row)
+            if args.save:
+                torch.save({recipe: {"device": row["device"], "latents": latents}},
+                           args.save.with_stem(f"{args.save.stem}-{recipe}"))
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

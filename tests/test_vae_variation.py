@@ -1,0 +1,37 @@
+"""The distances scripts/check_vae_variation.py reports: bf16 values counted in representable steps, whichever the
+sign, and the RMS of a difference against that of the latents."""
+
+import torch
+
+from scripts.check_vae_variation import distance, distances, ordered_bf16
+
+
+def test_ordered_bf16_counts_representable_steps_across_zero():
+    one = torch.tensor([1.0], dtype=torch.bfloat16)
+    next_up = (one.view(torch.int16) + 1).view(torch.bfloat16)  # the bf16 number right above 1
+    assert int(ordered_bf16(next_up) - ordered_bf16(one)) == 1
+    assert int(ordered_bf16(torch.tensor([-0.0])) - ordered_bf16(torch.tensor([0.0]))) == 0
+    tiny = torch.tensor([2.0 ** -133], dtype=torch.bfloat16)  # the smallest subnormal: one step from zero each side
+    assert int(ordered_bf16(tiny) - ordered_bf16(-tiny)) == 2
+    values = torch.linspace(-3, 3, 101).to(torch.bfloat16)
+    assert torch.all(ordered_bf16(values)[1:] > ordered_bf16(values)[:-1])  # monotone: a difference is a distance
+
+
+def test_distance_of_one_step_and_of_scaled_noise():
+    a = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    same = distance(a, a)
+    assert same["frac_differ"] == 0 and same["rel_rms"] == 0 and same["p99_ulps"] == 0
+    stepped = (a.view(torch.int16) + 1).view(torch.bfloat16)  # every element one step away from zero
+    one = distance(stepped, a)
+    assert one["frac_differ"] == 1 and one["frac_over_1_ulp"] == 0 and one["p99_ulps"] == 1
+    assert 0 < one["rel_rms"] < 2 ** -7  # one step is at most 2^-8 relative, 2^-7 counting the rounding of a
+    far = distance((a.float() * 1.1).to(torch.bfloat16), a)
+    assert abs(far["rel_rms"] - 0.1) < 0.01 and far["frac_over_1_ulp"] > 0.9
+
+
+def test_distances_split_the_noise_and_smooth_halves():
+    a = torch.zeros(4, 3, dtype=torch.bfloat16)
+    b = a.clone()
+    b[3] = 1  # a smooth clip differs, the noise half does not
+    split = distances(b, a)
+    assert split["noise"]["frac_differ"] == 0 and split["smooth"]["frac_differ"] == 0.5
