@@ -24,7 +24,7 @@ NPROC ?= 2
 
 ARGS ?=
 
-.PHONY: setup test demo demo-data sample-data shards check-shards train clean help
+.PHONY: setup test test-unit test-e2e demo demo-data sample-data shards check-shards train clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -41,6 +41,12 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)  ## run the test suite
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: $(STAMP)  ## the unit tests alone: the code called in the test process, no process started (minutes)
+	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+
+test-e2e: $(STAMP)  ## the end-to-end tests alone: the tools in processes of their own (CLI, torchrun, builds, S3, Ray)
+	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
 
 sample-data: $(STAMP)  ## write the three sample LeRobot datasets into $(SAMPLE)/
 	$(PY) scripts/make_sample_dataset.py --layout droid --out $(SAMPLE)/droid --episodes 4 --seed 0
@@ -64,7 +70,7 @@ demo: $(STAMP)  ## sample DROID + LIBERO datasets -> shards with a held-out epis
 
 demo-data: $(STAMP)  ## sample LeRobot dataset build/sample/$(DATASET) (6 episodes) and tiny encoders build/tiny_checkpoints (once)
 	test -f $(SAMPLE_SRC)/meta/info.json || $(PY) scripts/make_sample_dataset.py --out $(SAMPLE_SRC) --episodes 6 --seed 0 \
-	  --layout $$($(PY) -c "import configs; print(configs.read(configs.DATASETS_FILE)['$(DATASET)']['sample_layout'])")
+	  --layout $$($(PY) -c "from wampipe import configs; print(configs.read(configs.DATASETS_FILE)['$(DATASET)']['sample_layout'])")
 	test -f $(TINY)/README.json || $(PY) scripts/make_tiny_checkpoints.py --out $(TINY)
 
 shards: $(STAMP)  ## build shards: make shards DATASET={droid,libero,franka_pnp} [SRC=lerobot_root ARGS="--vae ... "] [OUT=dir]; no SRC: demo-data

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-import configs
+from wampipe import configs
 from devtools import synthetic
-from shardformat.layout import MANIFEST
-from train.config import Config
-from train.parallel import computes_on_cuda
+from wampipe.shardformat.layout import MANIFEST
+from wampipe.train.config import Config
+from wampipe.train.parallel import computes_on_cuda
 
 MAIN = Path(__file__).resolve().parents[1] / "train" / "main.py"
 

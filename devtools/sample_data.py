@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from preprocess.decode import encode_mp4
+from wampipe.preprocess.decode import encode_mp4
 
 DROID_CAMERAS = ("exterior_image_1_left", "exterior_image_2_left", "wrist_image_left")
 LIBERO_CAMERAS = ("image", "wrist_image")

@@ -16,17 +16,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import configs
-from preprocess import write
-from preprocess.prompts import prompt_id
-from preprocess.stats import summarize
-from shardformat.embodiments import get_embodiment
-from shardformat.files import atomic_write_json, sha256_file
-from shardformat.keys import sample_key
-from shardformat.layout import ACTION, CLIP, LATENTS, MANIFEST, STATE, STATISTICS, Y
-from shardformat.manifest import build_manifest
-from shardformat.members import encode_sample
-from shardformat.text import write_text_table
+from wampipe import configs
+from wampipe.preprocess import write
+from wampipe.preprocess.prompts import prompt_id
+from wampipe.preprocess.stats import summarize
+from wampipe.shardformat.embodiments import get_embodiment
+from wampipe.shardformat.files import atomic_write_json, sha256_file
+from wampipe.shardformat.keys import sample_key
+from wampipe.shardformat.layout import ACTION, CLIP, LATENTS, MANIFEST, STATE, STATISTICS, Y
+from wampipe.shardformat.manifest import build_manifest
+from wampipe.shardformat.members import encode_sample
+from wampipe.shardformat.text import write_text_table
 
 
 @dataclass(frozen=True)

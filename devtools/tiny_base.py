@@ -28,12 +28,12 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from shardformat.embodiments import get_embodiment
-from train.config import Config, DataConfig, ModelConfig
-from train.export import eval_config, shard_statistics
-from train.builder import model_config
-from train.model import CausalWanModel, DiTConfig, preset
-from train.weights import DREAMZERO_PREFIX, shard_file_names, shard_groups, write_index
+from wampipe.shardformat.embodiments import get_embodiment
+from wampipe.train.config import Config, DataConfig, ModelConfig
+from wampipe.train.export import eval_config, shard_statistics
+from wampipe.train.builder import model_config
+from wampipe.train.model import CausalWanModel, DiTConfig, preset
+from wampipe.train.weights import DREAMZERO_PREFIX, shard_file_names, shard_groups, write_index
 
 GROOT = "groot.vla.model.dreamzero"
 # frozen-encoder stand-ins: a few keys of each Wan layout, tiny shapes, the dtypes a released checkpoint mixes

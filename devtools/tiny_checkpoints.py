@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from devtools.sample_data import DROID_TASKS, LIBERO_TASKS
-from encoders.image_encoder import VIT_H_14, hf_clip_to_wan
-from encoders.text_encoder import TIED, UMT5_XXL, wan_umt5_key
-from encoders.vae import VARIANTS, diffusers_vae_class, wan_vae_key
+from wampipe.encoders.image_encoder import VIT_H_14, hf_clip_to_wan
+from wampipe.encoders.text_encoder import TIED, UMT5_XXL, wan_umt5_key
+from wampipe.encoders.vae import VARIANTS, diffusers_vae_class, wan_vae_key
 
 DROID_TEMPLATE = ("A multi-view video shows that a robot {i} The video is split into three views: The top view shows "
                   "the camera view from the robot's wrist, the bottom-left view shows the camera view from the left "

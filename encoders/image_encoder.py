@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from encoders.weights import WeightsError, check_keys, expect_kind, folder_config, read_state_dict
+from wampipe.encoders.weights import WeightsError, check_keys, expect_kind, folder_config, read_state_dict
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -20,7 +20,7 @@ from pathlib import Path
 import ftfy
 import torch
 
-from encoders.weights import WeightsError, check_keys, expect_kind, folder_config, load_strict, read_state_dict
+from wampipe.encoders.weights import WeightsError, check_keys, expect_kind, folder_config, load_strict, read_state_dict
 
 MAX_LENGTH = 512
 # umt5-xxl, as built by Wan's T5 encoder (24 layers, d 4096, ffn 10240, 64 heads of 64, 32 buckets, vocab 256384)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from encoders.weights import WeightsError, check_keys, expect_kind, folder_config, load_strict, read_state_dict
+from wampipe.encoders.weights import WeightsError, check_keys, expect_kind, folder_config, load_strict, read_state_dict
 
 # Per-channel latent statistics of the released VAEs (the reference's WanVideoVAE / WanVideoVAE38 constants).
 WAN21_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,

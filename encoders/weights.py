@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from shardformat.files import sha256_file
+from wampipe.shardformat.files import sha256_file
 
 # Probe keys that identify a checkpoint's kind. Order matters: the first match wins.
 KINDS: list[tuple[str, str, tuple[str, ...]]] = [

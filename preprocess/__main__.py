@@ -7,16 +7,16 @@ import importlib
 import sys
 
 COMMANDS = {
-    "inspect": ("preprocess.inspect", "summarize a LeRobot dataset and optionally decode every frame"),
-    "stats": ("preprocess.stats", "write DreamZero's metadata.json statistics for one or more datasets"),
-    "shards": ("preprocess.shards", "build WebDataset shards with precomputed encoder outputs"),
-    "check": ("preprocess.check", "verify a shard directory against its manifest"),
-    "preview": ("preprocess.preview", "decode stored samples to an MP4 and a PNG sheet each, to look at a build"),
+    "inspect": ("wampipe.preprocess.inspect", "summarize a LeRobot dataset and optionally decode every frame"),
+    "stats": ("wampipe.preprocess.stats", "write DreamZero's metadata.json statistics for one or more datasets"),
+    "shards": ("wampipe.preprocess.shards", "build WebDataset shards with precomputed encoder outputs"),
+    "check": ("wampipe.preprocess.check", "verify a shard directory against its manifest"),
+    "preview": ("wampipe.preprocess.preview", "decode stored samples to an MP4 and a PNG sheet each, to look at a build"),
 }
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    from configs.cli import cli
+    from wampipe.configs.cli import cli
 
     argv = sys.argv[1:] if argv is None else argv
     available = {name: spec for name, spec in COMMANDS.items() if importlib.util.find_spec(spec[0]) is not None}
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None  # e.g. shards' --config
     args = cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
                description=module.__doc__)
-    from preprocess.errors import DatasetError
-    from encoders.weights import WeightsError  # after parsing: it loads torch, which `--help` does without
+    from wampipe.preprocess.errors import DatasetError
+    from wampipe.encoders.weights import WeightsError  # after parsing: it loads torch, which `--help` does without
 
     try:
         module.run(args)

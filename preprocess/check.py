@@ -33,14 +33,14 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
-from shardformat.files import sha256_file
-from shardformat.keys import parse_key
-from shardformat.layout import CLIP_PIXELS, MANIFEST, SHARD_NAME, WIDS_INDEX
-from shardformat.manifest import Manifest, ShardEntry, ShardFormatError, check_json_size, check_sha256
-from shardformat.members import split_member_name
-from shardformat.shard import ShardRecord, json_path, read_sample, verify_members
-from shardformat.storage import COPY_BLOCK, STORE_ERRORS, ShardStore
-from shardformat.text import TextTable
+from wampipe.shardformat.files import sha256_file
+from wampipe.shardformat.keys import parse_key
+from wampipe.shardformat.layout import CLIP_PIXELS, MANIFEST, SHARD_NAME, WIDS_INDEX
+from wampipe.shardformat.manifest import Manifest, ShardEntry, ShardFormatError, check_json_size, check_sha256
+from wampipe.shardformat.members import split_member_name
+from wampipe.shardformat.shard import ShardRecord, json_path, read_sample, verify_members
+from wampipe.shardformat.storage import COPY_BLOCK, STORE_ERRORS, ShardStore
+from wampipe.shardformat.text import TextTable
 
 
 @dataclass

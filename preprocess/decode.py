@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from preprocess.errors import DatasetError
+from wampipe.preprocess.errors import DatasetError
 
 BACKENDS = ("torchcodec", "pyav")
 

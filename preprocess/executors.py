@@ -14,8 +14,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Iterator, Literal, NoReturn
 
-from preprocess.pipeline import process_unit
-from preprocess.spec import BuildSpec
+from wampipe.preprocess.pipeline import process_unit
+from wampipe.preprocess.spec import BuildSpec
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -27,11 +27,11 @@ def run_units(spec: BuildSpec, units: dict[int, list[int]], executor: Literal["s
     if not units:
         return
     if executor == "stream":
-        from preprocess.stream import run_stream
+        from wampipe.preprocess.stream import run_stream
 
         yield from run_stream(spec, units, workers)
     elif executor == "ray":
-        from preprocess.stream import run_ray
+        from wampipe.preprocess.stream import run_ray
 
         yield from run_ray(spec, units, ray_address)
     elif workers <= 1:

@@ -10,16 +10,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from preprocess import write
-from preprocess.lerobot import LeRobotDataset
-from preprocess.pipeline import VAE_OF_MODEL
-from preprocess.spec import BuildSpec
-from preprocess.validation import HELD_OUT, split_indexes
-from shardformat.embodiments import get_embodiment
-from shardformat.files import atomic_write_bytes, atomic_writer, sha256_file
-from shardformat.layout import STATISTICS, VAL_DIR
-from shardformat.manifest import ShardFormatError, build_manifest
-from shardformat.text import write_text_table
+from wampipe.preprocess import write
+from wampipe.preprocess.lerobot import LeRobotDataset
+from wampipe.preprocess.pipeline import VAE_OF_MODEL
+from wampipe.preprocess.spec import BuildSpec
+from wampipe.preprocess.validation import HELD_OUT, split_indexes
+from wampipe.shardformat.embodiments import get_embodiment
+from wampipe.shardformat.files import atomic_write_bytes, atomic_writer, sha256_file
+from wampipe.shardformat.layout import STATISTICS, VAL_DIR
+from wampipe.shardformat.manifest import ShardFormatError, build_manifest
+from wampipe.shardformat.text import write_text_table
 
 
 def finalize(spec: BuildSpec, units: list[list[int]]) -> dict:
@@ -87,7 +87,7 @@ def write_shards(out: Path, indexes: list[dict], spec: BuildSpec) -> list[dict]:
 
 def encode_text_table(out: Path, prompts: dict[str, str], spec: BuildSpec) -> dict:
     """umT5 output per unique prompt, trimmed to its token count, written as the shard directory's text table."""
-    from encoders.text_encoder import load_text_encoder
+    from wampipe.encoders.text_encoder import load_text_encoder
 
     ids = sorted(prompts)
     dtype = getattr(torch, spec.dtype)
@@ -101,7 +101,7 @@ def write_statistics(out: Path, spec: BuildSpec, failures: list[dict]) -> dict:
     """metadata.json: --metadata's copy, or computed without the episodes the units could not use, the held-out
     episodes (--val-episodes: the statistics are the training split's) and any other episode whose rows are
     unusable, each listed with its reason. Returns the manifest entry."""
-    from preprocess.stats import build_metadata, write_metadata
+    from wampipe.preprocess.stats import build_metadata, write_metadata
 
     path, excluded = out / STATISTICS, []
     if spec.metadata is not None:

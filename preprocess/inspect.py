@@ -13,9 +13,9 @@ from pathlib import Path
 import tyro
 from tqdm import tqdm
 
-from preprocess.decode import BACKENDS
-from preprocess.errors import DatasetError
-from preprocess.lerobot import LeRobotDataset
+from wampipe.preprocess.decode import BACKENDS
+from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.lerobot import LeRobotDataset
 
 
 @dataclass

@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from preprocess.decode import decode_image_cells, decode_video
-from preprocess.errors import DatasetError
+from wampipe.preprocess.decode import decode_image_cells, decode_video
+from wampipe.preprocess.errors import DatasetError
 
 SUPPORTED_VERSIONS = ("v2.0", "v2.1", "v3.0")
 IMAGE_PREFIX = "observation.images."

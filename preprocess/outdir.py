@@ -27,11 +27,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from preprocess.spec import BuildSpec
-from shardformat.files import atomic_write_json, fsync_dir, is_temporary, lock_directory, temporary_path
-from shardformat.layout import (INPUTS, MANIFEST, SHARD_NAME, STATISTICS, TEXT_PROMPTS, TEXT_TABLE, UNIT_NAME,
+from wampipe.preprocess.spec import BuildSpec
+from wampipe.shardformat.files import atomic_write_json, fsync_dir, is_temporary, lock_directory, temporary_path
+from wampipe.shardformat.layout import (INPUTS, MANIFEST, SHARD_NAME, STATISTICS, TEXT_PROMPTS, TEXT_TABLE, UNIT_NAME,
                                 VAL_DIR, WIDS_INDEX, WORK_DIR)
-from shardformat.manifest import ShardFormatError, parse_sealed_json
+from wampipe.shardformat.manifest import ShardFormatError, parse_sealed_json
 
 LOCK = ".lock"
 SPLIT_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TEXT_TABLE, TEXT_PROMPTS)  # a split's finalize outputs, manifest first

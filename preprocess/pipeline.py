@@ -16,18 +16,18 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from preprocess import write
-from preprocess.errors import DatasetError
-from preprocess.lerobot import LeRobotDataset
-from preprocess.prompts import prompt_id, window_prompts
-from preprocess.spec import BuildSpec
-from preprocess.state_action import columns_for, slice_keys, window_state_action
-from preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
-from preprocess.windows import episode_windows
-from shardformat.embodiments import Embodiment, get_embodiment
-from shardformat.keys import sample_key
-from shardformat.layout import ACTION, CLIP, CLIP_PIXELS, IMAGE_MEMBER, LATENTS, STATE, Y
-from shardformat.members import encode_sample
+from wampipe.preprocess import write
+from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.lerobot import LeRobotDataset
+from wampipe.preprocess.prompts import prompt_id, window_prompts
+from wampipe.preprocess.spec import BuildSpec
+from wampipe.preprocess.state_action import columns_for, slice_keys, window_state_action
+from wampipe.preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
+from wampipe.preprocess.windows import episode_windows
+from wampipe.shardformat.embodiments import Embodiment, get_embodiment
+from wampipe.shardformat.keys import sample_key
+from wampipe.shardformat.layout import ACTION, CLIP, CLIP_PIXELS, IMAGE_MEMBER, LATENTS, STATE, Y
+from wampipe.shardformat.members import encode_sample
 
 # Which Wan VAE a model recipe uses; the 14B's (wan2.1) also needs the first-frame input y.
 VAE_OF_MODEL = {"5b": "wan2.2", "5b-wan22": "wan2.2", "14b": "wan2.1"}
@@ -122,8 +122,8 @@ class Encoders:
     preprocessing runs: its output, the exact tensor the tower consumes, is stored in the compute dtype."""
 
     def __init__(self, spec: BuildSpec):
-        from encoders.image_encoder import load_image_encoder
-        from encoders.vae import load_vae
+        from wampipe.encoders.image_encoder import load_image_encoder
+        from wampipe.encoders.vae import load_vae
 
         self.device, self.dtype = torch.device(spec.device), getattr(torch, spec.dtype)
         self.vae = load_vae(spec.vae, variant=VAE_OF_MODEL[spec.model], device=spec.device, dtype=self.dtype)

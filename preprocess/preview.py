@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Annotated, Iterator
 import numpy as np
 import tyro
 
-from preprocess.windows import Window, window_at
-from shardformat.embodiments import Embodiment, get_embodiment
-from shardformat.manifest import Manifest, ShardFormatError
-from shardformat.storage import STORE_ERRORS
+from wampipe.preprocess.windows import Window, window_at
+from wampipe.shardformat.embodiments import Embodiment, get_embodiment
+from wampipe.shardformat.manifest import Manifest, ShardFormatError
+from wampipe.shardformat.storage import STORE_ERRORS
 
 if TYPE_CHECKING:  # torch, the VAE and the reader are imported where used: `--help` without loading torch
     import torch
 
-    from encoders.vae import WanVAE
-    from shardformat.index import ShardIndex, ShardReader
+    from wampipe.encoders.vae import WanVAE
+    from wampipe.shardformat.index import ShardIndex, ShardReader
 
 SHEET_FRAMES = 8  # decoded frames shown per row of the sheet, evenly spaced over the window
 # the widths DreamZero's DiT zero-pads state and actions to (its max_state_dim and action_dim), with a valid mask
@@ -61,8 +61,8 @@ def preview(args: Args) -> None:
         import matplotlib  # noqa: F401  (the sheets; asked for before anything is decoded)
     except ImportError:
         raise SystemExit("preview sheets need matplotlib: pip install 'wampipe[plot]'") from None
-    from preprocess.decode import encode_mp4
-    from shardformat.index import ShardIndex, ShardReader
+    from wampipe.preprocess.decode import encode_mp4
+    from wampipe.shardformat.index import ShardIndex, ShardReader
 
     index = ShardIndex(args.shards)  # the trainer's view: manifest, statistics and text table checked
     manifest = index.manifest
@@ -88,8 +88,8 @@ def build_decoder(path: Path, manifest: Manifest, shards: str, device: str) -> W
     """The strict decoder of the VAE the shards were built with; refuses another file in one line."""
     import torch
 
-    from encoders.vae import load_vae
-    from encoders.weights import weights_sha256
+    from wampipe.encoders.vae import load_vae
+    from wampipe.encoders.weights import weights_sha256
 
     if not path.exists():
         raise SystemExit(f"--vae {path}: not found")
@@ -104,7 +104,7 @@ def build_decoder(path: Path, manifest: Manifest, shards: str, device: str) -> W
 
 def check_source(src: Path, manifest: Manifest, shards: str) -> None:
     """Refuse, in one line, a dataset other than the one the shards were built from: its frames would mislead."""
-    from preprocess.outdir import fingerprint
+    from wampipe.preprocess.outdir import fingerprint
 
     if not (src / "meta").is_dir():
         raise SystemExit(f"--src {src}: not a LeRobot dataset (no meta/ folder)")
@@ -140,7 +140,7 @@ def source_frames(src: Path, emb: Embodiment, episode: int, window: Window, hw: 
     camera order, each resized to the decoded canvas's height: uint8 [T, H, W', 3]."""
     import torch
 
-    from preprocess.lerobot import LeRobotDataset
+    from wampipe.preprocess.lerobot import LeRobotDataset
 
     views = LeRobotDataset(src).episode(episode).cameras
     out = []
@@ -197,7 +197,7 @@ def plot_rows(ax, name: str, raw: torch.Tensor, seconds: np.ndarray, q01: np.nda
     """Every dimension against time as the trainer feeds it to the model: q99-normalized with the build's statistics,
     clamped to [-1, 1], zero-padded to the model's width with a valid mask. Grey: masked (padding) and dims the
     statistics leave unnormalized (q01 == q99)."""
-    from shardformat.stats import normalize_q99, pad_with_mask
+    from wampipe.shardformat.stats import normalize_q99, pad_with_mask
 
     values, mask = pad_with_mask(normalize_q99(raw, q01, q99), width)
     constant = np.asarray(q01) == np.asarray(q99)
@@ -221,7 +221,7 @@ def clip_input_image(pixels: torch.Tensor | None) -> np.ndarray | None:
         return None
     import torch
 
-    from encoders.image_encoder import CLIP_MEAN, CLIP_STD
+    from wampipe.encoders.image_encoder import CLIP_MEAN, CLIP_STD
 
     x = pixels.float() * torch.tensor(CLIP_STD).view(3, 1, 1) + torch.tensor(CLIP_MEAN).view(3, 1, 1)
     return (x.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()

@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 import re
 
-from preprocess.errors import DatasetError
-from preprocess.lerobot import Episode
-from shardformat.embodiments import Embodiment
+from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.lerobot import Episode
+from wampipe.shardformat.embodiments import Embodiment
 
 
 MAX_INSTRUCTION_CHARS = 10_000  # umT5 reads 512 tokens, a few thousand characters

@@ -32,10 +32,10 @@ from typing import Callable, Iterator
 
 from tqdm import tqdm
 
-from preprocess import outdir
-from shardformat.files import atomic_write_bytes
-from shardformat.layout import INPUTS, MANIFEST
-from shardformat.storage import S3_PROTOCOLS, STORE_ERRORS, ShardStore, SyncReport, sync_up, upload_order
+from wampipe.preprocess import outdir
+from wampipe.shardformat.files import atomic_write_bytes
+from wampipe.shardformat.layout import INPUTS, MANIFEST
+from wampipe.shardformat.storage import S3_PROTOCOLS, STORE_ERRORS, ShardStore, SyncReport, sync_up, upload_order
 
 try:  # a connection dropped mid-transfer, after s3fs's retries
     from aiohttp import ClientError

@@ -30,13 +30,13 @@ from typing import Literal
 
 from tqdm import tqdm
 
-import configs
-from preprocess import outdir, remote, write
-from preprocess.lerobot import LeRobotDataset
-from preprocess.spec import ENCODERS, BuildSpec
-from preprocess.validation import HELD_OUT, canonical, held_out
-from shardformat.embodiments import get_embodiment
-from shardformat.layout import VAL_DIR
+from wampipe import configs
+from wampipe.preprocess import outdir, remote, write
+from wampipe.preprocess.lerobot import LeRobotDataset
+from wampipe.preprocess.spec import ENCODERS, BuildSpec
+from wampipe.preprocess.validation import HELD_OUT, canonical, held_out
+from wampipe.shardformat.embodiments import get_embodiment
+from wampipe.shardformat.layout import VAL_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,10 +215,10 @@ def check_weights(args: Args) -> None:
     materialized, so a missing or wrong file stops the run before any decoding (WeightsError)."""
     import torch  # here and below, not at the top: `--help` without loading torch
 
-    from encoders.image_encoder import load_image_encoder
-    from preprocess.pipeline import VAE_OF_MODEL
-    from encoders.text_encoder import load_text_encoder
-    from encoders.vae import load_vae
+    from wampipe.encoders.image_encoder import load_image_encoder
+    from wampipe.preprocess.pipeline import VAE_OF_MODEL
+    from wampipe.encoders.text_encoder import load_text_encoder
+    from wampipe.encoders.vae import load_vae
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
@@ -234,13 +234,13 @@ def default_workers(args: Args) -> int:
     """--workers 0: the stream leaves one core to each encoder process and gives the rest to decoding."""
     if args.executor != "stream":
         return 1
-    from preprocess.stream import encoder_devices
+    from wampipe.preprocess.stream import encoder_devices
 
     return max(1, (os.cpu_count() or 1) - len(encoder_devices(args.device)))
 
 
 def build_units(spec: BuildSpec, units: list[list[int]], args: Args) -> None:
-    from preprocess.executors import run_units
+    from wampipe.preprocess.executors import run_units
 
     todo = {u: units[u] for u in range(len(units)) if not write.unit_done(Path(spec.out), u)
             and (args.num_units is None or u % args.num_units == args.unit_index)}
@@ -256,7 +256,7 @@ def build_units(spec: BuildSpec, units: list[list[int]], args: Args) -> None:
 
 
 def run(args: Args) -> None:
-    from preprocess.finalize import finalize
+    from wampipe.preprocess.finalize import finalize
 
     check_arguments(args)
     args = prepare_defaults(args)

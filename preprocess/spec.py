@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from preprocess.shards import Args
+    from wampipe.preprocess.shards import Args
 
 # Stages: UNIT decides the units' bytes (and so every later one's), FINALIZE only the shards, text table and
 # statistics.
@@ -79,9 +79,9 @@ class BuildSpec:
     def from_args(cls, args: Args, **derived) -> BuildSpec:
         """The spec of checked and completed `args` (preprocess.shards.run) and what the run `derived` from them
         (embodiment, held_out); hashes the source and every file recorded as its sha256."""
-        from encoders.weights import weights_sha256
-        from preprocess.outdir import fingerprint
-        from shardformat.files import sha256_file
+        from wampipe.encoders.weights import weights_sha256
+        from wampipe.preprocess.outdir import fingerprint
+        from wampipe.shardformat.files import sha256_file
 
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         encoders = weights_sha256(*(Path(given[name]) for name in ENCODERS))

@@ -10,10 +10,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from preprocess.errors import DatasetError
-from preprocess.lerobot import Episode, ModalityEntry
-from preprocess.windows import Window
-from shardformat.embodiments import Embodiment
+from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.lerobot import Episode, ModalityEntry
+from wampipe.preprocess.windows import Window
+from wampipe.shardformat.embodiments import Embodiment
 
 
 # ---------------------------------------------------------------- slicing

@@ -22,10 +22,10 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
-from preprocess.errors import DatasetError
-from preprocess.lerobot import LeRobotDataset
-from shardformat.embodiments import Embodiment, get_embodiment
-from shardformat.files import atomic_write_bytes
+from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.lerobot import LeRobotDataset
+from wampipe.shardformat.embodiments import Embodiment, get_embodiment
+from wampipe.shardformat.files import atomic_write_bytes
 
 STAT_NAMES = ("max", "min", "mean", "std", "q01", "q99")  # the official DatasetStatisticalValues field order
 RELATIVE_STATS_SEED = 42  # the official code samples episodes for relative stats with default_rng(42)

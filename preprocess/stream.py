@@ -31,13 +31,13 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from encoders.weights import WeightsError
-from preprocess import write
-from preprocess.errors import DatasetError
-from preprocess.executors import die_with_parent, leave_child
-from preprocess.pipeline import Encoders, WindowSample, unit_report, unit_samples
-from preprocess.spec import BuildSpec
-from shardformat.members import encode_sample
+from wampipe.encoders.weights import WeightsError
+from wampipe.preprocess import write
+from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.executors import die_with_parent, leave_child
+from wampipe.preprocess.pipeline import Encoders, WindowSample, unit_report, unit_samples
+from wampipe.preprocess.spec import BuildSpec
+from wampipe.shardformat.members import encode_sample
 
 IN_FLIGHT = 2  # batches a worker submits before it waits for the oldest one's codes
 POLL_S = 1.0

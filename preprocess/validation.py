@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
-from shardformat.keys import parse_key
+from wampipe.shardformat.keys import parse_key
 
 HELD_OUT = "held out for validation (--val-episodes)"  # the statistics' reason for leaving an episode out
 USAGE = "a fraction in (0, 1) like 0.05, or a comma list of episode ids like 3,17,42"

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shardformat.embodiments import CanvasLayout, Embodiment
+from wampipe.shardformat.embodiments import CanvasLayout, Embodiment
 
 CROP_SCALE = 0.95
 BRIGHTNESS, CONTRAST, SATURATION, HUE = (0.7, 1.3), (0.6, 1.4), (0.5, 1.5), (-0.08, 0.08)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from shardformat.embodiments import WindowPattern
+from wampipe.shardformat.embodiments import WindowPattern
 
 
 @dataclass(frozen=True, eq=False)

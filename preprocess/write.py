@@ -22,12 +22,12 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from shardformat.files import atomic_write_json, atomic_writer, sha256_file
-from shardformat.layout import META, shard_file, unit_file
-from shardformat.manifest import ShardFormatError
-from shardformat.members import checksum, split_member_name
-from shardformat.schema import describe, schema_of
-from shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
+from wampipe.shardformat.files import atomic_write_json, atomic_writer, sha256_file
+from wampipe.shardformat.layout import META, shard_file, unit_file
+from wampipe.shardformat.manifest import ShardFormatError
+from wampipe.shardformat.members import checksum, split_member_name
+from wampipe.shardformat.schema import describe, schema_of
+from wampipe.shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
 
 
 def write_tar(path: Path, members: Iterable[tuple[str, bytes]]) -> dict:

@@ -20,9 +20,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from configs.cli import cli
-from train.attention import count_allowed_pairs, dense_mask, flex_block_mask
-from train.model import preset
+from wampipe.configs.cli import cli
+from wampipe.train.attention import count_allowed_pairs, dense_mask, flex_block_mask
+from wampipe.train.model import preset
 
 # (model preset, latent frames, tokens per frame, micro-batch): 5B LIBERO 9x10x20, 14B DROID 9x44x80
 LAYOUTS = {"5b": ("libero-5b", 9, 50, 8), "14b": ("droid-14b", 9, 880, 1)}

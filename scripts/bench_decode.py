@@ -24,9 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
-from configs.cli import cli
+from wampipe.configs.cli import cli
 from devtools.sample_data import encode_mp4, render, simulate
-from preprocess.decode import BACKENDS, decode_video
+from wampipe.preprocess.decode import BACKENDS, decode_video
 
 
 def best_of(repeats: int, fn) -> float:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from configs.cli import cli
-from encoders.image_encoder import VIT_H_14, ImageEncoder
-from encoders.text_encoder import UMT5_XXL, TextEncoder
-from encoders.vae import VARIANTS, VaeInfo, WanVAE
+from wampipe.configs.cli import cli
+from wampipe.encoders.image_encoder import VIT_H_14, ImageEncoder
+from wampipe.encoders.text_encoder import UMT5_XXL, TextEncoder
+from wampipe.encoders.vae import VARIANTS, VaeInfo, WanVAE
 
 
 def timed(fn, device: str, warmup: int, iters: int) -> float:

@@ -38,12 +38,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
-import configs
-from configs.cli import cli
+from wampipe import configs
+from wampipe.configs.cli import cli
 from devtools.sample_data import write_sample_dataset
 from devtools.tiny_checkpoints import write_tiny_checkpoints
-from preprocess.shards import DATASETS
-from shardformat.layout import WORK_DIR
+from wampipe.preprocess.shards import DATASETS
+from wampipe.shardformat.layout import WORK_DIR
 
 # the recipes whose preprocess section names a model (configs/<name>.yaml): name -> (dataset, model, sample layout)
 RECIPES = {name: (pre["dataset"], pre["model"], DATASETS[pre["dataset"]].sample_layout)
@@ -108,8 +108,8 @@ def cpu_seconds() -> float:
 def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
     """Samples/s of the run's encoders alone (its weights, device and dtype) on random videos of the recipe's shape,
     in batches of the run's batch size."""
-    from preprocess.pipeline import Encoders
-    from shardformat.embodiments import get_embodiment
+    from wampipe.preprocess.pipeline import Encoders
+    from wampipe.shardformat.embodiments import get_embodiment
 
     device = "cuda:0" if cli.device == "cuda" else cli.device
     emb = get_embodiment(DATASETS[cli.dataset].embodiment)
@@ -132,7 +132,7 @@ def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
 
 
 def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
-    from preprocess import shards
+    from wampipe.preprocess import shards
 
     dataset, model, layout = RECIPES[recipe]
     src = work / f"data-{layout}"

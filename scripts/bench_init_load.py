@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
-from configs.cli import cli
+from wampipe.configs.cli import cli
 
 GIB = 1 << 30
 
@@ -85,9 +85,9 @@ class RssSampler(threading.Thread):
 def worker(args: Args) -> None:
     import torch.distributed as dist
 
-    from train.config import Config, ModelConfig, ParallelConfig
-    from train.builder import sharded_model
-    from train.model import preset
+    from wampipe.train.config import Config, ModelConfig, ParallelConfig
+    from wampipe.train.builder import sharded_model
+    from wampipe.train.model import preset
 
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     cuda = torch.cuda.is_available() and args.backend != "gloo"

@@ -37,15 +37,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
-import configs
-from configs.cli import cli, refuse
+from wampipe import configs
+from wampipe.configs.cli import cli, refuse
 from devtools.bench import emit, provenance, write_shards
-from preprocess.remote import remote_url
-from shardformat.layout import MANIFEST
-from shardformat.storage import ShardStore, sync_up
-from train.builder import model_config
-from train.config import parse_args as parse_trainer_args
-from train.data import ShardLoader
+from wampipe.preprocess.remote import remote_url
+from wampipe.shardformat.layout import MANIFEST
+from wampipe.shardformat.storage import ShardStore, sync_up
+from wampipe.train.builder import model_config
+from wampipe.train.config import parse_args as parse_trainer_args
+from wampipe.train.data import ShardLoader
 
 # samples/s per GPU the loader has to feed: each recipe's measured or target training rate
 GPU_RATE = {name: configs.recipe(name)["throughput"]["gpu_samples_per_s"] for name in configs.names()}

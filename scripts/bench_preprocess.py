@@ -29,16 +29,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
-from configs.cli import cli
+from wampipe.configs.cli import cli
 from devtools.sample_data import write_sample_dataset
 from devtools.synthetic import SHAPES
-from preprocess.lerobot import LeRobotDataset
-from preprocess.pipeline import episode_samples
-from preprocess.shards import DATASETS
-from preprocess.spec import BuildSpec
-from shardformat.embodiments import get_embodiment
-from shardformat.layout import CLIP, LATENTS, Y, tensor_suffix
-from shardformat.members import encode_sample, split_member_name
+from wampipe.preprocess.lerobot import LeRobotDataset
+from wampipe.preprocess.pipeline import episode_samples
+from wampipe.preprocess.shards import DATASETS
+from wampipe.preprocess.spec import BuildSpec
+from wampipe.shardformat.embodiments import get_embodiment
+from wampipe.shardformat.layout import CLIP, LATENTS, Y, tensor_suffix
+from wampipe.shardformat.members import encode_sample, split_member_name
 
 RECIPES = ("droid-5b", "droid-14b", "libero-5b")
 

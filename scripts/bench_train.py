@@ -38,21 +38,21 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
-from configs.cli import cli, refuse
+from wampipe.configs.cli import cli, refuse
 from devtools import synthetic
 from devtools.bench import (check_same_resolution, device_name, emit, measured_window, provenance,
                          run_trainer, split_passthrough, trainer_argv, trainer_device, write_shards)
-from train.attention import make_attention_mask
-from train.auto import device_memory_gib, resolve_auto
-from train.builder import model_config
-from train.config import batch_plan
-from train.config import parse_args as parse_trainer_args
-from train.data import data_dims
-from train.flops import dit_flops
-from train.metrics import device_peak_flops
-from train.model import Block, DiTConfig, rope_tables, text_key_log_weight
-from train.parallel import apply_ac, apply_compile, apply_float8, recomputed_blocks, use_expandable_segments
-from train.text import compact_text_rows
+from wampipe.train.attention import make_attention_mask
+from wampipe.train.auto import device_memory_gib, resolve_auto
+from wampipe.train.builder import model_config
+from wampipe.train.config import batch_plan
+from wampipe.train.config import parse_args as parse_trainer_args
+from wampipe.train.data import data_dims
+from wampipe.train.flops import dit_flops
+from wampipe.train.metrics import device_peak_flops
+from wampipe.train.model import Block, DiTConfig, rope_tables, text_key_log_weight
+from wampipe.train.parallel import apply_ac, apply_compile, apply_float8, recomputed_blocks, use_expandable_segments
+from wampipe.train.text import compact_text_rows
 
 
 Preset = Literal[tuple(sorted(synthetic.SHAPES))]  # type: ignore[valid-type]

@@ -23,8 +23,8 @@ from typing import Literal
 
 import torch
 
-from configs.cli import cli
-from encoders.vae import VARIANTS, VaeInfo, WanVAE
+from wampipe.configs.cli import cli
+from wampipe.encoders.vae import VARIANTS, VaeInfo, WanVAE
 
 SHAPES = {  # recipe -> (VAE variant, frames, height, width): the clips preprocessing encodes
     "libero-5b": ("wan2.2", 33, 160, 320),

@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
-from configs.cli import cli, refuse
+from wampipe.configs.cli import cli, refuse
 from devtools import bench, synthetic
-from train.auto import device_memory_gib, resolve_auto
-from train.config import batch_plan
-from train.config import parse_args as parse_trainer_args
-from train.parallel import check_float8
+from wampipe.train.auto import device_memory_gib, resolve_auto
+from wampipe.train.config import batch_plan
+from wampipe.train.config import parse_args as parse_trainer_args
+from wampipe.train.parallel import check_float8
 
 
 @dataclass

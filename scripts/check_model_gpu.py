@@ -16,12 +16,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from configs.cli import cli
-from train.attention import dense_mask, flex_block_mask, masked_attention
-from train.flops import dit_flops
-from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.model import build_model, preset, random_batch
-from train.text import compact_text
+from wampipe.configs.cli import cli
+from wampipe.train.attention import dense_mask, flex_block_mask, masked_attention
+from wampipe.train.flops import dit_flops
+from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.model import build_model, preset, random_batch
+from wampipe.train.text import compact_text
 
 
 @dataclass

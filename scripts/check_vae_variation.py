@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs.cli import cli
+from wampipe.configs.cli import cli
 from scripts.bench_vae import SHAPES, build_vae
 
 

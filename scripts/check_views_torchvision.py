@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from configs.cli import cli
-from preprocess import views
+from wampipe.configs.cli import cli
+from wampipe.preprocess import views
 
 
 @dataclass

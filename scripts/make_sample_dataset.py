@@ -14,7 +14,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
-from configs.cli import cli, refuse
+from wampipe.configs.cli import cli, refuse
 from devtools.sample_data import LAYOUTS, write_sample_dataset
 
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
-from configs.cli import cli
+from wampipe.configs.cli import cli
 from devtools.synthetic import SHAPES, make_synthetic_shards
 
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
-from configs.cli import cli
+from wampipe.configs.cli import cli
 from devtools.tiny_checkpoints import write_tiny_checkpoints
 
 

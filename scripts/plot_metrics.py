@@ -15,8 +15,8 @@ from typing import Annotated
 
 import tyro
 
-from configs.cli import cli
-from train.curves import plot_run
+from wampipe.configs.cli import cli
+from wampipe.train.curves import plot_run
 
 
 @dataclass

@@ -8,7 +8,7 @@ stats     q99 normalization and padding       wds       `webdataset_decoder` for
 embodiments  what a sample of each robot holds (windows, views, state/action keys, prompt templates)
 """
 
-from shardformat.manifest import FORMAT_VERSION, Manifest, ShardFormatError
-from shardformat.wds import webdataset_decoder
+from wampipe.shardformat.manifest import FORMAT_VERSION, Manifest, ShardFormatError
+from wampipe.shardformat.wds import webdataset_decoder
 
 __all__ = ["FORMAT_VERSION", "Manifest", "ShardFormatError", "webdataset_decoder"]

@@ -12,13 +12,13 @@ from functools import lru_cache
 
 import numpy as np
 
-from shardformat.keys import parse_key, window_name
-from shardformat.manifest import ShardFormatError, check_sha256
-from shardformat.layout import ACTION, STATE
-from shardformat.shard import json_path, read_members, read_sample
-from shardformat.stats import stat_vector
-from shardformat.storage import STORE_ERRORS, ShardStore
-from shardformat.text import TextTable
+from wampipe.shardformat.keys import parse_key, window_name
+from wampipe.shardformat.manifest import ShardFormatError, check_sha256
+from wampipe.shardformat.layout import ACTION, STATE
+from wampipe.shardformat.shard import json_path, read_members, read_sample
+from wampipe.shardformat.stats import stat_vector
+from wampipe.shardformat.storage import STORE_ERRORS, ShardStore
+from wampipe.shardformat.text import TextTable
 
 
 @dataclass(frozen=True)

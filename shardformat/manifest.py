@@ -17,10 +17,10 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
-from shardformat.files import atomic_write_json, canonical_json
-from shardformat.layout import IMAGE_MEMBER, MANIFEST, SHARD_NAME, WIDS_INDEX
-from shardformat.members import split_member_name
-from shardformat.schema import SchemaError, merge_schemas, model_dims, validate
+from wampipe.shardformat.files import atomic_write_json, canonical_json
+from wampipe.shardformat.layout import IMAGE_MEMBER, MANIFEST, SHARD_NAME, WIDS_INDEX
+from wampipe.shardformat.members import split_member_name
+from wampipe.shardformat.schema import SchemaError, merge_schemas, model_dims, validate
 
 # 2: per-member offsets and CRC-32 in shard JSONs, sealed JSON, wids.json; 3: the sample schema in the manifest
 FORMAT_VERSION = "wampipe-shards/3"

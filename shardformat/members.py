@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zstandard
 
-from shardformat.keys import parse_key
-from shardformat.layout import META, tensor_suffix
+from wampipe.shardformat.keys import parse_key
+from wampipe.shardformat.layout import META, tensor_suffix
 
 if TYPE_CHECKING:  # torch is imported where a bf16 tensor is met: the CLIs' --help stays quick
     import torch

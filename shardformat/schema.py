@@ -10,7 +10,7 @@ is decoded to learn them.
 
 from __future__ import annotations
 
-from shardformat.layout import ACTION, CLIP, IMAGE_MEMBER, LATENTS, STATE, Y
+from wampipe.shardformat.layout import ACTION, CLIP, IMAGE_MEMBER, LATENTS, STATE, Y
 
 REQUIRED = (LATENTS, STATE, ACTION)  # besides the manifest's image member
 

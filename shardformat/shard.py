@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from shardformat.layout import MANIFEST, SHARD_NAME
-from shardformat.manifest import (FORMAT_VERSION, ShardEntry, ShardFormatError, non_negative, read_sealed_json,
+from wampipe.shardformat.layout import MANIFEST, SHARD_NAME
+from wampipe.shardformat.manifest import (FORMAT_VERSION, ShardEntry, ShardFormatError, non_negative, read_sealed_json,
                                   relative_path, write_sealed_json)
-from shardformat.members import checksum, decode_members
-from shardformat.schema import check_sample
+from wampipe.shardformat.members import checksum, decode_members
+from wampipe.shardformat.schema import check_sample
 
 
 @dataclass(frozen=True)

@@ -48,11 +48,11 @@ from typing import Callable
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from shardformat.files import atomic_writer, sha256_file
-from shardformat.layout import INPUTS, MANIFEST, WORK_DIR
-from shardformat.manifest import (MAX_JSON_BYTES, Manifest, ShardFormatError, check_json_size,
+from wampipe.shardformat.files import atomic_writer, sha256_file
+from wampipe.shardformat.layout import INPUTS, MANIFEST, WORK_DIR
+from wampipe.shardformat.manifest import (MAX_JSON_BYTES, Manifest, ShardFormatError, check_json_size,
                                   parse_sealed_json, relative_path)
-from shardformat.shard import ShardRecord, json_path
+from wampipe.shardformat.shard import ShardRecord, json_path
 
 COPY_BLOCK = 1 << 23  # 8 MiB per read when streaming a whole file
 S3_PROTOCOLS = ("s3", "s3a")

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardformat.files import atomic_write_json, atomic_writer, sha256_file
-from shardformat.layout import MANIFEST, TEXT_PROMPTS, TEXT_TABLE
-from shardformat.manifest import SIDE_FILES, ShardFormatError, check_sha256, relative_path
+from wampipe.shardformat.files import atomic_write_json, atomic_writer, sha256_file
+from wampipe.shardformat.layout import MANIFEST, TEXT_PROMPTS, TEXT_TABLE
+from wampipe.shardformat.manifest import SIDE_FILES, ShardFormatError, check_sha256, relative_path
 
 if TYPE_CHECKING:  # imported where used: the CLIs' --help stays quick
     import torch

@@ -1,7 +1,7 @@
 """Reading shards with the `webdataset` library (or `wids`): one function that turns a raw sample into tensors.
 
     import webdataset as wds
-    from shardformat import webdataset_decoder
+    from wampipe.shardformat import webdataset_decoder
 
     decode = webdataset_decoder("shards/droid")
     for sample in wds.WebDataset(urls, shardshuffle=False).map(decode): ...
@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from shardformat.layout import SHARD_NAME
-from shardformat.manifest import Manifest, ShardFormatError, relative_path
-from shardformat.shard import ShardRecord, json_path, read_sample
-from shardformat.text import TextTable
+from wampipe.shardformat.layout import SHARD_NAME
+from wampipe.shardformat.manifest import Manifest, ShardFormatError, relative_path
+from wampipe.shardformat.shard import ShardRecord, json_path, read_sample
+from wampipe.shardformat.text import TextTable
 
 
 def webdataset_decoder(root: Path | str) -> Callable[[dict], dict]:

@@ -1,10 +1,15 @@
 """Shared fixtures, each built once per test session (a fixture imported into several test modules would be built
 once per module): sample LeRobot datasets, tiny encoder checkpoints, the DROID shards the CLI builds from them,
-synthetic shards, and a local S3 server. Tests only read them; a test that changes one works on a copy."""
+synthetic shards, and a local S3 server. Tests only read them; a test that changes one works on a copy.
+
+Two kinds of test (README, Tests): end-to-end ones (marked `e2e` here) run the tools as a user does, in processes of
+their own (the CLI, torchrun, a shard build, the S3 server); unit tests call the code in this process and start no
+process, which `unit_tests_start_no_process` checks, so the split stays true as tests are added."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing.process
 import subprocess
 import sys
 import tomllib
@@ -13,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.model import CausalWanModel, DiTConfig, build_model
+from wampipe.train.model import CausalWanModel, DiTConfig, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
+# what makes a test end-to-end besides its own mark (`e2e`, or `slow`: multi-process trainer runs): a fixture that
+# builds shards through the CLI or serves S3
+E2E_FIXTURES = {"droid_shards", "s3_server"}
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # small, quick builds: few anchors, several units and shards
 # Builders import what they build with when called: spawned test workers import this module too.
@@ -25,12 +33,12 @@ FAST = ["--anchor-stride", "16", "--samples-per-shard", "4", "--episodes-per-uni
 def shards_cmd(src: Path, out: Path | str, dataset: str, tiny: Path, *extra: str, model: str = "5b") -> list[str]:
     """`python -m preprocess shards` of `src` with the tiny checkpoints and FAST settings."""
     from devtools.tiny_checkpoints import tiny_checkpoint_paths
-    from preprocess.pipeline import VAE_OF_MODEL
+    from wampipe.preprocess.pipeline import VAE_OF_MODEL
 
     paths = tiny_checkpoint_paths(tiny, VAE_OF_MODEL[model])
     weights = [a for name, p in paths.items() for a in (f"--{name.replace('_', '-')}", str(p))]
-    return [sys.executable, "-m", "preprocess", "shards", "--dataset", dataset, "--src", str(src), "--out", str(out),
-            "--model", model, *weights, *FAST, *extra]
+    return [sys.executable, "-m", "wampipe.preprocess", "shards", "--dataset", dataset, "--src", str(src),
+            "--out", str(out), "--model", model, *weights, *FAST, *extra]
 
 
 def console_script(name: str) -> str:
@@ -58,7 +66,7 @@ def tiny_model(**overrides) -> CausalWanModel:
 
 def shard_samples(tar: Path) -> list[tuple[str, dict[str, bytes]]]:
     """(key, {suffix: bytes}) of every sample of a tar, as the integrity check reads them."""
-    from preprocess.check import tar_samples
+    from wampipe.preprocess.check import tar_samples
 
     with open(tar, "rb") as f:
         return list(tar_samples(f))
@@ -139,8 +147,8 @@ def official_base(tmp_path_factory, small_shards) -> Path:
 @pytest.fixture(scope="session")
 def small_dit(small_shards) -> DiTConfig:
     """The DiT the trainer builds for `small_shards` (the tiny preset takes its widths from them)."""
-    from train.builder import model_config
-    from train.config import Config, DataConfig
+    from wampipe.train.builder import model_config
+    from wampipe.train.config import Config, DataConfig
 
     return model_config(Config(data=DataConfig(shards=small_shards)))
 
@@ -162,7 +170,7 @@ def s3_bucket(s3_server, monkeypatch, request) -> str:
     import re
     import uuid
 
-    from shardformat.storage import ShardStore
+    from wampipe.shardformat.storage import ShardStore
 
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):  # the machine's own would win
         monkeypatch.delenv(name, raising=False)
@@ -171,3 +179,32 @@ def s3_bucket(s3_server, monkeypatch, request) -> str:
     bucket = f"{re.sub(r'[^a-z0-9]+', '-', request.node.name.lower())[:40].strip('-')}-{uuid.uuid4().hex[:8]}"
     ShardStore(f"s3://{bucket}").fs.mkdir(bucket)
     return f"s3://{bucket}"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") or E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_process(request, monkeypatch):
+    """A test not marked e2e fails if it started a process (a command, or a multiprocessing child), naming it."""
+    if request.node.get_closest_marker("e2e"):
+        yield
+        return
+    started = []
+    real_init, real_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def recording_init(self, args, *rest, **kwargs):
+        started.append(args if isinstance(args, str) else " ".join(map(str, args)))
+        real_init(self, args, *rest, **kwargs)
+
+    def recording_start(self):
+        started.append(f"multiprocessing child {self.name}")
+        real_start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording_init)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+    yield
+    assert not started, f"a unit test started a process ({started[0][:200]}): mark it e2e (tests/conftest.py)"

@@ -2,10 +2,10 @@
 
 import pytest
 
-from train.auto import resolve_auto
-from train.config import ParallelConfig, parse_args, validate
-from train.model import build_model
-from train.parallel import parallelize
+from wampipe.train.auto import resolve_auto
+from wampipe.train.config import ParallelConfig, parse_args, validate
+from wampipe.train.model import build_model
+from wampipe.train.parallel import parallelize
 
 H100, H200 = 79.2, 139.8  # GiB that torch reports for the 80 GB and 141 GB cards
 

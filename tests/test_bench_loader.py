@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from devtools import bench
-from train.config import BatchPlan, batch_plan, parse_args
-from train.data import data_dims
+from wampipe.train.config import BatchPlan, batch_plan, parse_args
+from wampipe.train.data import data_dims
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,6 +57,7 @@ def test_tiny_cpu_run_prints_every_field(tmp_path):
     assert steps == [2, 4]
 
 
+@pytest.mark.e2e
 def test_bound_only_skips_the_trainer(tmp_path):
     r = _run(["--preset", "tiny", "--bound-only", "--ac", "none", "--micro-batch", "3", "--out", str(tmp_path),
               *SMALL_BOUND])

@@ -7,8 +7,8 @@ from dataclasses import dataclass, fields, replace
 
 import pytest
 
-from preprocess.shards import Args
-from preprocess.spec import FINALIZE, UNIT, BuildSpec, arg
+from wampipe.preprocess.shards import Args
+from wampipe.preprocess.spec import FINALIZE, UNIT, BuildSpec, arg
 
 # The flags that change no output byte: where and how the run goes, not what it builds.
 RUN_ONLY = {"config", "out", "staging_dir", "workers", "executor", "ray_address", "unit_index", "num_units", "stage",

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from devtools.sample_data import write_sample_dataset
-from preprocess.decode import BACKENDS, decode_video
-from preprocess.errors import DatasetError
-from preprocess.lerobot import LeRobotDataset
+from wampipe.preprocess.decode import BACKENDS, decode_video
+from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.lerobot import LeRobotDataset
 
 
 def window_rows(start: int) -> np.ndarray:

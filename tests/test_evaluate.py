@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from train.curves import read_metrics
+from wampipe.train.curves import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29647"}
@@ -100,7 +100,7 @@ def other_dit_shards(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("case", ["empty", "file", "step", "other DiT", "other DiT, export"])
 def test_a_bad_input_stops_with_one_line(run, small_shards, other_dit_shards, tmp_path, case):
-    from train.evaluate import main
+    from wampipe.train.evaluate import main
 
     source, shards, extra, start = {
         "empty": (tmp_path, small_shards, (), f"{tmp_path}: nothing to load"),
@@ -119,7 +119,7 @@ def test_a_bad_input_stops_with_one_line(run, small_shards, other_dit_shards, tm
 
 @pytest.mark.parametrize("flag,value", [("action_interval", -1), ("action_samples", 0)])
 def test_bad_action_flags_are_refused(flag, value):
-    from train.config import Config, MetricsConfig, validate
+    from wampipe.train.config import Config, MetricsConfig, validate
 
     with pytest.raises(SystemExit, match=f"--metrics.{flag.replace('_', '-')} {value} "):
         validate(Config(metrics=MetricsConfig(**{flag: value})))

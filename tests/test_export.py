@@ -26,11 +26,11 @@ from safetensors import safe_open
 
 from tests.test_init_load import ROOT, _rewrite
 from devtools import tiny_base
-from train import checkpoint
-from train.config import CheckpointConfig, Config, DataConfig, ModelConfig
-from train.export import check_base, export_weights
-from train.model import build_model
-from train.weights import DREAMZERO_PREFIX, WeightsError, load_weights
+from wampipe.train import checkpoint
+from wampipe.train.config import CheckpointConfig, Config, DataConfig, ModelConfig
+from wampipe.train.export import check_base, export_weights
+from wampipe.train.model import build_model
+from wampipe.train.weights import DREAMZERO_PREFIX, WeightsError, load_weights
 
 WORLD = 2
 SHIFT = 0.5  # added to every trained parameter, so each DiT tensor differs from the base
@@ -69,7 +69,7 @@ def _config_only(base: Path, out: Path) -> Path:
 def _worker(rank: int, tmp: str, shards: Path, init_from: Path, cases: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
-    from train.builder import build
+    from wampipe.train.builder import build
     try:
         for name, base in cases.items():
             cfg = Config(data=DataConfig(shards=shards), model=ModelConfig(init_from=init_from, init_device="meta"),
@@ -83,6 +83,7 @@ def _worker(rank: int, tmp: str, shards: Path, init_from: Path, cases: dict) -> 
         dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_eval_ready_export_from_two_ranks(small_shards, official_base, small_dit, tmp_path):
     single = tiny_base.write_base(tiny_base.Args(out=tmp_path / "single", shards=small_shards, seed=5))
     config_only = _config_only(official_base, tmp_path / "config_only")
@@ -289,7 +290,7 @@ OFFICIAL_HEAD_FIELDS = {"action_dim": "action_dim", "max_action_dim": "action_di
 
 
 def _check_official_fields(config: dict, cfg, tag: str, conf: dict, latent_frames: int) -> None:
-    from shardformat.embodiments import get_embodiment
+    from wampipe.shardformat.embodiments import get_embodiment
 
     head = config["action_head_cfg"]["config"]
     dm = head["diffusion_model_cfg"]
@@ -307,8 +308,8 @@ def _check_official_fields(config: dict, cfg, tag: str, conf: dict, latent_frame
 
 def test_config_json_carries_every_field_the_official_constructors_read(small_shards, official_base, small_dit,
                                                                           tmp_path):
-    from train.data import SampleReader, open_index
-    from train.export import eval_config, export_official
+    from wampipe.train.data import SampleReader, open_index
+    from wampipe.train.export import eval_config, export_official
 
     index = open_index(small_shards)
     reader = SampleReader(index, None)

@@ -24,15 +24,15 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from devtools import bench, synthetic
 from tests.conftest import tiny_model
-from train import checkpoint
-from train.auto import resolve_auto
-from train.builder import sharded_model
-from train.config import CheckpointConfig, Config, OptimConfig, parse_args
-from train.export import export_weights
-from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.model import build_model, preset, random_batch
-from train.optim import build_optimizer, clip_grad_norm
-from train.parallel import apply_ac, apply_float8, check_float8, float8_after_step
+from wampipe.train import checkpoint
+from wampipe.train.auto import resolve_auto
+from wampipe.train.builder import sharded_model
+from wampipe.train.config import CheckpointConfig, Config, OptimConfig, parse_args
+from wampipe.train.export import export_weights
+from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.model import build_model, preset, random_batch
+from wampipe.train.optim import build_optimizer, clip_grad_norm
+from wampipe.train.parallel import apply_ac, apply_float8, check_float8, float8_after_step
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -102,6 +102,7 @@ def shards(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.e2e
 def test_the_trainer_refuses_float8_without_a_capable_gpu(shards, tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards",
                            str(shards), "--checkpoint.dir", str(tmp_path / "run"), "--parallel.float8", "tensorwise",

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.conftest import tiny_model
-from train.config import ParallelConfig
-from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.model import DiTBatch, random_batch
-from train.parallel import parallelize
-from train.text import compact_text
+from wampipe.train.config import ParallelConfig
+from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.model import DiTBatch, random_batch
+from wampipe.train.parallel import parallelize
+from wampipe.train.text import compact_text
 
 WORLD = 2
 
@@ -78,6 +79,7 @@ def _worker(rank: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_fsdp2_keeps_fp32_timesteps_rope_and_text_weights_and_matches_unsharded_grads(tmp_path):
     mp.start_processes(_worker, args=(str(tmp_path),), nprocs=WORLD, start_method="spawn")
     out = torch.load(tmp_path / "out.pt")

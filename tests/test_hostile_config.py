@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from devtools.sample_data import write_sample_dataset
-from preprocess.check import check
-from preprocess.lerobot import LeRobotDataset
-from preprocess.prompts import BadInstruction, instruction_text
+from wampipe.preprocess.check import check
+from wampipe.preprocess.lerobot import LeRobotDataset
+from wampipe.preprocess.prompts import BadInstruction, instruction_text
 from tests.conftest import build, manifest, tiny_model
-from train.loss import FlowMatchScheduler, LossConfig, flow_matching_loss, sample_timestep_ids
-from train.model import random_batch
+from wampipe.train.loss import FlowMatchScheduler, LossConfig, flow_matching_loss, sample_timestep_ids
+from wampipe.train.model import random_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY = 4 << 30  # address space of a CLI under test: torch's import fits, an alias bomb's expansion does not
@@ -53,6 +53,7 @@ def _one_line(done: subprocess.CompletedProcess) -> str:
     ("latin1", "train:\n  steps: 3  # caf\xe9\n", "not UTF-8 text (byte 0xe9 at offset 24)"),
     ("deep", "train: " + "[" * 10_000 + "]" * 10_000 + "\n", "line 1: nested deeper than 64 levels"),
 ], ids=["alias-bomb", "latin1", "10000-deep"])
+@pytest.mark.e2e
 def test_hostile_yaml_stops_the_trainer_in_one_line(name, text, reason, tmp_path):
     path = tmp_path / f"{name}.yaml"
     path.write_bytes(text.encode("latin-1" if name == "latin1" else "utf-8"))
@@ -60,6 +61,7 @@ def test_hostile_yaml_stops_the_trainer_in_one_line(name, text, reason, tmp_path
     assert line == f"{path}: {reason}"
 
 
+@pytest.mark.e2e
 def test_alias_bomb_stops_the_preprocessor_in_one_line(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(BOMB + "preprocess:\n  dataset: *i\n")
@@ -72,6 +74,7 @@ def test_alias_bomb_stops_the_preprocessor_in_one_line(tmp_path):
     (["--loss.shift", "nan"], None, "invalid settings: --loss.shift nan (must be a finite number)"),
     ([], "train:\n  optim:\n    lr: .inf\n", "{file}: train.optim.lr: inf is not a finite number"),
 ], ids=["lr-inf-flag", "shift-nan-flag", "lr-inf-file"])
+@pytest.mark.e2e
 def test_nonfinite_floats_are_refused_before_any_step(argv, file, message, small_shards, tmp_path):
     run_dir, config = tmp_path / "run", tmp_path / "config.yaml"
     if file:
@@ -83,6 +86,7 @@ def test_nonfinite_floats_are_refused_before_any_step(argv, file, message, small
     assert not run_dir.exists()  # stopped before the run directory, so before any step
 
 
+@pytest.mark.e2e
 def test_bad_task_strings_fail_their_episodes_and_the_build_goes_on(tiny_checkpoints, tmp_path):
     src, out = write_sample_dataset(tmp_path / "src", "droid", episodes=5), tmp_path / "out"  # episode 1 is short
     hostile = {0: ("[]", "an empty list"), 2: ("['" + "pick up the cup " * 655_360 + "']", "10485764 characters"),
@@ -123,6 +127,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.e2e
 def test_loss_draws_timesteps_over_the_schedulers_length(small_shards, tmp_path):
     ids = sample_timestep_ids(4000, 9, 2, torch.Generator().manual_seed(0), num_timesteps=500)
     assert ids.min() == 0 and ids.max() == 499

@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 import torch
 
-from preprocess.check import check
-from shardformat import webdataset_decoder
-from shardformat.manifest import ShardFormatError, write_sealed_json
-from shardformat.members import MAX_MEMBER_BYTES, checksum
-from shardformat.shard import ShardRecord
-from shardformat.storage import ShardStore, sync_up
-from train.config import DataConfig
-from train.data import SampleReader, ShardIndex, ShardLoader, open_index
-from train.export import shard_statistics
-from train.model import preset
-from train.weights import WeightsError
+from wampipe.preprocess.check import check
+from wampipe.shardformat import webdataset_decoder
+from wampipe.shardformat.manifest import ShardFormatError, write_sealed_json
+from wampipe.shardformat.members import MAX_MEMBER_BYTES, checksum
+from wampipe.shardformat.shard import ShardRecord
+from wampipe.shardformat.storage import ShardStore, sync_up
+from wampipe.train.config import DataConfig
+from wampipe.train.data import SampleReader, ShardIndex, ShardLoader, open_index
+from wampipe.train.export import shard_statistics
+from wampipe.train.model import preset
+from wampipe.train.weights import WeightsError
 
 ROOT = Path(__file__).resolve().parents[1]
 ESCAPE = "../../../../tmp/x"  # below <cache>/<bucket>/<prefix>/: <cache>/../../tmp/x
@@ -103,6 +103,7 @@ def test_statistics_outside_the_directory_are_refused(copy, tmp_path):
     assert check(copy) == [message]
 
 
+@pytest.mark.e2e
 def test_edited_statistics_stop_the_trainer_at_start(copy, tmp_path):
     """q99 x 100 squeezes every action into a hundredth of its range: trained on silently before."""
     metadata = json.loads((copy / "metadata.json").read_text())

@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from encoders.image_encoder import CLIP_MEAN, CLIP_STD, load_image_encoder
-from encoders.weights import WeightsError, read_state_dict
+from wampipe.encoders.image_encoder import CLIP_MEAN, CLIP_STD, load_image_encoder
+from wampipe.encoders.weights import WeightsError, read_state_dict
 
 WAN_FILE = "clip/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
 

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from encoders.image_encoder import load_image_encoder
-from preprocess import outdir
-from preprocess.check import check
-from shardformat.manifest import MANIFEST, read_sealed_json, write_sealed_json
-from shardformat.members import decode_members
+from wampipe.encoders.image_encoder import load_image_encoder
+from wampipe.preprocess import outdir
+from wampipe.preprocess.check import check
+from wampipe.shardformat.manifest import MANIFEST, read_sealed_json, write_sealed_json
+from wampipe.shardformat.members import decode_members
 from tests.conftest import ROOT, build, manifest, shard_samples
-from train.builder import frozen_image_encoder, model_config
-from train.config import parse_args
+from wampipe.train.builder import frozen_image_encoder, model_config
+from wampipe.train.config import parse_args
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,11 @@
 """The halves stay apart: train/ and configs/ import no preprocess/ module, preprocess/ no train/ module, shardformat/
-and encoders/ (what both halves import) neither half, and no product package imports the devtools/ fixtures.
+and encoders/ (what both halves import) neither half, and no product package imports the devtools/ fixtures. Every
+import of a product package goes through the one `wampipe` namespace (an installed wampipe claims no other name).
 
 Each package is walked in a fresh interpreter that imports every one of its modules and lists what got loaded; the
 source is read too, so an import inside a function (one that runs only when it is called) is caught as well. The
-wheel ships those five packages, not devtools/. A module moved out of the product is gone from it, and no import
-anywhere in the checkout names its old place."""
+wheel ships those five packages under wampipe, not devtools/. A module moved out of the product is gone from it, and
+no import anywhere in the checkout names its old place."""
 
 import ast
 import json
@@ -24,11 +25,11 @@ FORBIDDEN = {
     "shardformat": ("train", "preprocess", "devtools"),
     "encoders": ("train", "preprocess", "devtools"),
 }
-MOVED = {"preprocess.synthetic": "devtools.synthetic"}  # fixtures: synthetic shards for tests and benchmarks
+MOVED = {"wampipe.preprocess.synthetic": "devtools.synthetic"}  # fixtures: synthetic shards for tests and benchmarks
 CHECKOUT = (*FORBIDDEN, "devtools", "scripts", "tests")
 WALK = """
 import importlib, json, pkgutil, sys
-package = importlib.import_module(sys.argv[1])
+package = importlib.import_module("wampipe." + sys.argv[1])
 names = [package.__name__] + [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
 for name in names:
     importlib.import_module(name)
@@ -36,29 +37,52 @@ print(json.dumps(sorted(sys.modules)))
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_a_package_loads_no_module_of_a_package_it_must_not_import(package):
     done = subprocess.run([sys.executable, "-c", WALK, package], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    loaded = [m for m in json.loads(done.stdout.splitlines()[-1]) if m.split(".")[0] in FORBIDDEN[package]]
-    assert loaded == [], f"importing {package}/ loads {loaded}"
+    loaded = json.loads(done.stdout.splitlines()[-1])
+    outside = [m for m in loaded if m.split(".")[0] in FORBIDDEN]
+    assert outside == [], f"importing {package}/ loads {outside} outside the wampipe namespace"
+    tops = {m.split(".")[1] if m.startswith("wampipe.") else m.split(".")[0] for m in loaded}
+    assert tops & set(FORBIDDEN[package]) == set(), f"importing {package}/ loads {tops & set(FORBIDDEN[package])}"
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_no_import_statement_names_a_package_it_must_not_import(package):
-    statement = re.compile(rf"^\s*(?:from|import)\s+(?:{'|'.join(FORBIDDEN[package])})\b", re.MULTILINE)
+    statement = re.compile(rf"^\s*(?:from|import)\s+(?:wampipe\.)?(?:{'|'.join(FORBIDDEN[package])})\b", re.MULTILINE)
     found = [f"{path.relative_to(ROOT)}: {m.group().strip()}" for path in sorted((ROOT / package).rglob("*.py"))
              for m in statement.finditer(path.read_text())]
     assert found == []
 
 
-def test_the_wheel_ships_every_product_package_and_no_fixture():
-    from setuptools import find_packages
-
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    shipped = {name.split(".")[0] for name in find_packages(str(ROOT), include=include)}
+def test_the_wheel_ships_every_product_package_under_wampipe_and_no_fixture():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    shipped = {name.split(".")[1] for name in setuptools["packages"] if name != "wampipe"}
     assert shipped == set(FORBIDDEN) and (ROOT / "devtools" / "__init__.py").is_file()
+    assert setuptools["package-dir"] == {f"wampipe.{name}": name for name in FORBIDDEN}  # the folders stay on top
+    every = {p.parent.relative_to(ROOT).as_posix().replace("/", ".") for name in FORBIDDEN
+             for p in (ROOT / name).rglob("__init__.py")}
+    assert {f"wampipe.{name}" for name in every} == set(setuptools["packages"]) - {"wampipe"}  # subpackages too
+
+
+def test_every_import_of_a_product_package_goes_through_wampipe():
+    """A bare `import train` would load a second copy of the module (or a user's own train.py)."""
+    statement = re.compile(rf"^\s*(?:from|import)\s+(?:{'|'.join(FORBIDDEN)})\b", re.MULTILINE)
+    paths = [path for package in CHECKOUT for path in sorted((ROOT / package).rglob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}: {m.group().strip()}" for path in paths
+             for m in statement.finditer(path.read_text())]
+    assert found == []
+
+
+@pytest.mark.e2e
+def test_an_installed_name_is_not_shadowed_by_a_users_train_module(tmp_path):
+    (tmp_path / "train.py").write_text("raise SystemExit('the user train.py was imported')\n")
+    done = subprocess.run([sys.executable, "-c", "import wampipe.train.config, wampipe.train.launch"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def _imported_names(path):
@@ -73,9 +97,10 @@ def _imported_names(path):
 
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_a_module_moved_out_of_the_product_is_gone_and_imported_from_its_new_place_only(old):
-    source = {name: ROOT / f"{name.replace('.', '/')}.py" for name in (old, MOVED[old])}
+    source = {name: ROOT / f"{name.removeprefix('wampipe.').replace('.', '/')}.py" for name in (old, MOVED[old])}
     assert not source[old].exists() and source[MOVED[old]].is_file()
     paths = [path for package in CHECKOUT for path in sorted((ROOT / package).rglob("*.py"))]
     found = [f"{path.relative_to(ROOT)}: {name}" for path in paths for name in _imported_names(path)
-             if name == old or name.startswith(f"{old}.")]
+             if name.removeprefix("wampipe.") == old.removeprefix("wampipe.")
+             or name.removeprefix("wampipe.").startswith(f"{old.removeprefix('wampipe.')}.")]
     assert found == [], f"{old} is {MOVED[old]} now"

@@ -18,10 +18,10 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from train.config import ParallelConfig
-from train.model import DiTConfig, build_model
-from train.parallel import parallelize
-from train.weights import DREAMZERO_PREFIX, WeightsError, _allowed_absent, load_weights, save_weights
+from wampipe.train.config import ParallelConfig
+from wampipe.train.model import DiTConfig, build_model
+from wampipe.train.parallel import parallelize
+from wampipe.train.weights import DREAMZERO_PREFIX, WeightsError, _allowed_absent, load_weights, save_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -64,6 +64,7 @@ def _worker(rank: int, tmp: str, cases: dict, dit: DiTConfig) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_sharded_load_equals_unsharded_and_refuses_bad_keys(official_base, small_dit, tmp_path):
     plain = build_model(small_dit)
     wan = {k: v.to(torch.bfloat16) for k, v in plain.state_dict().items() if not _allowed_absent(plain, k)}

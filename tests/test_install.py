@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import PROJECT, ROOT, console_script, shards_cmd
 from tests.test_quiet import unexpected
-from train.launch import split_arguments
+from wampipe.train.launch import split_arguments
 
 def _python(code: str, *argv: str, cwd=ROOT) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter, as an installed console script would run it."""
@@ -29,8 +29,9 @@ def _run(cmd: list[str], cwd=ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.e2e
 def test_shards_without_src_stops_in_one_line_and_writes_nothing(tmp_path):
-    done = _python("from preprocess.__main__ import main; main()", "shards", "--out", str(tmp_path / "out"),
+    done = _python("from wampipe.preprocess.__main__ import main; main()", "shards", "--out", str(tmp_path / "out"),
                    cwd=tmp_path)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr == ("--src is required: the LeRobot dataset root (sample data and tiny encoders to try it on: "
@@ -46,6 +47,7 @@ def test_every_console_script_target_exists():
         assert callable(getattr(importlib.import_module(module), function)), target
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command, flag", [("shards", "--src"), ("check", "--members"), ("stats", "--embodiment"),
                                            ("inspect", "--decode"), ("preview", "--vae")])
 def test_preprocess_scripts_run_their_command(command, flag):
@@ -64,11 +66,12 @@ def test_train_script_splits_torchrun_options_from_trainer_flags():
         ["--nnodes=2", "--rdzv-endpoint", "h:1"], ["--max-restarts", "x"])
 
 
+@pytest.mark.e2e
 def test_trainer_flags_and_torchrun_options_do_not_overlap():
     """Every trainer flag reaches the trainer without `--`: none is also a torchrun option."""
     from torch.distributed.run import get_args_parser
 
-    done = _python("from train.main import main; main()", "--help")
+    done = _python("from wampipe.train.main import main; main()", "--help")
     trainer = set(re.findall(r"^│ +(--[a-z][\w.-]*)", done.stdout, re.MULTILINE)) - {"--help"}  # its flag rows
     torchrun = {option for action in get_args_parser()._actions for option in action.option_strings}
     assert {"--preset", "--data.shards", "--steps"} <= trainer and torchrun & trainer == set()
@@ -176,7 +179,7 @@ def test_the_base_install_builds_shards_and_trains_and_each_extra_is_named_where
     the farm builds and checks shards of local data, a 1-rank run of the tiny recipe trains on them, and each extra's
     feature asked for stops in its one line."""
     source = tmp_path / "source"  # pip builds in the tree it installs: a copy keeps the checkout clean
-    for package in PACKAGES:
+    for package in ("wampipe", *PACKAGES):
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
@@ -191,12 +194,13 @@ def test_the_base_install_builds_shards_and_trains_and_each_extra_is_named_where
     def run(*argv: str) -> subprocess.CompletedProcess:  # the timeout only detects a hang
         return subprocess.run([sys.executable, *argv], cwd=work, env=env, capture_output=True, text=True, timeout=600)
 
-    where = run("-c", "import preprocess, train; print(preprocess.__file__, train.__file__)")
-    assert where.stdout.split() == [str(site / "preprocess" / "__init__.py"), str(site / "train" / "__init__.py")]
+    where = run("-c", "import wampipe.preprocess as p, wampipe.train as t; print(p.__file__, t.__file__)")
+    assert where.stdout.split() == [str(site / "wampipe" / name / "__init__.py") for name in ("preprocess", "train")]
+    assert sorted(p.name for p in site.iterdir() if not p.name.endswith((".dist-info", "bin"))) == ["wampipe"]
     shards = work / "shards"
     built = run(*shards_cmd(droid_root, shards, "droid", tiny_checkpoints)[1:])
     assert built.returncode == 0, built.stderr[-3000:]
-    checked = run("-m", "preprocess", "check", str(shards))
+    checked = run("-m", "wampipe.preprocess", "check", str(shards))
     assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
     run_dir = work / "run"
     trained = run("-c", console_script("wampipe-train"), "--nproc-per-node", "1", "--preset", "tiny",
@@ -206,12 +210,13 @@ def test_the_base_install_builds_shards_and_trains_and_each_extra_is_named_where
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert trained.stdout.count("tensorboard not installed") == 1  # the plot extra's TensorBoard: said once
 
-    trainer = [str(site / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(shards), "--steps", "1"]
-    asked = {"s3": run("-m", "preprocess", "check", "s3://bucket/shards"),
+    trainer = [str(site / "wampipe" / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(shards),
+               "--steps", "1"]
+    asked = {"s3": run("-m", "wampipe.preprocess", "check", "s3://bucket/shards"),
              "ray": run(*shards_cmd(droid_root, work / "ray", "droid", tiny_checkpoints, "--executor", "ray")[1:]),
              "fp8": run(*trainer, "--checkpoint.dir", str(work / "fp8"), "--parallel.float8", "tensorwise"),
              "wandb": run(*trainer, "--checkpoint.dir", str(work / "wandb"), "--metrics.wandb-project", "test"),
              "plot": run(str(ROOT / "scripts" / "plot_metrics.py"), str(run_dir)),
-             "plot (preview)": run("-m", "preprocess", "preview", str(shards), "--vae", str(tiny_checkpoints))}
+             "plot (preview)": run("-m", "wampipe.preprocess", "preview", str(shards), "--vae", str(tiny_checkpoints))}
     assert {extra: (done.returncode, unexpected(done.stderr)) for extra, done in asked.items()} == {
         extra: (1, [line]) for extra, line in NEEDS.items()}  # progress bars aside (the units' before ray's line)

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from preprocess.errors import DatasetError
-from preprocess.lerobot import LeRobotDataset, ParquetImageFrames, VideoFrames
+from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.lerobot import LeRobotDataset, ParquetImageFrames, VideoFrames
 from tests.conftest import ROOT
 
 DROID_COLUMNS = ["observation.state", "action"]
@@ -138,6 +138,7 @@ def test_v3_video_span_mismatch(tmp_path, libero_v3_root):
         LeRobotDataset(root).episode(2)
 
 
+@pytest.mark.e2e
 def test_inspect_cli(droid_root):
     out = subprocess.run([sys.executable, "-m", "preprocess", "inspect", str(droid_root), "--decode"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -145,6 +146,7 @@ def test_inspect_cli(droid_root):
     assert "decoded 1452 frames from 4 episodes" in out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", ["droid", "libero"])
 def test_sample_dataset_same_files_with_worker_processes(tmp_path, layout, droid_root, libero_root):
     from devtools.sample_data import write_sample_dataset

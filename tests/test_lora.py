@@ -20,11 +20,11 @@ import yaml
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from train.export import export_weights
-from train.lora import ADAPTERS, PEFT_PREFIX, TRAINABLE, LoRAConfig, LoRALinear, apply_lora, fold, init_lora
-from train.loss import FlowMatchScheduler, LossConfig, flow_matching_loss
-from train.model import build_model, random_batch
-from train.weights import DREAMZERO_PREFIX
+from wampipe.train.export import export_weights
+from wampipe.train.lora import ADAPTERS, PEFT_PREFIX, TRAINABLE, LoRAConfig, LoRALinear, apply_lora, fold, init_lora
+from wampipe.train.loss import FlowMatchScheduler, LossConfig, flow_matching_loss
+from wampipe.train.model import build_model, random_batch
+from wampipe.train.weights import DREAMZERO_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = LoRAConfig(rank=4, alpha=4.0)

@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from train.loss import FlowMatchScheduler, LossConfig, action_ids, flow_matching_loss, sample_timestep_ids
-from train.model import build_model, random_batch
+from wampipe.train.loss import FlowMatchScheduler, LossConfig, action_ids, flow_matching_loss, sample_timestep_ids
+from wampipe.train.model import build_model, random_batch
 
 
 def test_schedule_values():

@@ -3,10 +3,10 @@ and the choices and refusals it makes for every card size."""
 
 import pytest
 
-from train.auto import resolve_auto
-from train.config import parse_args
-from train.lora import LoRAConfig
-from train.memory import Plan, estimate, recipe_size
+from wampipe.train.auto import resolve_auto
+from wampipe.train.config import parse_args
+from wampipe.train.lora import LoRAConfig
+from wampipe.train.memory import Plan, estimate, recipe_size
 
 H100, H200 = 79.2, 139.8  # GiB that torch reports for the 80 GB and 141 GB cards
 

@@ -1,6 +1,6 @@
 """The profiler's device-idle analysis on a Chrome trace in torch.profiler's export format."""
 
-from train.metrics import device_idle, format_device_idle
+from wampipe.train.metrics import device_idle, format_device_idle
 
 
 def _x(cat, name, ts, dur):

@@ -21,13 +21,13 @@ import torch
 from PIL import Image
 
 from devtools import synthetic
-from shardformat.manifest import Manifest
-from shardformat.stats import normalize_q99, pad_with_mask
+from wampipe.shardformat.manifest import Manifest
+from wampipe.shardformat.stats import normalize_q99, pad_with_mask
 from tests.conftest import build
-from train.builder import model_config
-from train.config import DataConfig, ShardSet, file_config, parse_args, save_config
-from train.curves import plot
-from train.data import SampleReader, ShardLoader, SetDraws, open_sets, set_names
+from wampipe.train.builder import model_config
+from wampipe.train.config import DataConfig, ShardSet, file_config, parse_args, save_config
+from wampipe.train.curves import plot
+from wampipe.train.data import SampleReader, ShardLoader, SetDraws, open_sets, set_names
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -123,7 +123,7 @@ def test_draws_do_not_depend_on_workers_and_a_resumed_loader_continues_them(droi
 
 
 def test_a_set_on_s3_gives_the_batches_of_its_local_copy(droid_shards, libero_shards, s3_bucket):
-    from shardformat.storage import sync_up
+    from wampipe.shardformat.storage import sync_up
 
     url = f"{s3_bucket}/libero"
     sync_up(libero_shards, url)

@@ -5,9 +5,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from train.model import build_model, preset, random_batch, rope_tables, text_key_log_weight
-from train.text import compact_text, compact_text_rows, pad_text
-from train.loss import FlowMatchScheduler, action_ids, sample_timestep_ids
+from wampipe.train.model import build_model, preset, random_batch, rope_tables, text_key_log_weight
+from wampipe.train.text import compact_text, compact_text_rows, pad_text
+from wampipe.train.loss import FlowMatchScheduler, action_ids, sample_timestep_ids
 
 
 def _run(model, batch, t_frames=None, t_actions=None, noisy=None, noisy_actions=None):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from train.model import build_model
-from train.weights import Checkpoint, WeightsError, _allowed_absent, load_weights, save_weights
+from wampipe.train.model import build_model
+from wampipe.train.weights import Checkpoint, WeightsError, _allowed_absent, load_weights, save_weights
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -98,7 +98,7 @@ def test_wan_base_cold_start_ti2v(tmp_path, caplog):
     with torch.no_grad():
         for p in dst.parameters():
             p.fill_(7.0)
-    with caplog.at_level(logging.INFO, logger="train.weights"):
+    with caplog.at_level(logging.INFO, logger="wampipe.train.weights"):
         report = load_weights(dst, tmp_path, source="wan")
     assert report.source == "wan"
     new = set(report.initialised)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from train.checkpoint import complete_checkpoints
+from wampipe.train.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_train_main import ROOT, _command, _env
-from train.optim import AdamWBf16Moments, round_stochastic
+from wampipe.train.optim import AdamWBf16Moments, round_stochastic
 
 
 def test_stochastic_rounding_takes_a_neighbouring_bf16_value_and_is_unbiased():

@@ -6,7 +6,7 @@ import json
 import pytest
 from PIL import Image
 
-from train.curves import panels_of, plot_run, read_metrics
+from wampipe.train.curves import panels_of, plot_run, read_metrics
 
 
 def _row(step: int, loss: float) -> dict:
@@ -16,6 +16,7 @@ def _row(step: int, loss: float) -> dict:
             "time": 1.0e9 + step}
 
 
+@pytest.mark.e2e
 def test_writes_a_png_and_the_resumed_run_wins(tmp_path):
     rows = [_row(s, 2.0 / s) for s in range(1, 11)] + [_row(s, 5.0) for s in (9, 10, 11)]  # resumed at step 8
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -19,9 +19,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from encoders.vae import load_vae
-from preprocess.preview import clip_input_image, first_samples, to_canvas_frames
-from shardformat.members import decode_members
+from wampipe.encoders.vae import load_vae
+from wampipe.preprocess.preview import clip_input_image, first_samples, to_canvas_frames
+from wampipe.shardformat.members import decode_members
 from tests.conftest import ROOT, manifest, shard_samples
 
 REFERENCE = Path(__file__).parent / "assets" / "wan_vae_decode.safetensors"
@@ -89,8 +89,8 @@ def test_preview_writes_the_decoded_window_and_a_sheet(droid_shards, droid_root,
 
 
 def test_samples_are_the_first_in_manifest_order(droid_shards):
-    from train.data import SampleReader, ShardIndex
-    from train.model import DiTConfig
+    from wampipe.train.data import SampleReader, ShardIndex
+    from wampipe.train.model import DiTConfig
 
     built = manifest(droid_shards)
     in_order = [key for s in built["shards"] for key, _ in shard_samples(droid_shards / s["shard"])]
@@ -127,6 +127,7 @@ def test_preview_refuses_another_vae_or_dataset_in_one_line(droid_shards, droid_
     assert not out.exists()
 
 
+@pytest.mark.e2e
 def test_preview_refuses_shards_without_a_vae(tiny_shards, tiny_checkpoints, tmp_path):
     done = preview(tiny_shards, "--vae", tiny_checkpoints / VAE_FILES["wan2.2"], "--out", tmp_path / "out")
     assert done.returncode != 0
@@ -135,7 +136,7 @@ def test_preview_refuses_shards_without_a_vae(tiny_shards, tiny_checkpoints, tmp
 
 
 def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
-    from encoders.image_encoder import load_image_encoder
+    from wampipe.encoders.image_encoder import load_image_encoder
 
     clip = load_image_encoder(tiny_checkpoints / "clip" / "image_encoder", dtype=torch.float32)
     size = clip.image_size  # the stored pixels' size: bicubic to it is the identity here
@@ -150,7 +151,7 @@ def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
 
 
 def test_the_sheet_pads_as_the_model_does():
-    from preprocess.preview import PADDED_WIDTH
-    from train.model import DiTConfig
+    from wampipe.preprocess.preview import PADDED_WIDTH
+    from wampipe.train.model import DiTConfig
 
     assert PADDED_WIDTH == {"state": DiTConfig().max_state_dim, "action": DiTConfig().action_dim}

@@ -1,8 +1,8 @@
 """Prompt templates (docs/REFERENCE.md#4-prompts) and instruction parsing."""
 
-from preprocess.lerobot import LeRobotDataset
-from preprocess.prompts import format_prompt, instruction_text, window_prompts
-from shardformat.embodiments import get_embodiment
+from wampipe.preprocess.lerobot import LeRobotDataset
+from wampipe.preprocess.prompts import format_prompt, instruction_text, window_prompts
+from wampipe.shardformat.embodiments import get_embodiment
 
 DROID = ("A multi-view video shows that a robot put the marker in the cup The video is split into three views: The top "
          "view shows the camera view from the robot's wrist, the bottom-left view shows the camera view from the left "

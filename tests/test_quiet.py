@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import PROJECT, ROOT, console_script
 
+pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
+
 # what a build may print on stderr: tqdm's progress bars (carriage-return redrawn lines; their names may hold a
 # dataset folder's, any character but a colon)
 PROGRESS = re.compile(r"^[^:]*:\s+\d+%\|")

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import tyro
 
-import configs
+from wampipe import configs
 from devtools.synthetic import SHAPES, SUBKEY_DIMS, make_synthetic_shards
-from preprocess import shards as preprocess_shards
-from preprocess.__main__ import main as preprocess_main
-from preprocess.pipeline import VAE_OF_MODEL
-from shardformat.embodiments import get_embodiment
-from train.config import Config, parse_args, preset_config
-from train.main import main as train_main
-from train.model import preset
+from wampipe.preprocess import shards as preprocess_shards
+from wampipe.preprocess.__main__ import main as preprocess_main
+from wampipe.preprocess.pipeline import VAE_OF_MODEL
+from wampipe.shardformat.embodiments import get_embodiment
+from wampipe.train.config import Config, parse_args, preset_config
+from wampipe.train.main import main as train_main
+from wampipe.train.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 VAE = {"wan2.2": (48, 16), "wan2.1": (16, 8)}  # latent channels, spatial stride (both: 4x in time)

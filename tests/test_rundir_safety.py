@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_train_main import ROOT, _command, _descendants, _env, _rows
-from train.checkpoint import LOCK, MARKER, complete_checkpoints, step_dir
+from wampipe.train.checkpoint import LOCK, MARKER, complete_checkpoints, step_dir
 
 pytestmark = pytest.mark.slow
 STEPS = 8

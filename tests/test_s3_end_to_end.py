@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from devtools import synthetic
-from preprocess import outdir
-from preprocess.__main__ import main as preprocess_main
-from preprocess.check import check
-from preprocess.remote import prefetch_remote_state, publish, published, staging_dir
-from shardformat.files import atomic_write_json
-from shardformat.shard import ShardRecord
-from shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
+from wampipe.preprocess import outdir
+from wampipe.preprocess.__main__ import main as preprocess_main
+from wampipe.preprocess.check import check
+from wampipe.preprocess.remote import prefetch_remote_state, publish, published, staging_dir
+from wampipe.shardformat.files import atomic_write_json
+from wampipe.shardformat.shard import ShardRecord
+from wampipe.shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
 from tests.s3 import upload_then_sigkill
 from tests.test_train_data import TINY
-from train.config import DataConfig
-from train.data import ShardLoader
+from wampipe.train.config import DataConfig
+from wampipe.train.data import ShardLoader
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4

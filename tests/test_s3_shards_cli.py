@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import subprocess
 
-from preprocess.check import check
-from shardformat.storage import MANIFEST, ShardStore
+from wampipe.preprocess.check import check
+from wampipe.shardformat.storage import MANIFEST, ShardStore
 from tests.conftest import ROOT, manifest, shards_cmd
 
 

@@ -11,18 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import configs
+from wampipe import configs
 from devtools.synthetic import SHAPES
-from preprocess.check import check, tar_samples
-from preprocess.write import read_unit_index, unit_paths, write_tar, write_unit
-from shardformat import webdataset_decoder
-from shardformat.layout import ACTION, CLIP, LATENTS, MANIFEST, STATE, Y, shard_file
-from shardformat.manifest import Manifest, ShardFormatError, read_sealed_json, write_sealed_json
-from shardformat.members import checksum, decode_members, encode_sample, split_member_name
-from shardformat.schema import model_dims
-from shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
-from train.data import SampleReader, ShardIndex, data_dims
-from train.model import preset
+from wampipe.preprocess.check import check, tar_samples
+from wampipe.preprocess.write import read_unit_index, unit_paths, write_tar, write_unit
+from wampipe.shardformat import webdataset_decoder
+from wampipe.shardformat.layout import ACTION, CLIP, LATENTS, MANIFEST, STATE, Y, shard_file
+from wampipe.shardformat.manifest import Manifest, ShardFormatError, read_sealed_json, write_sealed_json
+from wampipe.shardformat.members import checksum, decode_members, encode_sample, split_member_name
+from wampipe.shardformat.schema import model_dims
+from wampipe.shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
+from wampipe.train.data import SampleReader, ShardIndex, data_dims
+from wampipe.train.model import preset
 
 
 @pytest.fixture

@@ -5,7 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.test_quiet import HELP_ENV, check_help
+
+pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ELSEWHERE = {  # script -> the test that runs it as a program

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from preprocess.check import Args, check, run, tar_samples
-from preprocess.write import shard_done
-from shardformat.files import atomic_write_bytes, atomic_writer
-from shardformat.keys import parse_key, sample_key, window_name
-from shardformat.manifest import FORMAT_VERSION, Manifest, ShardFormatError, write_sealed_json
-from shardformat.members import encode_sample
-from shardformat.shard import ShardRecord, json_path
+from wampipe.preprocess.check import Args, check, run, tar_samples
+from wampipe.preprocess.write import shard_done
+from wampipe.shardformat.files import atomic_write_bytes, atomic_writer
+from wampipe.shardformat.keys import parse_key, sample_key, window_name
+from wampipe.shardformat.manifest import FORMAT_VERSION, Manifest, ShardFormatError, write_sealed_json
+from wampipe.shardformat.members import encode_sample
+from wampipe.shardformat.shard import ShardRecord, json_path
 
 
 @pytest.fixture
@@ -50,6 +50,7 @@ def _slow_writer(path: str, ready: str) -> None:
         time.sleep(60)
 
 
+@pytest.mark.e2e
 def test_a_writer_killed_mid_write_leaves_no_visible_file(tmp_path):
     target, ready = tmp_path / "shard-000000.tar", tmp_path / "ready"
     proc = multiprocessing.get_context("fork").Process(target=_slow_writer, args=(str(target), str(ready)))
@@ -69,6 +70,7 @@ def _racer(path: str, byte: int, rounds: int) -> None:
         atomic_write_bytes(Path(path), bytes([byte]) * (1 << 18))
 
 
+@pytest.mark.e2e
 def test_processes_racing_on_one_path_never_mix_their_bytes(tmp_path):
     target = tmp_path / "manifest.json"
     ctx = multiprocessing.get_context("fork")

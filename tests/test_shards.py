@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from preprocess.__main__ import main as preprocess_main
-from preprocess.check import check
-from shardformat.files import sha256_file
-from shardformat.members import decode_members
-from train.export import OFFICIAL_CLIP_DIM
+from wampipe.preprocess.__main__ import main as preprocess_main
+from wampipe.preprocess.check import check
+from wampipe.shardformat.files import sha256_file
+from wampipe.shardformat.members import decode_members
+from wampipe.train.export import OFFICIAL_CLIP_DIM
 from tests.conftest import ROOT, build, manifest, shard_samples, shards_cmd
+
+pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 
 
 def test_droid_shards_pass_check_and_hold_the_reference_shapes(droid_shards, droid_root):

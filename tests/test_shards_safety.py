@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from preprocess.__main__ import main
-from preprocess.check import check
-from preprocess.errors import DatasetError
-from preprocess.outdir import INPUTS, LOCK
+from wampipe.preprocess.__main__ import main
+from wampipe.preprocess.check import check
+from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.outdir import INPUTS, LOCK
 from tests.conftest import ROOT, build, manifest, shards_cmd
 from tests.test_stats import assert_good_episode_statistics, corrupt_droid
 
@@ -74,6 +74,7 @@ def test_rerun_with_other_inputs_is_refused_after_a_complete_build(name, bad_bui
     assert tree(out) == before
 
 
+@pytest.mark.e2e
 def test_overwrite_of_finalize_inputs_keeps_the_units(bad_build, tiny_checkpoints, tmp_path):
     src, complete, _ = bad_build
     out = tmp_path / "copy"
@@ -110,6 +111,7 @@ def wait_for(condition, what: str, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="worker death on parent death is Linux's prctl")
 def test_one_run_owns_out_its_workers_die_with_it_and_a_killed_build_is_never_mixed(droid_root, bad_build,
                                                                                      tiny_checkpoints, tmp_path):
@@ -160,6 +162,7 @@ def test_one_run_owns_out_its_workers_die_with_it_and_a_killed_build_is_never_mi
     assert manifest(out)["totals"]["samples"] == 1  # episode 0: 192 rows, 96 windows, the first of every 96
 
 
+@pytest.mark.e2e
 def test_bad_arguments_and_weights_fail_at_start(droid_root, tiny_checkpoints, tmp_path):
     out = tmp_path / "out"
     tiny = tiny_checkpoints

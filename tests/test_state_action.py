@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from preprocess.errors import DatasetError
-from preprocess.lerobot import LeRobotDataset
-from preprocess.state_action import columns_for, slice_keys, window_state_action
-from preprocess.stats import build_metadata
-from preprocess.windows import episode_windows
-from shardformat.embodiments import get_embodiment
-from shardformat.stats import normalize_q99, pad_with_mask, stat_vector, unnormalize_q99
-from train.model import DiTConfig
+from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.lerobot import LeRobotDataset
+from wampipe.preprocess.state_action import columns_for, slice_keys, window_state_action
+from wampipe.preprocess.stats import build_metadata
+from wampipe.preprocess.windows import episode_windows
+from wampipe.shardformat.embodiments import get_embodiment
+from wampipe.shardformat.stats import normalize_q99, pad_with_mask, stat_vector, unnormalize_q99
+from wampipe.train.model import DiTConfig
 
 MAX_STATE_DIM, MAX_ACTION_DIM = DiTConfig.max_state_dim, DiTConfig.action_dim
 

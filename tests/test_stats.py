@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from preprocess.__main__ import main
-from preprocess.__main__ import main as preprocess_main
-from preprocess.stats import build_metadata, merge_metadata
-from shardformat.embodiments import get_embodiment
+from wampipe.preprocess.__main__ import main
+from wampipe.preprocess.__main__ import main as preprocess_main
+from wampipe.preprocess.stats import build_metadata, merge_metadata
+from wampipe.shardformat.embodiments import get_embodiment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,6 +106,7 @@ def tree_state(root: Path) -> dict:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
 
 
+@pytest.mark.e2e
 def test_cli_merges_and_never_writes_into_sources(libero_root, libero_v3_root, tmp_path):
     before = tree_state(libero_root), tree_state(libero_v3_root)
     out = tmp_path / "cfg" / "metadata.json"
@@ -127,7 +128,7 @@ def test_cli_merges_and_never_writes_into_sources(libero_root, libero_v3_root, t
 
 
 def test_wrong_embodiment_is_a_clear_error(libero_root):
-    from preprocess.errors import DatasetError
+    from wampipe.preprocess.errors import DatasetError
 
     with pytest.raises(DatasetError, match="joint_position"):
         build_metadata([libero_root], get_embodiment("oxe_droid"))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from preprocess.check import check
-from shardformat.files import sha256_file
-from shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
+from wampipe.preprocess.check import check
+from wampipe.shardformat.files import sha256_file
+from wampipe.shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
 from tests.s3 import upload_then_sigkill
 
 

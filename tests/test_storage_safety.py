@@ -20,12 +20,12 @@ import pytest
 from s3fs import S3FileSystem
 
 from devtools import synthetic
-from preprocess import outdir
-from preprocess.__main__ import main
-from preprocess.check import check
-from preprocess.remote import AT_START, publish, staging_dir
-from shardformat.files import atomic_write_json
-from shardformat.storage import ShardStore, s3_options_from_env, upload_order
+from wampipe.preprocess import outdir
+from wampipe.preprocess.__main__ import main
+from wampipe.preprocess.check import check
+from wampipe.preprocess.remote import AT_START, publish, staging_dir
+from wampipe.shardformat.files import atomic_write_json
+from wampipe.shardformat.storage import ShardStore, s3_options_from_env, upload_order
 from tests.conftest import ROOT, shards_cmd
 from tests.s3 import CREDENTIALS, S3Server
 from tests.test_shards_safety import refusal, tree
@@ -44,6 +44,7 @@ def failed_at_start(cmd: list[str]) -> str:
     return result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.e2e
 def test_a_planted_lock_link_is_refused_and_its_target_untouched(droid_root, tiny_checkpoints, tmp_path):
     out, victim = tmp_path / "out", tmp_path / "victim.txt"
     out.mkdir()
@@ -168,6 +169,7 @@ def test_a_missing_bucket_is_refused_before_any_unit(s3_bucket, droid_root, tiny
     assert not staging.exists()  # nothing was built
 
 
+@pytest.mark.e2e
 def test_wrong_credentials_are_one_line_at_start(droid_root, tiny_checkpoints, tmp_path, monkeypatch):
     monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")  # this server checks every request's signature
     server = S3Server(tmp_path / "server.log").start()
@@ -214,6 +216,7 @@ def refusing_endpoint() -> Iterator[str]:
     yield address
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("endpoint", ["closed", "silent"])
 def test_an_unreachable_or_stalled_endpoint_is_one_line_at_start(endpoint, droid_root, tiny_checkpoints, tmp_path,
                                                                  monkeypatch):

@@ -12,9 +12,11 @@ import time
 
 import pytest
 
-from preprocess.check import check
+from wampipe.preprocess.check import check
 from tests.conftest import ROOT, build, manifest, shards_cmd
 from tests.test_shards_safety import alive, children, wait_for
+
+pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 
 
 def test_stream_gives_the_bytes_of_the_local_pool(droid_shards, droid_root, tiny_checkpoints, tmp_path):

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from encoders.text_encoder import MAX_LENGTH, clean_text, load_text_encoder
-from encoders.weights import WeightsError, read_state_dict
+from wampipe.encoders.text_encoder import MAX_LENGTH, clean_text, load_text_encoder
+from wampipe.encoders.weights import WeightsError, read_state_dict
 
 PROMPTS = ["Pick up the red cup and put it in the sink.", "put the bowl on the stove",
            "A multi-view video shows that a robot open the drawer The robot open the drawer", "put the bowl on the stove"]

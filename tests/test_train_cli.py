@@ -6,7 +6,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 
 WIDTH = 80
 

@@ -12,14 +12,15 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from devtools import synthetic
-from preprocess.check import check
-from shardformat.keys import parse_key
-from shardformat.manifest import ShardFormatError
-from shardformat.shard import ShardRecord, json_path
-from shardformat.stats import normalize_q99, pad_with_mask
-from train.config import DataConfig
-from train.data import SampleReader, ShardIndex, ShardLoader, batch_positions, batches_per_epoch, collate, epoch_order
-from train.model import preset
+from wampipe.preprocess.check import check
+from wampipe.shardformat.keys import parse_key
+from wampipe.shardformat.manifest import ShardFormatError
+from wampipe.shardformat.shard import ShardRecord, json_path
+from wampipe.shardformat.stats import normalize_q99, pad_with_mask
+from wampipe.train.config import DataConfig
+from wampipe.train.data import (SampleReader, ShardIndex, ShardLoader, batch_positions, batches_per_epoch, collate,
+                                epoch_order)
+from wampipe.train.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,6 +109,7 @@ def test_loader_draws_windows_by_anchor_multiplicity(shards):
     assert len(uniform) == len(set(uniform.tolist())) == 24
 
 
+@pytest.mark.e2e
 def test_order_is_independent_of_workers_and_resume_is_exact(shards):
     ref = _take(iter(_loader(shards, workers=0)), 9)
     multi = _take(iter(_loader(shards, workers=2)), 9)
@@ -127,6 +129,7 @@ def test_order_is_independent_of_workers_and_resume_is_exact(shards):
         torch.testing.assert_close(a["text"], b["text"], rtol=0, atol=0)
 
 
+@pytest.mark.e2e
 def test_workers_build_batches_in_shared_memory_with_the_main_process_values(shards):
     """Inside a worker, collate writes every sample tensor straight into shared memory (the hand-off copies only a few
     bytes of bookkeeping); the
@@ -208,8 +211,8 @@ def test_variant_is_drawn_per_visit(shards):
 
 
 def test_model_config_takes_widths_from_the_shards_and_overrides_depth(shards):
-    from train.builder import model_config
-    from train.config import parse_args
+    from wampipe.train.builder import model_config
+    from wampipe.train.config import parse_args
     base = model_config(parse_args(["--data.shards", str(shards)]))
     deeper = model_config(parse_args(["--data.shards", str(shards), "--model.num-layers", "5"]))
     assert base.num_layers == TINY.num_layers != 5 and deeper.num_layers == 5
@@ -218,6 +221,7 @@ def test_model_config_takes_widths_from_the_shards_and_overrides_depth(shards):
         k: v for k, v in vars(base).items() if k != "num_layers"}
 
 
+@pytest.mark.e2e
 def test_trainer_data_imports_no_preprocessing_code():
     probe = ("import train.data, sys; bad = sorted(m for m in sys.modules if m.startswith('preprocess') or "
              "m == 'pyarrow'); assert not bad, bad")
@@ -236,6 +240,7 @@ def _flip_member_byte(root: Path, member: str) -> tuple[str, str]:
     return shard, sample.key
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_flipped_byte_stops_training_with_the_member_named(shards, tmp_path, workers):
     import shutil

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.checkpoint import complete_checkpoints
-from train.config import OptimConfig
-from train.model import build_model
-from train.optim import lr_factor, warmup_steps
-from train.weights import load_weights
+from wampipe.train.checkpoint import complete_checkpoints
+from wampipe.train.config import OptimConfig
+from wampipe.train.model import build_model
+from wampipe.train.optim import lr_factor, warmup_steps
+from wampipe.train.weights import load_weights
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

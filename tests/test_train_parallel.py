@@ -11,14 +11,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from tests.conftest import tiny_model
-from train import checkpoint
-from train.config import CheckpointConfig, OptimConfig, ParallelConfig
-from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.model import build_model, random_batch
-from train.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
-from train.parallel import (ac_block_indices, allocator_settings, apply_ac, check_host_memory, host_memory_available,
-                            offload_host_bytes, parallelize, prepare_micro_batch, recomputed_blocks,
-                            use_expandable_segments)
+from wampipe.train import checkpoint
+from wampipe.train.config import CheckpointConfig, OptimConfig, ParallelConfig
+from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.model import build_model, random_batch
+from wampipe.train.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
+from wampipe.train.parallel import (ac_block_indices, allocator_settings, apply_ac, check_host_memory,
+                                    host_memory_available, offload_host_bytes, parallelize, prepare_micro_batch,
+                                    recomputed_blocks, use_expandable_segments)
 
 torch.set_num_threads(2)
 
@@ -181,6 +181,7 @@ def _all_gathers_per_step(rank: int, out: str) -> None:
         torch.save(found, out)
 
 
+@pytest.mark.e2e
 def test_gathering_once_per_step_keeps_the_parameters_gathered_until_the_last_micro_batch(tmp_path):
     """--parallel.gather-once-per-step: one all-gather per FSDP unit and optimizer step, where the default without
     resharding after forward gathers every unit once per micro-batch; the parameters are sharded again after the
@@ -207,6 +208,7 @@ def _offloaded_host_bytes(rank: int, out: str) -> None:
     torch.save((estimate, sum(held), devices), f"{out}.{rank}")
 
 
+@pytest.mark.e2e
 def test_offloaded_state_takes_the_host_memory_estimated_before_the_build(tmp_path):
     """`offload_host_bytes` from the unsharded shapes is what rank 0 of two holds in host memory after a step with
     --parallel.cpu-offload (shards, gradients, AdamW's moments; unpinned, as on CPU ranks), and the most of any rank:
@@ -295,6 +297,7 @@ def _gradient_bytes_between_micro_batches(rank: int, out: str) -> None:
         torch.save(held, out)
 
 
+@pytest.mark.e2e
 def test_reducing_every_micro_batch_holds_a_shard_of_the_gradients_not_all(tmp_path):
     """Between micro-batches, FSDP2 without a reduce keeps the whole model's gradients unsharded in fp32 (the
     default on every micro-batch but the last: 4 bytes per parameter on every rank); reducing after each one keeps

@@ -22,20 +22,20 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from devtools import synthetic
-from shardformat.members import checksum, npy_bytes
-from shardformat.shard import ShardRecord, json_path
+from wampipe.shardformat.members import checksum, npy_bytes
+from wampipe.shardformat.shard import ShardRecord, json_path
 from tests.conftest import tiny_model
 from tests.test_train_main import ROOT, _command, _env, _rows
-from train import checkpoint
-from train.builder import model_config
-from train.config import CheckpointConfig, OptimConfig, ParallelConfig, parse_args
-from train.data import ShardLoader
-from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.metrics import MetricsLogger
-from train.model import random_batch
-from train.optim import build_optimizer
-from train.parallel import parallelize
-from train.state import TrainState, noise_seed
+from wampipe.train import checkpoint
+from wampipe.train.builder import model_config
+from wampipe.train.config import CheckpointConfig, OptimConfig, ParallelConfig, parse_args
+from wampipe.train.data import ShardLoader
+from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.metrics import MetricsLogger
+from wampipe.train.model import random_batch
+from wampipe.train.optim import build_optimizer
+from wampipe.train.parallel import parallelize
+from wampipe.train.state import TrainState, noise_seed
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +77,7 @@ def _put_nan(shard_tar: Path, key: str) -> None:
     record.write(json_path(shard_tar))
 
 
+@pytest.mark.e2e
 def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
     shards = tmp_path / "shards"
     synthetic.make_synthetic_shards(shards, "tiny", episodes=5, windows_per_episode=5, samples_per_shard=7, seed=1,
@@ -116,13 +117,14 @@ def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
     ("SystemExit('step 5: non-finite loss')", 1, "step 5: non-finite loss"),  # the trainer's one-line errors
     ("SystemExit(3)", 3, None),
 ])
+@pytest.mark.e2e
 def test_a_failed_rank_leaves_at_once_with_its_error(failure, code, message):
     """A rank that failed must exit even where Python's own exit would block (on GPUs: freeing memory under a
     collective that never completes; here a thread that never ends, which Python's exit waits for), with its error
     printed, what it printed before flushed, and its exit status."""
     script = textwrap.dedent(f"""
         import threading
-        from train.runtime import leave_now
+        from wampipe.train.runtime import leave_now
         threading.Thread(target=threading.Event().wait).start()
         print("step 4 | loss 2.61", flush=False)  # stdout is a pipe here: block-buffered
         try:

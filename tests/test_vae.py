@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from encoders.vae import VARIANTS, load_vae
-from encoders.weights import WeightsError, read_state_dict
+from wampipe.encoders.vae import VARIANTS, load_vae
+from wampipe.encoders.weights import WeightsError, read_state_dict
 
 FILES = {"wan2.1": "wan2.1/Wan2.1_VAE.pth", "wan2.2": "wan2.2/Wan2.2_VAE.pth"}
 

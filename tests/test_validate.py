@@ -94,7 +94,7 @@ def test_the_same_weights_give_the_same_loss_on_one_rank_or_two(full_run, val_sh
 
 
 def test_bad_validation_flags_are_one_line(tmp_path):
-    from train.config import parse_args
+    from wampipe.train.config import parse_args
 
     argv = ["--data.shards", str(tmp_path), "--metrics.val-interval", "-1", "--metrics.val-samples", "0",
             "--metrics.val-batch", "-2"]

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from preprocess.check import check
-from preprocess.validation import in_fraction
-from shardformat.keys import parse_key
+from wampipe.preprocess.check import check
+from wampipe.preprocess.validation import in_fraction
+from wampipe.shardformat.keys import parse_key
 from tests.conftest import ROOT, build, manifest, shards_cmd
+
+pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 
 
 def keys(out: Path) -> list[str]:
@@ -52,7 +54,7 @@ def test_check_finds_a_held_out_sample_in_training_shards(held_out_3, droid_shar
     """A training split whose shards hold an episode the manifest says is held out fails the check."""
     import shutil
 
-    from shardformat.manifest import Manifest
+    from wampipe.shardformat.manifest import Manifest
 
     out = tmp_path / "mixed"
     shutil.copytree(droid_shards, out)  # every episode in its training shards

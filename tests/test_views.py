@@ -8,13 +8,13 @@ import pytest
 import torch
 from PIL import Image
 
-from preprocess.lerobot import LeRobotDataset
-from preprocess.views import (
+from wampipe.preprocess.lerobot import LeRobotDataset
+from wampipe.preprocess.views import (
     adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation, draw_train_params, episode_canvas,
     episode_model_video, eval_params, make_canvas, sample_video, to_model_video, transform_views,
 )
-from preprocess.windows import episode_windows
-from shardformat.embodiments import get_embodiment
+from wampipe.preprocess.windows import episode_windows
+from wampipe.shardformat.embodiments import get_embodiment
 
 
 def distinct_views(v: int, t: int, h: int, w: int) -> np.ndarray:

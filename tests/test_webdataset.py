@@ -12,11 +12,11 @@ import webdataset as wds
 import wids
 
 from devtools import synthetic
-from shardformat import ShardFormatError, webdataset_decoder
-from shardformat.manifest import Manifest
-from shardformat.shard import ShardRecord, json_path
-from train.data import SampleReader, ShardIndex
-from train.model import preset
+from wampipe.shardformat import ShardFormatError, webdataset_decoder
+from wampipe.shardformat.manifest import Manifest
+from wampipe.shardformat.shard import ShardRecord, json_path
+from wampipe.train.data import SampleReader, ShardIndex
+from wampipe.train.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from encoders.weights import WeightsError, check_keys, expect_kind, read_state_dict, recognize
+from wampipe.encoders.weights import WeightsError, check_keys, expect_kind, read_state_dict, recognize
 
 
 def test_read_formats(tmp_path, tiny_checkpoints):
@@ -57,7 +57,7 @@ def test_weights_sha256_of_files_and_folders(tmp_path, tiny_checkpoints):
     pairs in name order. Hashing several paths in one pool gives each path's own hash."""
     import hashlib
 
-    from encoders.weights import weights_sha256
+    from wampipe.encoders.weights import weights_sha256
 
     folder = tmp_path / "enc"
     (folder / "sub").mkdir(parents=True)

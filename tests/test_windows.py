@@ -6,8 +6,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from preprocess.windows import episode_windows, rlinf_sample, window_at
-from shardformat.embodiments import EMBODIMENTS, get_embodiment
+from wampipe.preprocess.windows import episode_windows, rlinf_sample, window_at
+from wampipe.shardformat.embodiments import EMBODIMENTS, get_embodiment
 
 # The reference's patterns (docs/REFERENCE.md#2-windows-and-anchor-sampling), written out: video offsets, action
 # rows, state rows, full windows per episode = L - extent.

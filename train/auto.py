@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-import configs
-from train import memory
-from train.config import AUTO_MICRO, Config
+from wampipe import configs
+from wampipe.train import memory
+from wampipe.train.config import AUTO_MICRO, Config
 
 
 @dataclass(frozen=True)
@@ -105,9 +105,10 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
                and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib and m.float8 in (p.float8, "none")
                and moments in ("auto", m.setting.moments, "bf16" if m.setting.moments == "fp32" else "")]
     # an offloaded setting fits only offloaded runs; an offloaded run fits any, its own kind first
+    size = functools.cache(lambda: memory.run_size(cfg))  # a meta-device build of the DiT: once, and only if needed
     fits = [m for m in on_gpus if m.cpu_offload == p.cpu_offload
             and (m.setting.moments == "fp32" or moments == "bf16"
-                 or not memory.fits_fp32_moments(cfg, m.setting, gpu_mem_gib, world_size))]
+                 or not memory.fits_fp32_moments(size(), cfg, m.setting, gpu_mem_gib, world_size))]
     # an offloaded run takes only settings measured offloaded: the others' small micro-batches each copy every
     # gradient to host memory (32 a step for libero-5b's one-H200 entry: no step within 8 minutes); without one,
     # the memory model sizes it (largest micro-batch first)
@@ -117,9 +118,9 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
     why = (f"measured {fits[0].evidence}" if fits else
            "the preset's recipe" if gpu_mem_gib is None else "nothing measured fits these GPUs: the preset's recipe")
-    size = memory.run_size(cfg) if not fits and gpu_mem_gib is not None else None
-    if size is not None:  # sized by the memory model instead: a setting estimated to fit, or a refusal now
-        chosen, estimated = memory.fitting_setting(cfg, size, chosen, auto, gpu_mem_gib, world_size)
+    if not fits and gpu_mem_gib is not None and size() is not None:
+        # sized by the memory model instead: a setting estimated to fit, or a refusal now
+        chosen, estimated = memory.fitting_setting(cfg, size(), chosen, auto, gpu_mem_gib, world_size)
         why = f"nothing measured fits these GPUs: {estimated}"
     offloaded = [m for m in on_gpus if m.cpu_offload]
     if not fits and not p.cpu_offload and offloaded and p.float8 == "none":  # never with float8

@@ -14,22 +14,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardformat.manifest import ShardFormatError
-from shardformat.storage import ShardStore
-from train import checkpoint
-from train.config import BatchPlan, Config, save_config
-from train.data import ShardIndex, ShardLoader, mixture_dims, open_sets
-from train.export import check_base, mixture_statistics
-from train.flops import dit_flops
-from train.lora import apply_lora, init_lora
-from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.metrics import MetricsLogger, StepProfiler, device_peak_flops
-from train.model import MODEL_INPUTS, CausalWanModel, DiTBatch, DiTConfig, preset
-from train.optim import apply_hyperparameters, build_optimizer, build_scheduler, warmup_steps
-from train.parallel import (check_host_memory, computes_on_cuda, float8_after_step, host_memory_available,
+from wampipe.shardformat.manifest import ShardFormatError
+from wampipe.shardformat.storage import ShardStore
+from wampipe.train import checkpoint
+from wampipe.train.config import BatchPlan, Config, save_config
+from wampipe.train.data import ShardIndex, ShardLoader, mixture_dims, open_sets
+from wampipe.train.export import check_base, mixture_statistics
+from wampipe.train.flops import dit_flops
+from wampipe.train.lora import apply_lora, init_lora
+from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.metrics import MetricsLogger, StepProfiler, device_peak_flops
+from wampipe.train.model import MODEL_INPUTS, CausalWanModel, DiTBatch, DiTConfig, preset
+from wampipe.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, warmup_steps
+from wampipe.train.parallel import (check_host_memory, computes_on_cuda, float8_after_step, host_memory_available,
                             offload_host_bytes, parallelize, prepare_micro_batch, recomputed_blocks)
-from train.state import TrainState
-from train.weights import WeightsError, load_weights
+from wampipe.train.state import TrainState
+from wampipe.train.weights import WeightsError, load_weights
 
 NEEDS_CLIP = ("{shards} holds CLIP's input pixels, not its features (preprocess --image-features pixels): pass the "
               "CLIP weights it was built with ({path}) as --model.image-encoder")
@@ -49,8 +49,8 @@ def frozen_image_encoder(cfg: Config, device: torch.device):
     built_with, path = manifest.encoders["image_encoder"], cfg.model.image_encoder
     if path is None:
         raise SystemExit(NEEDS_CLIP.format(shards=shards, path=built_with["path"]))
-    from encoders.image_encoder import load_image_encoder  # transformers' CLIP only for these shards
-    from encoders.weights import weights_sha256
+    from wampipe.encoders.image_encoder import load_image_encoder  # transformers' CLIP only for these shards
+    from wampipe.encoders.weights import weights_sha256
 
     if not path.exists():
         raise SystemExit(f"--model.image-encoder {path}: not found")

@@ -47,9 +47,9 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from shardformat.files import atomic_write_bytes, lock_directory
-from train.config import CheckpointConfig
-from train.lora import lora_fields
+from wampipe.shardformat.files import atomic_write_bytes, lock_directory
+from wampipe.train.config import CheckpointConfig
+from wampipe.train.lora import lora_fields
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MARKER = ".wampipe-run"
@@ -100,7 +100,7 @@ def claim_run_dir(cfg: CheckpointConfig) -> None:
 
 
 def _claim(root: Path, export: bool) -> int:
-    from train.export import foreign_files
+    from wampipe.train.export import foreign_files
 
     root.mkdir(parents=True, exist_ok=True)
     marked = (root / MARKER).is_file()
@@ -380,7 +380,7 @@ def export(cfg: CheckpointConfig, model: nn.Module, out: Path | None = None, met
     """Collective: the final weights in `out` (default <dir>/export): with `cfg.export_base`, an eval-ready DreamZero
     checkpoint folder carrying the statistics of `shards`; else plain safetensors, official key names. A LoRA model
     exports merged weights, or with `cfg.export_lora` lora-only its trained tensors under PEFT names."""
-    from train.export import export_lora_only, export_official, export_weights
+    from wampipe.train.export import export_lora_only, export_official, export_weights
 
     out = Path(out or Path(cfg.dir) / "export")
     dtype = getattr(torch, cfg.export_dtype)

@@ -19,9 +19,9 @@ from typing import Annotated, Literal
 
 import tyro
 
-import configs
-from configs.cli import cli
-from shardformat.layout import MANIFEST
+from wampipe import configs
+from wampipe.configs.cli import cli
+from wampipe.shardformat.layout import MANIFEST
 
 RecipeName = Literal[tuple(configs.names())]  # type: ignore[valid-type]
 

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 import tyro
 
-from shardformat.manifest import ShardFormatError
-from shardformat.stats import unnormalize_q99
-from train.data import data_dims, open_index
-from train.model import CausalWanModel, DiTConfig
-from train.sample import SamplerConfig, action_error, eval_batches
-from train.text import pad_text
+from wampipe.shardformat.manifest import ShardFormatError
+from wampipe.shardformat.stats import unnormalize_q99
+from wampipe.train.data import data_dims, open_index
+from wampipe.train.model import CausalWanModel, DiTConfig
+from wampipe.train.sample import SamplerConfig, action_error, eval_batches
+from wampipe.train.text import pad_text
 
 
 @dataclass
@@ -66,7 +66,7 @@ def load_checkpoint(run: Path, step: int | None, dims: dict, shards: str) -> tup
     """The DiT of a run directory's checkpoint, read on this one process (DCP without a process group)."""
     import torch.distributed.checkpoint as dcp
 
-    from train.checkpoint import _DataOnlyPlanner, _DataOnlyReader, complete_checkpoints
+    from wampipe.train.checkpoint import _DataOnlyPlanner, _DataOnlyReader, complete_checkpoints
 
     found = dict(complete_checkpoints(run))
     if not found or (step is not None and step not in found):
@@ -91,7 +91,7 @@ def load_checkpoint(run: Path, step: int | None, dims: dict, shards: str) -> tup
 def load_export(folder: Path, dims: dict, shards: str) -> tuple[CausalWanModel, str]:
     """The DiT of an eval-ready export: its widths from config.json, the CLIP widths (not in the official config)
     from the shards it is evaluated on; weights read strictly."""
-    from train.weights import WeightsError, load_weights
+    from wampipe.train.weights import WeightsError, load_weights
 
     config = folder / "config.json"
     if not config.is_file():

@@ -44,10 +44,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from safetensors import SafetensorError
 
-import configs
-from train.checkpoint import RunError, free_space
-from train.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
-from train.weights import (DREAMZERO_PREFIX, WeightsError, _allowed_absent, model_tensors, shard_file_names,
+from wampipe import configs
+from wampipe.train.checkpoint import RunError, free_space
+from wampipe.train.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
+from wampipe.train.weights import (DREAMZERO_PREFIX, WeightsError, _allowed_absent, model_tensors, shard_file_names,
                            shard_groups, write_index)
 
 log = logging.getLogger(__name__)
@@ -87,9 +87,9 @@ class Base:
 
 def shard_statistics(shards: str | Path) -> tuple[Path, str]:
     """(statistics file, embodiment tag) of a shard directory (a path or URL: the file is then a local copy)."""
-    from shardformat.files import sha256_file
-    from shardformat.manifest import ShardFormatError, check_sha256
-    from shardformat.storage import ShardStore
+    from wampipe.shardformat.files import sha256_file
+    from wampipe.shardformat.manifest import ShardFormatError, check_sha256
+    from wampipe.shardformat.storage import ShardStore
 
     store = ShardStore(shards)
     manifest = store.manifest()
@@ -226,7 +226,7 @@ def diffusion_model_fields(cfg) -> dict:
 def window_fields(tags: list[str]) -> dict:
     """Action-head fields set by the embodiments' window (video frames into the VAE, actions per chunk) on which
     every tag agrees; a field they disagree on is left as the base has it (the official head has one value)."""
-    from shardformat.embodiments import get_embodiment
+    from wampipe.shardformat.embodiments import get_embodiment
 
     windows = [get_embodiment(tag).window for tag in tags]
     fields = {"num_frames": {w.num_frames for w in windows}, "action_horizon": {w.action_horizon for w in windows}}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.attention import count_allowed_pairs
-from train.model import DiTConfig
+from wampipe.train.attention import count_allowed_pairs
+from wampipe.train.model import DiTConfig
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from train.config import LoRAConfig
-from train.weights import _fill, model_tensors, official_name
+from wampipe.train.config import LoRAConfig
+from wampipe.train.weights import _fill, model_tensors, official_name
 
 ADAPTERS = ("lora_A", "lora_B")
 # the official recipe re-enables these (new in DreamZero) after freezing the DiT

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from train.config import LossConfig
-from train.model import CausalWanModel, DiTBatch
+from wampipe.train.config import LossConfig
+from wampipe.train.model import CausalWanModel, DiTBatch
 
 
 class FlowMatchScheduler:

@@ -19,18 +19,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 # torch and all that builds on it load once the flags parse (in `train`, `main`): --help and a bad flag do without
-from train.config import Config, parse_args
+from wampipe.train.config import Config, parse_args
 
 if TYPE_CHECKING:
-    from train.builder import Run
+    from wampipe.train.builder import Run
 
 
 def train(cfg: Config) -> dict:
-    from train import checkpoint, runtime
-    from train.builder import announce, build_run, open_metrics
-    from train.optim import clip_grad_norm
-    from train.sample import ActionProbe
-    from train.validate import Validation
+    from wampipe.train import checkpoint, runtime
+    from wampipe.train.builder import announce, build_run, open_metrics
+    from wampipe.train.optim import clip_grad_norm
+    from wampipe.train.sample import ActionProbe
+    from wampipe.train.validate import Validation
 
     preemption, rank, world, device = runtime.start(cfg)
     cfg, plan = runtime.settle(cfg, device, world, rank)
@@ -93,7 +93,7 @@ def checkpoint_due(cfg: Config, step: int) -> bool:
 
 def finish(cfg: Config, run: Run, start: int, preempted: bool, samples_per_step: int) -> dict:
     """This rank's summary (summary-rankN.json), and the export after the last step."""
-    from train import checkpoint
+    from wampipe.train import checkpoint
 
     rank, step, loader = run.state.rank, run.state.step, run.loader
     summary = {"rank": rank, "steps": step - start, "last_step": step, "next_batch": loader.next_batch,
@@ -112,7 +112,7 @@ def finish(cfg: Config, run: Run, start: int, preempted: bool, samples_per_step:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)  # --help and invalid flags end here
-    from train import runtime
+    from wampipe.train import runtime
 
     try:
         train(cfg)

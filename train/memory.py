@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-import configs
-from train.lora import LoRAConfig, apply_lora
-from train.model import CausalWanModel, DiTConfig, preset
+from wampipe import configs
+from wampipe.train.lora import LoRAConfig, apply_lora
+from wampipe.train.model import CausalWanModel, DiTConfig, preset
 
 GIB = 2**30
 # Bytes per sample and block, in bf16 hidden states (tokens x dim x 2 bytes), kept through the forward by mode.
@@ -142,10 +142,9 @@ def _plan(setting, cfg, world: int, offload: bool) -> Plan:
                 MOMENT_BYTES[setting.moments])
 
 
-def fits_fp32_moments(cfg, setting, gpu_gib: float, world: int) -> bool:
+def fits_fp32_moments(size: ModelSize | None, cfg, setting, gpu_gib: float, world: int) -> bool:
     """Whether `setting` is estimated to fit `world` GPUs of `gpu_gib` with fp32 AdamW moments (--optim.moments auto
-    takes a setting measured with bf16 moments only where they are needed)."""
-    size = run_size(cfg)
+    takes a setting measured with bf16 moments only where they are needed). `size`: `run_size(cfg)`."""
     plan = _plan(replace(setting, moments="fp32"), cfg, world, cfg.parallel.cpu_offload)
     return size is not None and fits(size, plan, gpu_gib)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from train.config import MetricsConfig
+from wampipe.train.config import MetricsConfig
 
 SET_TERMS = ("loss", "loss_dynamics", "loss_action")  # logged per set of a mixture
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}  # dense bf16

@@ -38,8 +38,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import configs
-from train.attention import TokenLayout, make_attention_mask, masked_attention, weighted_key_attention
+from wampipe import configs
+from wampipe.train.attention import TokenLayout, make_attention_mask, masked_attention, weighted_key_attention
 
 
 @dataclass(frozen=True)

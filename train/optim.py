@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from train.config import OptimConfig
+from wampipe.train.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,

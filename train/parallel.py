@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from train.config import ParallelConfig
+from wampipe.train.config import ParallelConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

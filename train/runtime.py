@@ -22,14 +22,14 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from train import checkpoint
-from train.auto import device_memory_gib, resolve_auto
-from train.config import BatchPlan, Config, batch_plan, validate
-from train.data import ShardIndex
-from train.metrics import check_wandb
-from train.model import MODEL_INPUTS
-from train.parallel import check_float8, computes_on_cuda, use_expandable_segments
-from train.state import TrainState
+from wampipe.train import checkpoint
+from wampipe.train.auto import device_memory_gib, resolve_auto
+from wampipe.train.config import BatchPlan, Config, batch_plan, validate
+from wampipe.train.data import ShardIndex
+from wampipe.train.metrics import check_wandb
+from wampipe.train.model import MODEL_INPUTS
+from wampipe.train.parallel import check_float8, computes_on_cuda, use_expandable_segments
+from wampipe.train.state import TrainState
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardformat.stats import unnormalize_q99
-from train.data import SampleReader, collate, open_index, set_names
-from train.model import CausalWanModel, DiTBatch, DiTConfig
+from wampipe.shardformat.stats import unnormalize_q99
+from wampipe.train.data import SampleReader, collate, open_index, set_names
+from wampipe.train.model import CausalWanModel, DiTBatch, DiTConfig
 
 # The reference's DiT step masks by NUM_DIT_STEPS (its default 8): at a False step the last prediction is reused.
 DIT_STEP_MASKS = {
@@ -283,7 +283,7 @@ class ActionProbe:
 
     def __init__(self, dirs: list[str], model_cfg: DiTConfig, samples: int, rank: int, world: int, device,
                  image_encoder=None, batch_size: int = 4, cache_dir: str | None = None):
-        from train.config import ShardSet
+        from wampipe.train.config import ShardSet
 
         self.names = set_names([ShardSet(d) for d in dirs])
         self.indexes = [open_index(d, cache_dir) for d in dirs]
@@ -294,7 +294,7 @@ class ActionProbe:
     def from_config(cls, cfg, model_cfg: DiTConfig, rank: int, world: int, device, indexes, image_encoder=None):
         """None when --metrics.action-interval is 0; else on --metrics.action-shards (default: each set's validation
         split, else the set; `indexes`: the run's open set indexes, which name the splits)."""
-        from train.validate import val_dir
+        from wampipe.train.validate import val_dir
 
         m = cfg.metrics
         if not m.action_interval:

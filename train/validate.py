@@ -33,13 +33,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardformat.index import ShardIndex
-from shardformat.manifest import ShardFormatError
-from train.config import Config, ShardSet
-from train.data import SampleReader, collate, open_index, set_names
-from train.loss import FlowMatchScheduler, flow_matching_loss
-from train.model import CausalWanModel, DiTBatch
-from train.text import compact_text_rows
+from wampipe.shardformat.index import ShardIndex
+from wampipe.shardformat.manifest import ShardFormatError
+from wampipe.train.config import Config, ShardSet
+from wampipe.train.data import SampleReader, collate, open_index, set_names
+from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.model import CausalWanModel, DiTBatch
+from wampipe.train.text import compact_text_rows
 
 TERMS = ("loss", "loss_dynamics", "loss_action")
 INPUTS = [f.name for f in fields(DiTBatch)]
@@ -166,12 +166,12 @@ class Validation:
 
 def main(argv: list[str] | None = None) -> None:
     """The validation loss of a run's newest complete checkpoint (or of the seeded init), printed as JSON by rank 0."""
-    from train import checkpoint
-    from train.builder import build, frozen_image_encoder
-    from train.config import parse_args
-    from train.data import open_sets
-    from train.optim import build_optimizer
-    from train.runtime import setup_distributed
+    from wampipe.train import checkpoint
+    from wampipe.train.builder import build, frozen_image_encoder
+    from wampipe.train.config import parse_args
+    from wampipe.train.data import open_sets
+    from wampipe.train.optim import build_optimizer
+    from wampipe.train.runtime import setup_distributed
 
     cfg = parse_args(argv)
     rank, _, device = setup_distributed(cfg)
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         dist.destroy_process_group()
     if __name__ == "__main__":
-        from train.runtime import leave_finished
+        from wampipe.train.runtime import leave_finished
 
         leave_finished()
 

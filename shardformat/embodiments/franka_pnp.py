@@ -3,8 +3,8 @@ docs/REFERENCE.md, Windows and Views."""
 
 from dataclasses import replace
 
-from shardformat.embodiments import WindowPattern
-from shardformat.embodiments.libero_sim import EMBODIMENT as LIBERO
+from wampipe.shardformat.embodiments import WindowPattern
+from wampipe.shardformat.embodiments.libero_sim import EMBODIMENT as LIBERO
 
 EMBODIMENT = replace(
     LIBERO,

@@ -1,6 +1,6 @@
 """LIBERO (physical-intelligence/libero, 10 fps, two 256x256 cameras), RLinf's recipe; REFERENCE.md sections 1-5."""
 
-from shardformat.embodiments import Embodiment, Preset, WindowPattern
+from wampipe.shardformat.embodiments import Embodiment, Preset, WindowPattern
 
 EMBODIMENT = Embodiment(
     tag="libero_sim",

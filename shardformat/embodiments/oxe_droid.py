@@ -1,6 +1,6 @@
 """DROID (GEAR-Dreams/DreamZero-DROID-Data, 15 fps, three 180x320 cameras); docs/REFERENCE.md sections 1-5."""
 
-from shardformat.embodiments import Embodiment, Preset, WindowPattern
+from wampipe.shardformat.embodiments import Embodiment, Preset, WindowPattern
 
 EMBODIMENT = Embodiment(
     tag="oxe_droid",
