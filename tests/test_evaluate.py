@@ -74,15 +74,16 @@ def test_checkpoint_and_export_give_the_same_report(run, small_shards, tmp_path)
 @pytest.mark.slow
 def test_trainer_logs_the_action_error_evaluate_reports(run, small_shards, tmp_path):
     """The 2 ranks split the 3 windows (one pads with a repeat it leaves out); the result is evaluate's on the
-    step's checkpoint, to fp32 rounding (other batch compositions, FSDP's forward)."""
+    step's checkpoint, to fp32 rounding (other batch compositions, FSDP's forward), which the sampler's 16 steps carry
+    to about 2e-4 of the mean on some CPUs; one optimizer step moves it by about 4e-2."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     logged = {r["step"]: r for r in rows if "action_mse/shards" in r}
     assert sorted(logged) == [1, 2]
     done = evaluate(run, small_shards, tmp_path / "ckpt", "--plot-samples", "0")
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "ckpt" / "open_loop.json").read_text())
-    assert logged[2]["action_mse/shards"] == pytest.approx(report["chunk"]["mean"], rel=1e-4)
-    assert logged[2]["action_mse_raw/shards"] == pytest.approx(report["chunk_raw"]["mean"], rel=1e-4)
+    assert logged[2]["action_mse/shards"] == pytest.approx(report["chunk"]["mean"], rel=1e-3)
+    assert logged[2]["action_mse_raw/shards"] == pytest.approx(report["chunk_raw"]["mean"], rel=1e-3)
     assert logged[1]["action_mse/shards"] != logged[2]["action_mse/shards"]  # the step changed the model
     curves = {r["step"]: r for r in read_metrics(run / "metrics.jsonl")}  # the training row and the probe's, merged
     assert {"loss", "action_mse/shards", "action_mse_raw/shards"} <= set(curves[2])
