@@ -2,7 +2,7 @@
 the same encoders alone on the same device, measured in one run. One JSON line per recipe.
 
     python scripts/bench_farm.py --device cuda                          # 5B LIBERO, 5B DROID, 14B DROID
-    python scripts/bench_farm.py --device cuda --recipes libero-5b --episodes 48 --workers 14
+    python scripts/bench_farm.py --device cuda --recipes libero-5b --episodes 48
     python scripts/bench_farm.py --device cpu --size tiny --episodes 4 --recipes libero-5b   # smoke run
 
 1. A generated LeRobot dataset of the recipe's layout (scripts/make_sample_dataset.py) and random-init encoders at
@@ -172,7 +172,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     bound = encoder_bound(cli, args.bound_iters)
     rate = samples / wall / devices
     return {"bench": "farm", "recipe": recipe, "device": torch.cuda.get_device_name() if args.device == "cuda" else
-            args.device, "devices": devices, "workers": args.workers, "executor": args.executor,
+            args.device, "devices": devices, "workers": cli.workers, "executor": args.executor,
             "batch_size": args.batch_size, "episodes": args.episodes, "anchor_stride": args.anchor_stride,
             "episodes_per_unit": args.episodes_per_unit, "image_features": args.image_features,
             "vae_compile": args.vae_compile, "samples": samples, "wall_s": round(wall, 2),
@@ -197,8 +197,8 @@ class Args:
     """Encoder widths (tiny: smoke runs)."""
     episodes: int = 48
     """Episodes of each generated dataset."""
-    workers: int = max(1, (os.cpu_count() or 2) - 2)
-    """CPU workers (by default all cores but two)."""
+    workers: int = 0
+    """CPU workers (0: the default of preprocess shards, every core but three per GPU encoder)."""
     executor: Literal["stream", "local"] = "stream"
     """The --executor of preprocess shards."""
     batch_size: int = 16

@@ -43,6 +43,8 @@ class Args:
     """Recipe of the second run (none: bf16 twice, the run-to-run floor)."""
     moments: Literal["fp32", "bf16"] = "fp32"
     """--optim.moments of the second run (bf16: AdamW's moments stored in bf16)."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """--parallel.reduce-dtype of the second run (bfloat16: gradients reduce-scattered in bf16, RLinf's recipe)."""
     nproc: int = 1
     """Trainer processes (GPUs) on this host."""
     steps: int = 100
@@ -98,13 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="fp8_parity-")) if args.out is None else args.out
     work.mkdir(parents=True, exist_ok=True)
     shards = args.shards or work / "shards"
-    label = " ".join([args.float8] * (args.float8 != "none") + [f"{args.moments}-moments"] * (args.moments != "fp32"))
+    label = " ".join([args.float8] * (args.float8 != "none") + [f"{args.moments}-moments"] * (args.moments != "fp32")
+                     + ["bf16-reduce"] * (args.reduce_dtype != "float32"))
     label = label or "bf16 again"
-    runs = {"bf16": ("none", "fp32", work / "run-bf16"),
-            label: (args.float8, args.moments, work / f"run-{label.replace(' ', '-')}")}
-    argvs = {name: bench.trainer_argv(args, shards, run_dir, ["--metrics.interval", "1", *extra,
-                                                               "--parallel.float8", mode, "--optim.moments", moments])
-             for name, (mode, moments, run_dir) in runs.items()}
+    runs = {"bf16": ("none", "fp32", "float32", work / "run-bf16"),
+            label: (args.float8, args.moments, args.reduce_dtype, work / f"run-{label.replace(' ', '-')}")}
+    argvs = {name: bench.trainer_argv(args, shards, run_dir, [
+        "--metrics.interval", "1", *extra, "--parallel.float8", mode, "--optim.moments", moments,
+        "--parallel.reduce-dtype", reduce_dtype]) for name, (mode, moments, reduce_dtype, run_dir) in runs.items()}
     cfg = parse_trainer_args(argvs["bf16"])
     device = bench.trainer_device(cfg)
     check_float8(args.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         windows = min(args.steps * global_batch + ahead, max(args.max_windows, micro * args.nproc))
         bench.write_shards(cfg, args.preset, shards, windows)
         curves, rates = {}, {}
-        for name, (_, _, run_dir) in runs.items():
+        for name, (*_, run_dir) in runs.items():
             if run_dir.exists():
                 shutil.rmtree(run_dir)
             bench.run_trainer(args, argvs[name], run_dir)
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     parity = stats["ratio"] is not None and stats["ratio"] <= args.max_ratio
     result = bench.emit({
         "check": "fp8_parity", "preset": args.preset, "float8": args.float8, "moments": args.moments,
-        "world_size": args.nproc,
+        "reduce_dtype": args.reduce_dtype, "world_size": args.nproc,
         "steps": args.steps, "micro_batch": micro, "global_batch": global_batch, "trainer_extra": extra, **stats,
         "max_ratio": args.max_ratio, "parity": parity, "samples_per_s_per_gpu_bf16": rates["bf16"],
         "samples_per_s_per_gpu_other": rates[label], "loss_bf16": curves["bf16"], "loss_other": curves[label],

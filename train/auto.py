@@ -1,4 +1,5 @@
-"""Auto settings: the recompute mode, micro-batch, resharding, gradient reduction, gathering and AdamW moments a run
+"""Auto settings: the recompute mode, micro-batch, resharding, gradient reduction, gathering, AdamW moments and
+gradient reduce dtype a run
 leaves to `auto` take the fastest setting measured for its recipe (configs/<name>.yaml, section throughput) that fits
 the GPUs, else one the memory model (train/memory.py) estimates to fit. The flags stay in train/config.py, which
 parses them without torch."""
@@ -28,6 +29,7 @@ class Throughput:
     reduce_every: bool = False  # --parallel.reduce-every-micro-batch
     gather_once: bool = False  # --parallel.gather-once-per-step (only without resharding after forward)
     moments: str = "fp32"  # --optim.moments
+    reduce_dtype: str = "float32"  # --parallel.reduce-dtype
 
     def describe(self) -> str:
         recompute = "no recompute" if self.ac == "none" else f"{self.ac} recompute"
@@ -37,8 +39,9 @@ class Throughput:
         reduce = ", gradients reduced every micro-batch" if self.reduce_every else ""
         once = ", parameters gathered once per step" if self.gather_once else ""
         moments = ", bf16 AdamW moments" if self.moments == "bf16" else ""
+        bf16_reduce = ", gradients reduce-scattered in bf16" if self.reduce_dtype == "bfloat16" else ""
         return (f"{recompute}, micro-batch {self.micro}, {'' if self.reshard else 'no '}reshard after forward"
-                f"{reduce}{once}{moments}")
+                f"{reduce}{once}{moments}{bf16_reduce}")
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,8 @@ class Measured:
 def _measured(name: str, entry: dict) -> Measured:
     setting = Throughput(entry["ac"], entry["micro"], entry["reshard"], entry.get("ac_blocks", -1),
                          entry.get("ac_others", "none"), entry.get("reduce_every", False),
-                         entry.get("gather_once", False), entry.get("moments", "fp32"))
+                         entry.get("gather_once", False), entry.get("moments", "fp32"),
+                         entry.get("reduce_dtype", "float32"))
     return Measured(name, entry["min_gpus"], entry["min_gib"], setting, entry["evidence"], entry.get("float8", "none"),
                     entry.get("cpu_offload", False))
 
@@ -143,9 +147,12 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
         out.data.micro_batch_size = _fitting_micro(chosen.micro, p.global_batch_size, world_size)
     if moments == "auto":
         out.optim.moments = chosen.moments
+    if p.reduce_dtype == "auto":
+        out.parallel.reduce_dtype = chosen.reduce_dtype
     result = Throughput(out.parallel.activation_checkpoint, out.data.micro_batch_size,
                         out.parallel.reshard_after_forward, out.parallel.ac_blocks, out.parallel.ac_others,
-                        out.parallel.reduce_every_micro_batch, out.parallel.gather_once_per_step, out.optim.moments)
+                        out.parallel.reduce_every_micro_batch, out.parallel.gather_once_per_step, out.optim.moments,
+                        out.parallel.reduce_dtype)
     given = [{"ac": "recompute", "micro": "micro-batch", "reshard": "resharding", "reduce": "gradient reduction",
               "once": "gathering"}[k] for k, a in auto.items() if not a]
     batch = f", global batch {p.global_batch_size}" if p.global_batch_size else ""

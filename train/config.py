@@ -208,8 +208,9 @@ class ParallelConfig:
     """Samples per optimizer step over all ranks; 0 = micro_batch_size x world size (no accumulation)."""
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of parameters inside forward/backward (FSDP2 MixedPrecisionPolicy); masters stay fp32."""
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Gradient reduce-scatter dtype."""
+    reduce_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Gradient reduce-scatter dtype. auto = float32 unless the run's measured auto setting reduces in bfloat16, as
+    RLinf's recipe does (the 5B on >= 4 GPUs; loss parity in docs/PERFORMANCE.md)."""
     activation_checkpoint: Literal["auto", "none", "full", "selective"] = "none"
     """Recompute per block: none, full (whole block) or selective (keep matmul/attention outputs); auto = the
     fastest measured setting that fits the GPUs (train/auto.py `resolve_auto`: the 5B/14B presets' default)."""

@@ -115,6 +115,11 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
         model.blocks.register_module(str(i), torch.compile(block, backend=backend, fullgraph=True))
 
 
+def reduce_dtype(cfg: ParallelConfig) -> str:
+    """--parallel.reduce-dtype auto that the auto settings left unresolved (nothing auto, or CPU) reduces in fp32."""
+    return "float32" if cfg.reduce_dtype == "auto" else cfg.reduce_dtype
+
+
 def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
     """fully_shard every block, then the root (embeddings, head, encoders). Parameters stay fp32 (the masters);
     forward/backward gather them in `param_dtype`; gradients are reduce-scattered in `reduce_dtype`.
@@ -125,7 +130,7 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
 
     --parallel.cpu-offload: the fp32 shards and their gradients live in host memory (pinned where a GPU computes);
     each gather copies the shard to the GPU first, each reduce-scatter copies the result back."""
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype],
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[reduce_dtype(cfg)],
                               cast_forward_inputs=False)
     # pinned host memory: asynchronous copies to and from a computing GPU
     offload = CPUOffloadPolicy(pin_memory=computes_on_cuda(cfg)) if cfg.cpu_offload else OffloadPolicy()
