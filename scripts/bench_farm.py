@@ -13,10 +13,10 @@ the same encoders alone on the same device, measured in one run. One JSON line p
    shape, in batches of --batch-size, with nothing else running.
 
 Reported: samples/s per device over the whole call and in the steady state (every sample over the call from the
-first sampling with a GPU at least half busy on: the call without its start, reported as start_s; GPU runs only),
-each against the bound, device busy % (nvidia-smi's utilization of the encoders' GPUs, sampled every 0.2 s over the
-run), CPU cores used per device (CPU time of this process and its children / wall time), bytes per sample in the unit
-spills (what the shards will hold).
+first 5 s in which the GPUs were at least half busy on average on: the call without its start, reported as start_s;
+GPU runs only), each against the bound, device busy % (nvidia-smi's utilization of the encoders' GPUs, sampled every
+0.2 s over the run), CPU cores used per device (CPU time of this process and its children / wall time), bytes per
+sample in the unit spills (what the shards will hold).
 """
 
 from __future__ import annotations
@@ -89,10 +89,16 @@ class BusySampler:
         self._stop.set()
         self._thread.join()
 
-    def first_busy(self, threshold_pct: float = 50.0) -> float | None:
-        """Epoch time of the first sample in which any of the GPUs was at least `threshold_pct` busy (the blips of
-        CUDA start-up and weight loading, a few %, stay out)."""
-        return next((t for r, t in zip(self.samples, self.times) if any(v >= threshold_pct for v in r)), None)
+    def first_busy(self, threshold_pct: float = 50.0, hold_s: float = 5.0) -> float | None:
+        """Epoch time of the first sample from which the GPUs were at least `threshold_pct` busy on average over
+        `hold_s` seconds: the blips of CUDA start-up and weight loading (a few %) and the compiled VAE's warm-up on
+        black clips (one busy sample, then idle while CLIP loads) stay out."""
+        rows = [(sum(r) / len(r), t) for r, t in zip(self.samples, self.times) if len(r) == len(self.ids)]
+        for i, (_, start) in enumerate(rows):
+            held = [pct for pct, t in rows[i:] if t <= start + hold_s]
+            if sum(held) / len(held) >= threshold_pct:
+                return start
+        return None
 
     def mean_pct(self, start: float = 0.0, end: float = float("inf")) -> float | None:
         """Mean busy % of the GPUs over the samples taken between `start` and `end` (epoch s)."""
@@ -157,9 +163,10 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     records = [json.loads(p.read_text()) for p in units]
     samples = sum(r["count"] for r in records)
     spill_bytes = sum((p.with_suffix(".tar")).stat().st_size for p in units)
-    # steady state: every sample over the call from the first sampling with a GPU at least half busy to its end, i.e.
-    # the whole call without its start (hashing, weight checks, spawning, encoder loading); the run's ramp and tail
-    # stay in. GPU runs only. (Unit completion times would not do: the workers' units finish in waves, not evenly.)
+    # steady state: every sample over the call from the first 5 s in which the GPUs were at least half busy on average
+    # to its end, i.e. the whole call without its start (hashing, weight checks, spawning, encoder loading and
+    # compiling); the run's ramp and tail stay in. GPU runs only. (Unit completion times would not do: the workers'
+    # units finish in waves, not evenly.)
     if args.busy_trace:
         trace = args.busy_trace
         if len(args.recipes) > 1:
