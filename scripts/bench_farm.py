@@ -21,6 +21,7 @@ sample in the unit spills (what the shards will hold).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -95,7 +96,7 @@ class BusySampler:
         black clips (one busy sample, then idle while CLIP loads) stay out."""
         rows = [(sum(r) / len(r), t) for r, t in zip(self.samples, self.times) if len(r) == len(self.ids)]
         for i, (_, start) in enumerate(rows):
-            held = [pct for pct, t in rows[i:] if t <= start + hold_s]
+            held = [pct for pct, _ in itertools.takewhile(lambda row: row[1] <= start + hold_s, rows[i:])]
             if sum(held) / len(held) >= threshold_pct:
                 return start
         return None

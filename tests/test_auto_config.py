@@ -5,7 +5,7 @@ import pytest
 from wampipe.train.auto import resolve_auto
 from wampipe.train.config import ParallelConfig, parse_args, validate
 from wampipe.train.model import build_model
-from wampipe.train.parallel import parallelize
+from wampipe.train.parallel import parallelize, reduce_dtype
 
 H100, H200 = 79.2, 139.8  # GiB that torch reports for the 80 GB and 141 GB cards
 
@@ -59,8 +59,6 @@ def test_the_table_picks_the_fastest_measured_setting_that_fits(tmp_path, preset
 
 
 def test_a_given_reduce_dtype_is_kept_and_an_unresolved_auto_reduces_in_fp32(tmp_path):
-    from wampipe.train.parallel import reduce_dtype
-
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.reduce-dtype", "float32"), H100, 4)
     assert cfg.parallel.reduce_dtype == "float32" and "reduce-scattered in bf16" not in line
     cfg, _ = resolve_auto(_cfg(tmp_path, "--parallel.reduce-dtype", "bfloat16"), H100, 1)

@@ -1,8 +1,7 @@
-"""Auto settings: the recompute mode, micro-batch, resharding, gradient reduction, gathering, AdamW moments and
-gradient reduce dtype a run
-leaves to `auto` take the fastest setting measured for its recipe (configs/<name>.yaml, section throughput) that fits
-the GPUs, else one the memory model (train/memory.py) estimates to fit. The flags stay in train/config.py, which
-parses them without torch."""
+"""Auto settings: the recompute mode, micro-batch, resharding, gradient reduction and its dtype, gathering and AdamW
+moments a run leaves to `auto` take the fastest setting measured for its recipe (configs/<name>.yaml, section
+throughput) that fits the GPUs, else one the memory model (train/memory.py) estimates to fit. The flags stay in
+train/config.py, which parses them without torch."""
 
 from __future__ import annotations
 
