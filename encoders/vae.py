@@ -49,6 +49,11 @@ VARIANTS = {
 }
 KIND_OF_VARIANT = {"wan2.1": "wan2.1-vae", "wan2.2": "wan2.2-vae"}
 
+# inductor settings of the compiled encoder: keep eager's bf16 rounding between the ops it fuses. Measured with
+# scripts/check_vae_variation.py: the compiled latents' distance from eager's fell from 1.2-1.7x the eager encoder's
+# own spread over batch sizes to 1.03x (Wan2.2) and 1.4x (Wan2.1) of it (docs/PERFORMANCE.md)
+COMPILE_OPTIONS: dict = {"emulate_precision_casts": True}
+
 
 def variant_of_config(config: dict) -> str:
     return "wan2.2" if config.get("patch_size") == 2 or config.get("z_dim") == 48 else "wan2.1"
@@ -122,6 +127,7 @@ class WanVAE:
         self.mean = mean.to(device=self.device, dtype=dtype).view(1, -1, 1, 1, 1)
         self.inv_std = inv_std.to(device=self.device, dtype=dtype).view(1, -1, 1, 1, 1)
         self.padded_batch = 0  # set by compile()
+        self.graphs: dict[tuple[int, ...], tuple] = {}  # padded shape -> (CUDA graph, its input, its output)
 
     @torch.no_grad()
     def encode(self, videos_bcthw: torch.Tensor, batch_size: int = 0) -> torch.Tensor:
@@ -137,7 +143,7 @@ class WanVAE:
             n = x.shape[0]
             if n < self.padded_batch:  # the compiled shape; the padding clips' latents are dropped
                 x = torch.cat([x, x.new_zeros(self.padded_batch - n, *x.shape[1:])])
-            mu = self.model.encode(x).latent_dist.mean[:n]
+            mu = self._posterior_mean(x)[:n]
             out.append((mu - self.mean) * self.inv_std)
         return torch.cat(out)
 
@@ -155,26 +161,61 @@ class WanVAE:
         z = z / inv_std.to(z).view(shape) + mean.to(z).view(shape)
         return self.model.decode(z).sample.float().clamp_(-1, 1)
 
-    def compile(self, batch_size: int) -> None:
+    def _posterior_mean(self, x: torch.Tensor) -> torch.Tensor:
+        graph = self.graphs.get(tuple(x.shape))
+        if graph is None:
+            return self.model.encode(x).latent_dist.mean
+        replay, static_in, static_out = graph
+        static_in.copy_(x)
+        replay.replay()
+        return static_out  # overwritten by the next replay: the caller derives a new tensor from it first
+
+    def compile(self, batch_size: int, options: dict | None = None) -> None:
         """torch.compile the encoder (fuses the norm, activation and cache copies between its convolutions: +45 %
         clips/s on an H100, docs/PERFORMANCE.md). Every call is padded to `batch_size` clips and compiled for that one
         static shape (`dynamic=False`): three graphs in all (first chunk, second chunk, the rest), and the bits of a
         clip never depend on how many others share its batch or which shapes came first, so reruns and executors
-        stay byte-identical. Not bit-exact against the eager encoder: fused kernels round differently (about one
-        bf16 step)."""
+        stay byte-identical. `options`: inductor settings (default COMPILE_OPTIONS: eager's bf16 roundings kept).
+        Still not bit-exact against the eager encoder: fused kernels compute in other orders (about one bf16 step
+        on half the elements, as another batch size does)."""
         import torch._dynamo.config
 
         # a new shape past the limit would fall back to eager and silently change the bits
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
-        self.model.encoder = torch.compile(self.model.encoder, dynamic=False)
+        self.model.encoder = torch.compile(self.model.encoder, dynamic=False,
+                                           options=dict(COMPILE_OPTIONS if options is None else options))
         self.padded_batch = batch_size
 
+    @torch.no_grad()
+    def capture(self, frames: int, height: int, width: int) -> None:
+        """Record the whole encode of one padded batch as a CUDA graph; `encode` then replays it. Why: the encoder is
+        thousands of small kernels, and in the farm its process shares the cores with the decoding workers, so
+        launching them one by one from Python left the GPU idle a fifth of the time. A replay runs the same kernels,
+        so the bits are those of the same encoder without the graph. Needs `compile` (the padded batch) and CUDA."""
+        if not self.padded_batch or self.device.type != "cuda":
+            return
+        shape = (self.padded_batch, 3, frames, height, width)
+        static_in = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compile, and let cuDNN/cuBLAS set up their workspaces, before recording
+            for _ in range(2):
+                self.model.encode(static_in)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        replay = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(replay):
+            static_out = self.model.encode(static_in).latent_dist.mean
+        self.graphs[shape] = (replay, static_in, static_out)
+
     def warm_up(self, frames: int, height: int, width: int) -> None:
-        """Compile now, on one padded batch of black clips, instead of on the first real batch: a streaming encoder
-        process does it while the CPU workers decode their first episodes. The graphs depend on shapes only, so
-        the latents of real clips are the same bits either way."""
+        """Compile now, on padded batches of black clips, instead of on the first real batch (a streaming encoder
+        process does it while the CPU workers decode their first episodes), and on CUDA record the encode as a graph.
+        The graphs depend on shapes only, so the latents of real clips are the same bits either way."""
         if self.padded_batch:
-            self.encode(torch.zeros(1, 3, frames, height, width, device=self.device, dtype=self.dtype))
+            if self.device.type == "cuda":
+                self.capture(frames, height, width)
+            else:
+                self.encode(torch.zeros(1, 3, frames, height, width, device=self.device, dtype=self.dtype))
 
     @torch.no_grad()
     def encode_first_frame(self, frame0_bchw: torch.Tensor, num_frames: int, batch_size: int = 0) -> torch.Tensor:

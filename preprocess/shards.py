@@ -128,9 +128,10 @@ class Args:
     `clip_pixels` member; CLIP does not run here) and the trainer runs CLIP (--model.image-encoder): fewer bytes per
     sample, the same features (docs/FORMAT.md)."""
     vae_compile: bool = False
-    """torch.compile the VAE encoder: +45 % VAE clips/s on an H100 (docs/PERFORMANCE.md), ~1 min of compiling per
-    encoder process and batch size; latents differ from the eager encoder's by about one bf16 step (still the same
-    bits on every rerun and executor)."""
+    """torch.compile the VAE encoder and, on a GPU, replay it as a CUDA graph: +50 % VAE clips/s on an H100 or H200
+    (docs/PERFORMANCE.md), 1-2 min of compiling per encoder process at the start; latents differ from the eager
+    encoder's by about one bf16 step on half the elements, a little more than another batch size moves the eager
+    encoder's (still the same bits on every rerun, GPU model and executor)."""
     decode_backend: Literal["torchcodec", "pyav"] = "torchcodec"
     """Frame decoder."""
     max_episodes: int | None = None

@@ -13,7 +13,7 @@ the same encoders alone on the same device, measured in one run. One JSON line p
    shape, in batches of --batch-size, with nothing else running.
 
 Reported: samples/s per device over the whole call and in the steady state (every sample over the call from the
-first 5 s in which the GPUs were at least half busy on average on: the call without its start, reported as start_s;
+start of the GPUs' sustained work on: the call without its start, reported as start_s;
 GPU runs only), each against the bound, device busy % (nvidia-smi's utilization of the encoders' GPUs, sampled every
 0.2 s over the run), CPU cores used per device (CPU time of this process and its children / wall time), bytes per
 sample in the unit spills (what the shards will hold).
@@ -90,16 +90,33 @@ class BusySampler:
         self._stop.set()
         self._thread.join()
 
-    def first_busy(self, threshold_pct: float = 50.0, hold_s: float = 5.0) -> float | None:
-        """Epoch time of the first sample from which the GPUs were at least `threshold_pct` busy on average over
-        `hold_s` seconds: the blips of CUDA start-up and weight loading (a few %) and the compiled VAE's warm-up on
-        black clips (one busy sample, then idle while CLIP loads) stay out."""
+    def steady_start(self, busy_pct: float = 70.0, hold_s: float = 10.0, idle_pct: float = 10.0,
+                     idle_s: float = 2.0) -> float | None:
+        """Epoch time at which the steady state begins: the GPUs' first sustained work (`hold_s` seconds at least
+        `busy_pct` busy on average) counted back to the end of the idle stretch before it (`idle_s` seconds with
+        every sample under `idle_pct`). So the blips before it stay out (CUDA start-up, weight loading, the compiled
+        VAE's warm-up passes on black clips, up to 6 s at ~50 % on a busy 4-GPU node), and the ramp into it stays
+        in."""
         rows = [(sum(r) / len(r), t) for r, t in zip(self.samples, self.times) if len(r) == len(self.ids)]
+        sustained = None
         for i, (_, start) in enumerate(rows):
             held = [pct for pct, _ in itertools.takewhile(lambda row: row[1] <= start + hold_s, rows[i:])]
-            if sum(held) / len(held) >= threshold_pct:
-                return start
-        return None
+            if sum(held) / len(held) >= busy_pct:
+                sustained = i
+                break
+        if sustained is None:
+            return None
+        begin, quiet_since = 0, None
+        for i, (pct, t) in enumerate(rows):
+            if pct >= idle_pct:
+                if quiet_since is not None and t - quiet_since >= idle_s:
+                    begin = i
+                quiet_since = None
+                if i >= sustained:
+                    break
+            elif quiet_since is None:
+                quiet_since = t
+        return rows[begin][1]
 
     def mean_pct(self, start: float = 0.0, end: float = float("inf")) -> float | None:
         """Mean busy % of the GPUs over the samples taken between `start` and `end` (epoch s)."""
@@ -164,7 +181,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     records = [json.loads(p.read_text()) for p in units]
     samples = sum(r["count"] for r in records)
     spill_bytes = sum((p.with_suffix(".tar")).stat().st_size for p in units)
-    # steady state: every sample over the call from the first 5 s in which the GPUs were at least half busy on average
+    # steady state: every sample over the call from the start of the GPUs' sustained work (BusySampler.steady_start)
     # to its end, i.e. the whole call without its start (hashing, weight checks, spawning, encoder loading and
     # compiling); the run's ramp and tail stay in. GPU runs only. (Unit completion times would not do: the workers'
     # units finish in waves, not evenly.)
@@ -174,7 +191,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
             trace = trace.with_stem(f"{trace.stem}-{recipe}")
         trace.write_text(json.dumps({"start": start_epoch, "end": end_epoch, "gpus": busy.ids, "times": busy.times,
                                      "busy": busy.samples}))
-    first = busy.first_busy()
+    first = busy.steady_start()
     window = (first, end_epoch) if first is not None else None
     steady = samples / (window[1] - window[0]) / devices if window else None
     bound = encoder_bound(cli, args.bound_iters)

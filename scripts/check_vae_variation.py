@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -28,6 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wampipe.configs.cli import cli
 from scripts.bench_vae import SHAPES, build_vae
+
+# torch.compile settings to compare with the eager encoder: inductor's own, and with eager's bf16 roundings kept
+# (`emulate_precision_casts`), and also eager's memory layout for the convolutions (no channels-last switch)
+COMPILED = {"inductor": {}, "casts": {"emulate_precision_casts": True},
+            "casts-eager-layout": {"emulate_precision_casts": True, "layout_optimization": False}}
 
 
 def ordered_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -80,18 +86,59 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
     vae.device, vae.dtype = torch.device(args.device), dtype
     vae.mean, vae.inv_std = vae.mean.to(vae.device, dtype), vae.inv_std.to(vae.device, dtype)
     x = clips(args.clips, t, h, w)
-    latents = {f"eager_b{b}": vae.encode(x, batch_size=b).cpu() for b in args.batch_sizes}
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+
+    def timed(name: str, run) -> torch.Tensor:
+        out = run()  # compiles (or warms cuDNN) first
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.time_reps):
+            run()
+        sync()
+        speed[name] = round(args.time_reps * len(x) / (time.perf_counter() - start), 3)
+        out = out.cpu()
+        if f"eager_b{args.batch_sizes[0]}" in latents:  # a line per setting as it ends (compiling takes minutes)
+            print(json.dumps({"recipe": recipe, "setting": name, "clips_per_s": speed[name],
+                              "vs_eager": distances(out, latents[f"eager_b{args.batch_sizes[0]}"])}), flush=True)
+        return out
+
+    speed: dict[str, float] = {}
+    latents: dict[str, torch.Tensor] = {}
+    for b in args.batch_sizes:
+        latents[f"eager_b{b}"] = timed(f"eager_b{b}", lambda b=b: vae.encode(x, batch_size=b))
     again = vae.encode(x, batch_size=args.batch_sizes[0]).cpu()
+    batch = args.batch_sizes[0]
+    same_bits = {}
+    if args.device.startswith("cuda"):  # the eager encoder replayed as a CUDA graph: expected the same bits
+        vae.padded_batch = batch
+        vae.capture(t, h, w)
+        graphed = timed(f"eager_graph_b{batch}", lambda: vae.encode(x))
+        same_bits["eager_graph"] = bool(torch.equal(graphed, latents[f"eager_b{batch}"]))
+        vae.graphs.clear()
     if not args.quick or args.compile:
-        vae.compile(args.batch_sizes[0])
-        latents[f"compiled_b{args.batch_sizes[0]}"] = vae.encode(x).cpu()
+        eager_encoder = vae.model.encoder
+        for name in args.compiled:
+            torch._dynamo.reset()
+            vae.model.encoder = eager_encoder
+            vae.compile(batch, COMPILED[name])
+            latents[f"compiled_{name}_b{batch}"] = timed(f"compiled_{name}_b{batch}", lambda: vae.encode(x))
+        if args.compiled and args.device.startswith("cuda"):  # the last variant replayed as a CUDA graph: the same bits, faster?
+            vae.capture(t, h, w)
+            graphed = timed(f"compiled_{args.compiled[-1]}_graph_b{batch}", lambda: vae.encode(x))
+            same_bits["compiled_graph"] = bool(torch.equal(graphed, latents[f"compiled_{args.compiled[-1]}_b{batch}"]))
     base = f"eager_b{args.batch_sizes[0]}"
     out = {"recipe": recipe, "variant": variant, "clip": [t, h, w], "clips": args.clips,
            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
-           "torch": torch.__version__, "eager_rerun_same_bits": bool(torch.equal(again, latents[base]))}
+           "torch": torch.__version__, "eager_rerun_same_bits": bool(torch.equal(again, latents[base])),
+           "clips_per_s": speed, "graph_same_bits_as_without": same_bits}
     for name, value in latents.items():
         if name != base:
             out[f"{name}_vs_{base}"] = distances(value, latents[base])
+    # every pair of eager batch sizes: the spread the eager encoder itself has, not only against the baseline
+    eager = [f"eager_b{b}" for b in args.batch_sizes]
+    out["eager_pairs_rel_rms"] = {f"{a}_vs_{b}": {half: round(d["rel_rms"], 6) for half, d in
+                                                  distances(latents[a], latents[b]).items()}
+                                  for i, a in enumerate(eager) for b in eager[i + 1:]}
     keep = torch.tensor([*range(args.save_clips // 2), *range(len(x) - args.save_clips // 2, len(x))])
     return out, {name: value[keep] for name, value in latents.items()}
 
@@ -118,6 +165,11 @@ class Args:
     """Clips encoded (half noise, half smooth)."""
     batch_sizes: tuple[int, ...] = (16, 1)
     """Eager batch sizes; the first is also the compiled one and the baseline of every comparison."""
+    compiled: tuple[Literal[tuple(COMPILED)], ...] = tuple(COMPILED)  # type: ignore[valid-type]
+    """Compile settings to compare (each compiled for batches of the first batch size); on CUDA the last one is also
+    replayed as a CUDA graph."""
+    time_reps: int = 2
+    """Timed encodes of all clips per setting (after one untimed), for clips/s."""
     save: Path | None = None
     """Write the latents of --save-clips clips (each batch size and the compiled encoder) here for --compare, one
     file per recipe (the recipe's name after the stem)."""

@@ -74,3 +74,24 @@ def test_missing_unexpected_and_misshaped_keys(tiny_checkpoints, tmp_path):
         load_vae(tmp_path / "Wan2.1_VAE.pth")
     assert str(err.value) == (f"{tmp_path / 'Wan2.1_VAE.pth'}: missing keys: encoder.middle.1.proj.bias; "
                               "unexpected keys: encoder.extra.weight; wrong shapes: conv1.bias (5,) != (32,)")
+
+
+@pytest.mark.e2e  # the compiler builds its kernels in processes of its own
+def test_compiled_encoder_bits_do_not_depend_on_batch_company():
+    """The compiled encoder pads every call to its one compiled batch, so a clip's latents are the same bits alone,
+    with others, or at another position: what keeps the farm's executors and batch cuts byte-identical with
+    --vae-compile (here on CPU, with the product's inductor settings)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from scripts.bench_vae import build_vae
+
+    torch.manual_seed(0)
+    vae = build_vae("wan2.2", "cpu", True)
+    vae.compile(4)
+    clips = torch.rand(3, 3, 5, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    together = vae.encode(clips)
+    alone = torch.cat([vae.encode(clips[i:i + 1]) for i in range(3)])
+    reordered = vae.encode(clips.flip(0)).flip(0)
+    assert torch.equal(together, alone) and torch.equal(together, reordered)

@@ -35,3 +35,21 @@ def test_distances_split_the_noise_and_smooth_halves():
     b[3] = 1  # a smooth clip differs, the noise half does not
     split = distances(b, a)
     assert split["noise"]["frac_differ"] == 0 and split["smooth"]["frac_differ"] == 0.5
+
+
+def test_script_reports_every_pair_of_eager_batch_sizes_and_compares_saved_runs(tmp_path):
+    """A CPU run of the script end to end (narrow VAE, no compile): the eager encoder in three batch sizes, each pair
+    reported; two saved runs of the same machine compare as identical."""
+    from scripts.check_vae_variation import main
+
+    args = ["--device", "cpu", "--quick", "--recipes", "libero-5b", "--clips", "4", "--batch-sizes", "4", "1", "2",
+            "--time-reps", "1"]
+    (row,) = main([*args, "--save", str(tmp_path / "a.pt")])
+    main([*args, "--save", str(tmp_path / "b.pt")])
+    assert row["eager_rerun_same_bits"] and set(row["clips_per_s"]) == {"eager_b4", "eager_b1", "eager_b2"}
+    assert set(row["eager_pairs_rel_rms"]) == {"eager_b4_vs_eager_b1", "eager_b4_vs_eager_b2", "eager_b1_vs_eager_b2"}
+    assert row["graph_same_bits_as_without"] == {}  # CUDA graphs only on CUDA
+    (same,) = main(["--compare", str(tmp_path / "a-libero-5b.pt"), str(tmp_path / "b-libero-5b.pt")])
+    assert {name for name in same if name.startswith("eager_b")} == {"eager_b4", "eager_b1", "eager_b2"}
+    assert all(same[name][half]["frac_differ"] == 0 for name in ("eager_b4", "eager_b1", "eager_b2")
+               for half in ("noise", "smooth"))
