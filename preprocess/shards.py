@@ -131,7 +131,7 @@ class Args:
     """torch.compile the VAE encoder and, on a GPU, replay it as a CUDA graph: +50 % VAE clips/s on an H100 or H200
     (docs/PERFORMANCE.md), 1-2 min of compiling per encoder process at the start; latents differ from the eager
     encoder's by about one bf16 step on half the elements, a little more than another batch size moves the eager
-    encoder's (still the same bits on every rerun, GPU model and executor)."""
+    encoder's (within a build, a clip's bits do not depend on its batch or the executor)."""
     decode_backend: Literal["torchcodec", "pyav"] = "torchcodec"
     """Frame decoder."""
     max_episodes: int | None = None
