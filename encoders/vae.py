@@ -55,6 +55,25 @@ KIND_OF_VARIANT = {"wan2.1": "wan2.1-vae", "wan2.2": "wan2.2-vae"}
 COMPILE_OPTIONS: dict = {"emulate_precision_casts": True}
 
 
+def compile_options() -> dict:
+    """COMPILE_OPTIONS, plus inductor's deterministic mode where the installed torch has it: kernels are picked by
+    heuristics, not by timing them on the device, so each encoder process of a build (one per GPU) runs the same
+    reduction kernels, and a clip's bits do not depend on which GPU encoded it."""
+    import torch._inductor.config as inductor
+
+    return {**COMPILE_OPTIONS, **({"deterministic": True} if hasattr(inductor, "deterministic") else {})}
+
+
+def use_compile_cache(path: str | Path) -> None:
+    """Keep the compiler's cache (inductor's graphs and Triton's kernels) in `path` (made private to the user: the
+    cache holds code this process loads). A warm cache turns ~1 min of compiling at an encoder's start into seconds;
+    on a cluster, a folder in the shared home serves every node."""
+    import os
+
+    Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(path).resolve())
+
+
 def variant_of_config(config: dict) -> str:
     return "wan2.2" if config.get("patch_size") == 2 or config.get("z_dim") == 48 else "wan2.1"
 
@@ -175,7 +194,7 @@ class WanVAE:
         clips/s on an H100, docs/PERFORMANCE.md). Every call is padded to `batch_size` clips and compiled for that one
         static shape (`dynamic=False`): three graphs in all (first chunk, second chunk, the rest), and the bits of a
         clip never depend on how many others share its batch or which shapes came first, so reruns and executors
-        stay byte-identical. `options`: inductor settings (default COMPILE_OPTIONS: eager's bf16 roundings kept).
+        stay byte-identical. `options`: inductor settings (default `compile_options()`: eager's bf16 roundings kept).
         Still not bit-exact against the eager encoder: fused kernels compute in other orders (about one bf16 step
         on half the elements, as another batch size does)."""
         import torch._dynamo.config
@@ -183,7 +202,7 @@ class WanVAE:
         # a new shape past the limit would fall back to eager and silently change the bits
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         self.model.encoder = torch.compile(self.model.encoder, dynamic=False,
-                                           options=dict(COMPILE_OPTIONS if options is None else options))
+                                           options=compile_options() if options is None else dict(options))
         self.padded_batch = batch_size
 
     @torch.no_grad()

@@ -123,11 +123,13 @@ class Encoders:
 
     def __init__(self, spec: BuildSpec):
         from wampipe.encoders.image_encoder import load_image_encoder
-        from wampipe.encoders.vae import load_vae
+        from wampipe.encoders.vae import load_vae, use_compile_cache
 
         self.device, self.dtype = torch.device(spec.device), getattr(torch, spec.dtype)
         self.vae = load_vae(spec.vae, variant=VAE_OF_MODEL[spec.model], device=spec.device, dtype=self.dtype)
         if spec.vae_compile:
+            if getattr(spec, "compile_cache", ""):
+                use_compile_cache(spec.compile_cache)
             self.vae.compile(spec.batch_size)
             emb = get_embodiment(spec.embodiment)
             self.vae.warm_up(emb.window.num_frames, *emb.preset(spec.model).target_hw)

@@ -132,6 +132,11 @@ class Args:
     (docs/PERFORMANCE.md), 1-2 min of compiling per encoder process at the start; latents differ from the eager
     encoder's by about one bf16 step on half the elements, a little more than another batch size moves the eager
     encoder's (within a build, a clip's bits do not depend on its batch or the executor)."""
+    compile_cache: Path | None = None
+    """With --vae-compile: where the compiler keeps what it built between runs, so a later run's encoders start in
+    seconds instead of compiling for a minute or two. Default: $TORCHINDUCTOR_CACHE_DIR if set, else
+    ~/.cache/wampipe/compile ($XDG_CACHE_HOME honoured), which a cluster's shared home carries to every node. Made
+    readable by you only: the cache holds code the encoder processes load."""
     decode_backend: Literal["torchcodec", "pyav"] = "torchcodec"
     """Frame decoder."""
     max_episodes: int | None = None
@@ -172,6 +177,9 @@ def prepare_defaults(args: Args) -> Args:
         args.out = ROOT / "shards" / args.dataset
     if args.model is None:
         args.model = preset.model
+    if args.compile_cache is None:
+        args.compile_cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(
+            os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wampipe" / "compile")
     missing = [f"--{n.replace('_', '-')}" for n in ENCODERS if getattr(args, n) is None]
     if missing:
         raise SystemExit(f"also give the encoder weights: {' '.join(missing)} (see docs/WEIGHTS.md)")

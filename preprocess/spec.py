@@ -68,6 +68,7 @@ class BuildSpec:
     decode_backend: str = arg(UNIT, manifest="transform")
     image_features: str = arg(UNIT, manifest="")
     vae_compile: bool = arg(UNIT)
+    compile_cache: str = arg(default="")  # where compiled kernels are kept: a cached kernel is the kernel compiled
     samples_per_shard: int = arg(FINALIZE, manifest="")
     val_episodes: str | None = arg(FINALIZE)  # as given (preprocess.validation.canonical)
     held_out: tuple[int, ...] = arg(default=())  # the episodes val_episodes picks: finalize puts them in OUT/val

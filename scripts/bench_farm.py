@@ -140,7 +140,8 @@ def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
     encoders = Encoders(SimpleNamespace(vae=str(cli.vae), image_encoder=str(cli.image_encoder), model=cli.model,
                                         embodiment=emb.tag,
                                         device=device, dtype=cli.dtype, image_features=cli.image_features,
-                                        vae_compile=cli.vae_compile, batch_size=cli.batch_size))
+                                        vae_compile=cli.vae_compile, batch_size=cli.batch_size,
+                                        compile_cache=str(cli.compile_cache or "")))
     (h, w), t = emb.preset(cli.model).target_hw, emb.window.num_frames
     videos = torch.rand(cli.batch_size, 3, t, h, w) * 2 - 1
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

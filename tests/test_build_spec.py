@@ -12,7 +12,7 @@ from wampipe.preprocess.spec import FINALIZE, UNIT, BuildSpec, arg
 
 # The flags that change no output byte: where and how the run goes, not what it builds.
 RUN_ONLY = {"config", "out", "staging_dir", "workers", "executor", "ray_address", "unit_index", "num_units", "stage",
-            "fail_fast", "overwrite"}
+            "fail_fast", "overwrite", "compile_cache"}
 # inputs.json's keys as builds before the spec recorded them: a build made then resumes now
 RECORDED = {"src", "dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend",
             "dtype", "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes",
@@ -74,3 +74,17 @@ def test_a_field_given_a_stage_is_an_input_with_no_other_list_to_edit(args):
     inputs = Wider.from_args(args, embodiment="oxe_droid").inputs()
     assert (inputs["crop"], inputs["palette"]) == (5, "warm") and "where" not in inputs
     assert Wider.unit_inputs(inputs)["crop"] == 5 and "palette" not in Wider.unit_inputs(inputs)
+
+
+def test_compile_cache_default_lives_in_the_users_cache_and_changes_no_input(args, monkeypatch, tmp_path):
+    from wampipe.preprocess.shards import prepare_defaults
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert prepare_defaults(replace(args)).compile_cache == tmp_path / "xdg" / "wampipe" / "compile"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's own setting wins
+    assert prepare_defaults(replace(args)).compile_cache == tmp_path / "mine"
+    given = prepare_defaults(replace(args, compile_cache=tmp_path / "given")).compile_cache
+    assert given == tmp_path / "given"
+    # where the kernels are cached decides no byte: a build resumes with another cache
+    assert spec_of(args, compile_cache=tmp_path / "a").inputs() == spec_of(args, compile_cache=tmp_path / "b").inputs()
