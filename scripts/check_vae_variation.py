@@ -29,11 +29,59 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wampipe.configs.cli import cli
 from scripts.bench_vae import SHAPES, build_vae
+from wampipe.encoders.vae import compile_options
 
-# torch.compile settings to compare with the eager encoder: inductor's own, and with eager's bf16 roundings kept
-# (`emulate_precision_casts`), and also eager's memory layout for the convolutions (no channels-last switch)
-COMPILED = {"inductor": {}, "casts": {"emulate_precision_casts": True},
-            "casts-eager-layout": {"emulate_precision_casts": True, "layout_optimization": False}}
+
+
+@torch.library.custom_op("check_vae_variation::silu", mutates_args=())
+def eager_silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU as eager runs it (its CUDA kernel), opaque to the compiler."""
+    return torch.nn.functional.silu(x)
+
+
+@eager_silu.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("check_vae_variation::normalize", mutates_args=())
+def eager_normalize(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The VAE's RMS norm's normalize step as eager runs it (in fp32, then back), opaque to the compiler."""
+    return torch.nn.functional.normalize(x.float(), dim=dim).to(x.dtype)
+
+
+@eager_normalize.register_fake
+def _(x, dim):
+    return torch.empty_like(x)
+
+
+def _keep_eager_silu(encoder: torch.nn.Module) -> None:
+    for m in encoder.modules():
+        if type(m) is torch.nn.SiLU:
+            m.__class__ = type("EagerSiLU", (torch.nn.SiLU,), {"forward": lambda self, x: eager_silu(x)})
+
+
+def _keep_eager_norm(encoder: torch.nn.Module) -> None:
+    def forward(self, x):
+        return eager_normalize(x, 1 if self.channel_first else -1) * self.scale * self.gamma + self.bias
+
+    for m in encoder.modules():
+        if type(m).__name__ == "WanRMS_norm":
+            m.__class__ = type("EagerRMSNorm", (type(m),), {"forward": forward})
+
+
+CASTS = {"emulate_precision_casts": True}
+# torch.compile settings to compare with the eager encoder: (inductor options, parts of the encoder left to their
+# eager kernels). inductor's own; eager's bf16 roundings kept (`emulate_precision_casts`); also eager's memory layout
+# for the convolutions; the product's (encoders.vae.compile_options: the roundings kept, deterministic kernel choice);
+# the product's with SiLU and/or the RMS norm's normalize left to eager's kernels (where the rest of the difference
+# comes from)
+COMPILED = {"inductor": (lambda: {}, ()), "casts": (lambda: CASTS, ()),
+            "casts-eager-layout": (lambda: {**CASTS, "layout_optimization": False}, ()),
+            "product": (compile_options, ()),
+            "product-eager-silu": (compile_options, (_keep_eager_silu,)),
+            "product-eager-norm": (compile_options, (_keep_eager_norm,)),
+            "product-eager-silu-norm": (compile_options, (_keep_eager_silu, _keep_eager_norm))}
 
 
 def ordered_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -117,10 +165,16 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
         vae.graphs.clear()
     if not args.quick or args.compile:
         eager_encoder = vae.model.encoder
+        eager_classes = {m: type(m) for m in eager_encoder.modules()}
         for name in args.compiled:
             torch._dynamo.reset()
+            for m, cls in eager_classes.items():
+                m.__class__ = cls
             vae.model.encoder = eager_encoder
-            vae.compile(batch, COMPILED[name])
+            options, keep_eager = COMPILED[name]
+            for keep in keep_eager:
+                keep(eager_encoder)
+            vae.compile(batch, options())
             latents[f"compiled_{name}_b{batch}"] = timed(f"compiled_{name}_b{batch}", lambda: vae.encode(x))
         if args.compiled and args.device.startswith("cuda"):  # the last variant replayed as a CUDA graph: the same bits, faster?
             vae.capture(t, h, w)
@@ -165,7 +219,7 @@ class Args:
     """Clips encoded (half noise, half smooth)."""
     batch_sizes: tuple[int, ...] = (16, 1)
     """Eager batch sizes; the first is also the compiled one and the baseline of every comparison."""
-    compiled: tuple[Literal[tuple(COMPILED)], ...] = tuple(COMPILED)  # type: ignore[valid-type]
+    compiled: tuple[Literal[tuple(COMPILED)], ...] = ("inductor", "product")  # type: ignore[valid-type]
     """Compile settings to compare (each compiled for batches of the first batch size); on CUDA the last one is also
     replayed as a CUDA graph."""
     time_reps: int = 2
