@@ -190,8 +190,8 @@ class WanVAE:
         return static_out  # overwritten by the next replay: the caller derives a new tensor from it first
 
     def compile(self, batch_size: int, options: dict | None = None) -> None:
-        """torch.compile the encoder (fuses the norm, activation and cache copies between its convolutions: +45 %
-        clips/s on an H100, docs/PERFORMANCE.md). Every call is padded to `batch_size` clips and compiled for that one
+        """torch.compile the encoder (fuses the norm, activation and cache copies between its convolutions: +50 %
+        clips/s on an H100 or H200, docs/PERFORMANCE.md). Every call is padded to `batch_size` clips and compiled for that one
         static shape (`dynamic=False`): three graphs in all (first chunk, second chunk, the rest), and the bits of a
         clip never depend on how many others share its batch or which shapes came first, so reruns and executors
         stay byte-identical. `options`: inductor settings (default `compile_options()`: eager's bf16 roundings kept).
