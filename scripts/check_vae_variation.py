@@ -219,9 +219,10 @@ class Args:
     """Clips encoded (half noise, half smooth)."""
     batch_sizes: tuple[int, ...] = (16, 1)
     """Eager batch sizes; the first is also the compiled one and the baseline of every comparison."""
-    compiled: tuple[Literal[tuple(COMPILED)], ...] = ("inductor", "product")  # type: ignore[valid-type]
-    """Compile settings to compare (each compiled for batches of the first batch size); on CUDA the last one is also
-    replayed as a CUDA graph."""
+    compiled: tuple[str, ...] = ("inductor", "product")
+    """Compile settings to compare (COMPILED: inductor, casts, casts-eager-layout, product, product-eager-silu,
+    product-eager-norm, product-eager-silu-norm), each compiled for batches of the first batch size; on CUDA the last
+    one is also replayed as a CUDA graph."""
     time_reps: int = 2
     """Timed encodes of all clips per setting (after one untimed), for clips/s."""
     save: Path | None = None
@@ -239,6 +240,8 @@ class Args:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = cli(Args, args=argv, description=__doc__)
+    if unknown := [name for name in args.compiled if name not in COMPILED]:
+        raise SystemExit(f"--compiled: unknown setting {unknown[0]!r}; the settings: {', '.join(COMPILED)}")
     if args.compare:
         if len(args.compare) != 2:
             raise SystemExit("--compare takes two files of --save")
