@@ -191,8 +191,8 @@ class WanVAE:
 
     def compile(self, batch_size: int, options: dict | None = None) -> None:
         """torch.compile the encoder (fuses the norm, activation and cache copies between its convolutions: +50 %
-        clips/s on an H100 or H200, docs/PERFORMANCE.md). Every call is padded to `batch_size` clips and compiled for that one
-        static shape (`dynamic=False`): three graphs in all (first chunk, second chunk, the rest), and the bits of a
+        clips/s on an H100 or H200, docs/PERFORMANCE.md). Every call is padded to `batch_size` clips and compiled for
+        that one static shape (`dynamic=False`): three graphs in all (first chunk, second chunk, the rest), and the bits of a
         clip never depend on how many others share its batch or which shapes came first, so reruns and executors
         stay byte-identical. `options`: inductor settings (default `compile_options()`: eager's bf16 roundings kept).
         Still not bit-exact against the eager encoder: fused kernels compute in other orders (about one bf16 step

@@ -128,7 +128,7 @@ class Encoders:
         self.device, self.dtype = torch.device(spec.device), getattr(torch, spec.dtype)
         self.vae = load_vae(spec.vae, variant=VAE_OF_MODEL[spec.model], device=spec.device, dtype=self.dtype)
         if spec.vae_compile:
-            if getattr(spec, "compile_cache", ""):
+            if spec.compile_cache:
                 use_compile_cache(spec.compile_cache)
             self.vae.compile(spec.batch_size)
             emb = get_embodiment(spec.embodiment)

@@ -129,12 +129,14 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
         t, h, w = 9, 32, 64
     torch.manual_seed(0)
     vae = build_vae(variant, "cpu", args.quick)  # the same weights on every machine ...
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    cuda = args.device.startswith("cuda")
+    batch, base = args.batch_sizes[0], f"eager_b{args.batch_sizes[0]}"  # the baseline of every comparison
+    dtype = torch.bfloat16 if cuda else torch.float32
     vae.model.to(device=args.device, dtype=dtype)  # ... then on the device in the encoder's dtype
     vae.device, vae.dtype = torch.device(args.device), dtype
     vae.mean, vae.inv_std = vae.mean.to(vae.device, dtype), vae.inv_std.to(vae.device, dtype)
     x = clips(args.clips, t, h, w)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def timed(name: str, run) -> torch.Tensor:
         out = run()  # compiles (or warms cuDNN) first
@@ -145,23 +147,22 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
         sync()
         speed[name] = round(args.time_reps * len(x) / (time.perf_counter() - start), 3)
         out = out.cpu()
-        if f"eager_b{args.batch_sizes[0]}" in latents:  # a line per setting as it ends (compiling takes minutes)
+        if base in latents:  # a line per setting as it ends (compiling takes minutes)
             print(json.dumps({"recipe": recipe, "setting": name, "clips_per_s": speed[name],
-                              "vs_eager": distances(out, latents[f"eager_b{args.batch_sizes[0]}"])}), flush=True)
+                              "vs_eager": distances(out, latents[base])}), flush=True)
         return out
 
     speed: dict[str, float] = {}
     latents: dict[str, torch.Tensor] = {}
     for b in args.batch_sizes:
         latents[f"eager_b{b}"] = timed(f"eager_b{b}", lambda b=b: vae.encode(x, batch_size=b))
-    again = vae.encode(x, batch_size=args.batch_sizes[0]).cpu()
-    batch = args.batch_sizes[0]
+    again = vae.encode(x, batch_size=batch).cpu()
     same_bits = {}
-    if args.device.startswith("cuda"):  # the eager encoder replayed as a CUDA graph: expected the same bits
+    if cuda:  # the eager encoder replayed as a CUDA graph: expected the same bits
         vae.padded_batch = batch
         vae.capture(t, h, w)
         graphed = timed(f"eager_graph_b{batch}", lambda: vae.encode(x))
-        same_bits["eager_graph"] = bool(torch.equal(graphed, latents[f"eager_b{batch}"]))
+        same_bits["eager_graph"] = bool(torch.equal(graphed, latents[base]))
         vae.graphs.clear()
     if not args.quick or args.compile:
         eager_encoder = vae.model.encoder
@@ -176,13 +177,13 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
                 keep(eager_encoder)
             vae.compile(batch, options())
             latents[f"compiled_{name}_b{batch}"] = timed(f"compiled_{name}_b{batch}", lambda: vae.encode(x))
-        if args.compiled and args.device.startswith("cuda"):  # the last variant replayed as a CUDA graph: the same bits, faster?
+        if args.compiled and cuda:  # the last setting replayed as a CUDA graph: the same bits, faster?
+            last = f"compiled_{args.compiled[-1]}"
             vae.capture(t, h, w)
-            graphed = timed(f"compiled_{args.compiled[-1]}_graph_b{batch}", lambda: vae.encode(x))
-            same_bits["compiled_graph"] = bool(torch.equal(graphed, latents[f"compiled_{args.compiled[-1]}_b{batch}"]))
-    base = f"eager_b{args.batch_sizes[0]}"
+            graphed = timed(f"{last}_graph_b{batch}", lambda: vae.encode(x))
+            same_bits["compiled_graph"] = bool(torch.equal(graphed, latents[f"{last}_b{batch}"]))
     out = {"recipe": recipe, "variant": variant, "clip": [t, h, w], "clips": args.clips,
-           "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+           "device": torch.cuda.get_device_name() if cuda else args.device,
            "torch": torch.__version__, "eager_rerun_same_bits": bool(torch.equal(again, latents[base])),
            "clips_per_s": speed, "graph_same_bits_as_without": same_bits}
     for name, value in latents.items():

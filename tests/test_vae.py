@@ -76,7 +76,6 @@ def test_missing_unexpected_and_misshaped_keys(tiny_checkpoints, tmp_path):
                               "unexpected keys: encoder.extra.weight; wrong shapes: conv1.bias (5,) != (32,)")
 
 
-
 COMPILED_RUN = """
 import json, sys, torch
 from scripts.bench_vae import build_vae
@@ -91,8 +90,9 @@ together = vae.encode(clips)
 alone = torch.cat([vae.encode(clips[i:i + 1]) for i in range(3)])
 reordered = vae.encode(clips.flip(0)).flip(0)
 torch.save(together, sys.argv[2])
-print(json.dumps({"same_in_any_company": torch.equal(together, alone) and torch.equal(together, reordered),
-                  "hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+same = torch.equal(together, alone) and torch.equal(together, reordered)
+cache = counters["inductor"]
+print(json.dumps({"same_in_any_company": same, "hits": cache["fxgraph_cache_hit"], "misses": cache["fxgraph_cache_miss"]}))
 """
 
 
@@ -110,8 +110,8 @@ def test_compiled_encoder_bits_hold_across_batch_company_and_a_warm_compile_cach
     root = Path(__file__).resolve().parents[1]
     runs = []
     for name in ("cold", "warm"):
-        out = subprocess.run([sys.executable, "-c", COMPILED_RUN, str(tmp_path / "cache"), str(tmp_path / f"{name}.pt")],
-                             cwd=root, capture_output=True, text=True, check=True).stdout
+        command = [sys.executable, "-c", COMPILED_RUN, str(tmp_path / "cache"), str(tmp_path / f"{name}.pt")]
+        out = subprocess.run(command, cwd=root, capture_output=True, text=True, check=True).stdout
         runs.append(json.loads(out.strip().splitlines()[-1]))
     cold, warm = runs
     assert cold["same_in_any_company"] and warm["same_in_any_company"]
