@@ -51,8 +51,33 @@ KIND_OF_VARIANT = {"wan2.1": "wan2.1-vae", "wan2.2": "wan2.2-vae"}
 
 # inductor settings of the compiled encoder: keep eager's bf16 rounding between the ops it fuses. Measured with
 # scripts/check_vae_variation.py: the compiled latents' distance from eager's fell from 1.2-1.7x the eager encoder's
-# own spread over batch sizes to 1.03x (Wan2.2) and 1.4x (Wan2.1) of it (docs/PERFORMANCE.md)
+# own spread over batch sizes to 1.03x (Wan2.2) and 1.4x (Wan2.1) of it; with the RMS norms' normalize left to eager's
+# kernels too (`rms_normalize`), to 0.96x (Wan2.2) and to eager's own bits (Wan2.1) (docs/PERFORMANCE.md)
 COMPILE_OPTIONS: dict = {"emulate_precision_casts": True}
+
+
+@torch.library.custom_op("wampipe::rms_normalize", mutates_args=())
+def rms_normalize(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The normalize step of the VAE's RMS norms as diffusers' WanRMS_norm runs it (in fp32, rounded back once), as
+    an op the compiler calls but cannot fuse: its fused reduction sums in another order, and that alone moved the
+    compiled encoder's latents as far from eager's as another batch size moves eager's."""
+    return torch.nn.functional.normalize(x.float(), dim=dim).to(x.dtype)
+
+
+@rms_normalize.register_fake
+def _(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _eager_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return rms_normalize(x, 1 if self.channel_first else -1) * self.scale * self.gamma + self.bias
+
+
+def normalize_eagerly(module: torch.nn.Module) -> None:
+    """Have every WanRMS_norm in `module` normalize through `rms_normalize` (the rest of the norm stays fusable)."""
+    for m in module.modules():
+        if type(m).__name__ == "WanRMS_norm":
+            m.forward = _eager_rms_norm_forward.__get__(m)
 
 
 def compile_options() -> dict:
@@ -189,18 +214,21 @@ class WanVAE:
         replay.replay()
         return static_out  # overwritten by the next replay: the caller derives a new tensor from it first
 
-    def compile(self, batch_size: int, options: dict | None = None) -> None:
-        """torch.compile the encoder (fuses the norm, activation and cache copies between its convolutions: +50 %
-        clips/s on an H100 or H200, docs/PERFORMANCE.md). Every call is padded to `batch_size` clips and compiled for
-        that one static shape (`dynamic=False`): three graphs in all (first chunk, second chunk, the rest), and the bits of a
-        clip never depend on how many others share its batch or which shapes came first, so reruns and executors
-        stay byte-identical. `options`: inductor settings (default `compile_options()`: eager's bf16 roundings kept).
-        Still not bit-exact against the eager encoder: fused kernels compute in other orders (about one bf16 step
-        on half the elements, as another batch size does)."""
+    def compile(self, batch_size: int, options: dict | None = None, fuse_norms: bool = False) -> None:
+        """torch.compile the encoder (fuses the activations, the norms' scaling and the cache copies between its
+        convolutions: +23-27 % clips/s on an H200, +50 % with the norms fused too, docs/PERFORMANCE.md). Every call is
+        padded to `batch_size` clips and compiled for that one static shape (`dynamic=False`): three graphs in all
+        (first chunk, second chunk, the rest), and the bits of a clip never depend on how many others share its
+        batch or which shapes came first, so reruns and executors stay byte-identical. `options`: inductor settings
+        (default `compile_options()`: eager's bf16 roundings kept). The RMS norms normalize through eager's kernels
+        (`rms_normalize`) unless `fuse_norms`: so the Wan2.1 encoder gives eager's bits, the Wan2.2 one lands closer
+        to eager's than eager's batch of 1 does to its batch of 16."""
         import torch._dynamo.config
 
         # a new shape past the limit would fall back to eager and silently change the bits
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+        if not fuse_norms:
+            normalize_eagerly(self.model.encoder)
         self.model.encoder = torch.compile(self.model.encoder, dynamic=False,
                                            options=compile_options() if options is None else dict(options))
         self.padded_batch = batch_size

@@ -127,13 +127,14 @@ class Args:
     pixels stores the preprocessed 224x224 input of the CLIP tower instead ([3, 224, 224] in --dtype, the
     `clip_pixels` member; CLIP does not run here) and the trainer runs CLIP (--model.image-encoder): fewer bytes per
     sample, the same features (docs/FORMAT.md)."""
-    vae_compile: bool = False
-    """torch.compile the VAE encoder and, on a GPU, replay it as a CUDA graph: +50 % VAE clips/s on an H100 or H200
-    (docs/PERFORMANCE.md), 1-2 min of compiling per encoder process at the start; latents differ from the eager
-    encoder's by about one bf16 step on half the elements, a little more than another batch size moves the eager
-    encoder's (within a build, a clip's bits do not depend on its batch or the executor)."""
+    vae_compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the VAE encoder and, on a GPU, replay it as a CUDA graph: +23-27 % VAE clips/s on an H200
+    (docs/PERFORMANCE.md), a minute or two of compiling per encoder process on a cold --compile-cache. Its latents
+    stay within the eager encoder's own variation over batch sizes (the 14B's VAE gives eager's bits); within a
+    build, a clip's bits depend neither on its batch nor on the executor. auto: on with --device cuda, off on CPU
+    (where compiling costs more than it saves on short runs); off: the eager encoder."""
     compile_cache: Path | None = None
-    """With --vae-compile: where the compiler keeps what it built between runs, so a later run's encoders start in
+    """With the compiled VAE: where the compiler keeps what it built between runs, so a later run's encoders start in
     seconds instead of compiling for a minute or two. Default: $TORCHINDUCTOR_CACHE_DIR if set, else
     ~/.cache/wampipe/compile ($XDG_CACHE_HOME honoured), which a cluster's shared home carries to every node. Made
     readable by you only: the cache holds code the encoder processes load."""
@@ -168,7 +169,8 @@ def defaults(argv: list[str]) -> Args:
 
 
 def prepare_defaults(args: Args) -> Args:
-    """Fill --out and --model from the dataset preset; refuse a run without --src or an encoder."""
+    """Fill --out and --model from the dataset preset and the device's auto settings; refuse a run without --src or
+    an encoder."""
     preset = DATASETS[args.dataset]
     if args.src is None:
         raise SystemExit("--src is required: the LeRobot dataset root (sample data and tiny encoders to try it on: "
@@ -177,6 +179,11 @@ def prepare_defaults(args: Args) -> Args:
         args.out = ROOT / "shards" / args.dataset
     if args.model is None:
         args.model = preset.model
+    cuda = args.device.startswith("cuda")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cuda else "float32"
+    if args.vae_compile == "auto":
+        args.vae_compile = "on" if cuda else "off"
     if args.compile_cache is None:
         args.compile_cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(
             os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wampipe" / "compile")
@@ -240,7 +247,7 @@ def check_weights(args: Args) -> None:
 
 
 # A GPU encoder process keeps three cores busy: the thread launching the encoders, the one preparing the next batch
-# and, with --vae-compile, the compiler at start. With one core each, 62 workers on 64 cores with 4 GPUs starved
+# and, with the compiled VAE, the compiler at start. With one core each, 62 workers on 64 cores with 4 GPUs starved
 # them: ready after 148 s instead of 60 s, steady 0.43 of the compiled bound instead of 0.66 with 50 workers.
 CORES_PER_GPU_ENCODER = 3
 
@@ -281,8 +288,6 @@ def run(args: Args) -> None:
     args.out = remote.staging_dir(url, args.staging_dir) if url else Path(args.out)
     if url:
         remote.check_access(url)  # a missing bucket or wrong credentials stop the run before any unit
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     emb = get_embodiment(DATASETS[args.dataset].embodiment)
     emb.preset(args.model)  # a clear error for a recipe the embodiment does not define
     if args.metadata is not None:

@@ -85,6 +85,7 @@ class BuildSpec:
         from wampipe.shardformat.files import sha256_file
 
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        given["vae_compile"] = {"on": True, "off": False}[args.vae_compile]  # run() resolved auto for the device
         encoders = weights_sha256(*(Path(given[name]) for name in ENCODERS))
         digests = {"src": fingerprint(args.src), **dict(zip(ENCODERS, encoders)),
                    "metadata": None if args.metadata is None else sha256_file(args.metadata)}

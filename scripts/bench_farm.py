@@ -140,7 +140,7 @@ def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
     encoders = Encoders(SimpleNamespace(vae=str(cli.vae), image_encoder=str(cli.image_encoder), model=cli.model,
                                         embodiment=emb.tag,
                                         device=device, dtype=cli.dtype, image_features=cli.image_features,
-                                        vae_compile=cli.vae_compile, batch_size=cli.batch_size,
+                                        vae_compile=cli.vae_compile == "on", batch_size=cli.batch_size,
                                         compile_cache=str(cli.compile_cache or "")))
     (h, w), t = emb.preset(cli.model).target_hw, emb.window.num_frames
     videos = torch.rand(cli.batch_size, 3, t, h, w) * 2 - 1
@@ -201,7 +201,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
             args.device, "devices": devices, "workers": cli.workers, "executor": args.executor,
             "batch_size": args.batch_size, "episodes": args.episodes, "anchor_stride": args.anchor_stride,
             "episodes_per_unit": args.episodes_per_unit, "image_features": args.image_features,
-            "vae_compile": args.vae_compile, "samples": samples, "wall_s": round(wall, 2),
+            "vae_compile": cli.vae_compile, "samples": samples, "wall_s": round(wall, 2),
             "samples_per_s_per_device": round(rate, 3), "bound_samples_per_s": round(bound, 3),
             "ratio_to_bound": round(rate / bound, 4), "busy_pct": busy.mean_pct(),
             "steady_samples_per_s_per_device": steady and round(steady, 3),
@@ -235,8 +235,8 @@ class Args:
     """Episodes per work unit (small units: a fine-grained steady-state measurement)."""
     image_features: Literal["encoded", "pixels"] = "encoded"
     """The --image-features of preprocess shards (pixels: CLIP input pixels stored, CLIP not run)."""
-    vae_compile: bool = False
-    """The --vae-compile of preprocess shards (and in the bound)."""
+    vae_compile: Literal["auto", "on", "off"] = "auto"
+    """The --vae-compile of preprocess shards (auto: on with a GPU), also in the bound."""
     anchor_stride: int = 1
     """Keep every n-th window (fewer samples per episode)."""
     bound_iters: int = 10

@@ -32,7 +32,6 @@ from scripts.bench_vae import SHAPES, build_vae
 from wampipe.encoders.vae import compile_options
 
 
-
 @torch.library.custom_op("check_vae_variation::silu", mutates_args=())
 def eager_silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU as eager runs it (its CUDA kernel), opaque to the compiler."""
@@ -44,44 +43,33 @@ def _(x):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("check_vae_variation::normalize", mutates_args=())
-def eager_normalize(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The VAE's RMS norm's normalize step as eager runs it (in fp32, then back), opaque to the compiler."""
-    return torch.nn.functional.normalize(x.float(), dim=dim).to(x.dtype)
-
-
-@eager_normalize.register_fake
-def _(x, dim):
-    return torch.empty_like(x)
-
-
 def _keep_eager_silu(encoder: torch.nn.Module) -> None:
     for m in encoder.modules():
         if type(m) is torch.nn.SiLU:
-            m.__class__ = type("EagerSiLU", (torch.nn.SiLU,), {"forward": lambda self, x: eager_silu(x)})
+            m.forward = lambda x: eager_silu(x)
 
 
-def _keep_eager_norm(encoder: torch.nn.Module) -> None:
-    def forward(self, x):
-        return eager_normalize(x, 1 if self.channel_first else -1) * self.scale * self.gamma + self.bias
-
+def _keep_eager_avg_down(encoder: torch.nn.Module) -> None:
+    """Wan2.2's average-pooling shortcuts (a reshape and a mean) run eagerly, between compiled graphs."""
     for m in encoder.modules():
-        if type(m).__name__ == "WanRMS_norm":
-            m.__class__ = type("EagerRMSNorm", (type(m),), {"forward": forward})
+        if type(m).__name__ == "AvgDown3D":
+            m.forward = torch.compiler.disable(m.forward)
 
 
 CASTS = {"emulate_precision_casts": True}
-# torch.compile settings to compare with the eager encoder: (inductor options, parts of the encoder left to their
-# eager kernels). inductor's own; eager's bf16 roundings kept (`emulate_precision_casts`); also eager's memory layout
-# for the convolutions; the product's (encoders.vae.compile_options: the roundings kept, deterministic kernel choice);
-# the product's with SiLU and/or the RMS norm's normalize left to eager's kernels (where the rest of the difference
-# comes from)
-COMPILED = {"inductor": (lambda: {}, ()), "casts": (lambda: CASTS, ()),
-            "casts-eager-layout": (lambda: {**CASTS, "layout_optimization": False}, ()),
-            "product": (compile_options, ()),
-            "product-eager-silu": (compile_options, (_keep_eager_silu,)),
-            "product-eager-norm": (compile_options, (_keep_eager_norm,)),
-            "product-eager-silu-norm": (compile_options, (_keep_eager_silu, _keep_eager_norm))}
+# torch.compile settings to compare with the eager encoder: (inductor options, whether the RMS norms' normalize is
+# fused too, parts of the encoder left to their eager kernels). inductor's own; eager's bf16 roundings kept
+# (`emulate_precision_casts`); also eager's memory layout for the convolutions; the product's options
+# (encoders.vae.compile_options: the roundings kept, deterministic kernel choice) with the norms fused, and that with
+# SiLU eager; the product (the norms normalize through eager's kernels); that with eager's conv layout, and with
+# Wan2.2's average-pooling shortcuts eager (where the rest of the Wan2.2 difference might come from)
+COMPILED = {"inductor": (lambda: {}, True, ()), "casts": (lambda: CASTS, True, ()),
+            "casts-eager-layout": (lambda: {**CASTS, "layout_optimization": False}, True, ()),
+            "product-fused-norms": (compile_options, True, ()),
+            "product-fused-norms-eager-silu": (compile_options, True, (_keep_eager_silu,)),
+            "product": (compile_options, False, ()),
+            "product-eager-layout": (lambda: {**compile_options(), "layout_optimization": False}, False, ()),
+            "product-eager-avg-down": (compile_options, False, (_keep_eager_avg_down,))}
 
 
 def ordered_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -166,16 +154,15 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
         vae.graphs.clear()
     if not args.quick or args.compile:
         eager_encoder = vae.model.encoder
-        eager_classes = {m: type(m) for m in eager_encoder.modules()}
         for name in args.compiled:
             torch._dynamo.reset()
-            for m, cls in eager_classes.items():
-                m.__class__ = cls
+            for m in eager_encoder.modules():  # back to the modules' own forwards
+                m.__dict__.pop("forward", None)
             vae.model.encoder = eager_encoder
-            options, keep_eager = COMPILED[name]
+            options, fuse_norms, keep_eager = COMPILED[name]
             for keep in keep_eager:
                 keep(eager_encoder)
-            vae.compile(batch, options())
+            vae.compile(batch, options(), fuse_norms=fuse_norms)
             latents[f"compiled_{name}_b{batch}"] = timed(f"compiled_{name}_b{batch}", lambda: vae.encode(x))
         if args.compiled and cuda:  # the last setting replayed as a CUDA graph: the same bits, faster?
             last = f"compiled_{args.compiled[-1]}"
@@ -221,9 +208,9 @@ class Args:
     batch_sizes: tuple[int, ...] = (16, 1)
     """Eager batch sizes; the first is also the compiled one and the baseline of every comparison."""
     compiled: tuple[str, ...] = ("inductor", "product")
-    """Compile settings to compare (COMPILED: inductor, casts, casts-eager-layout, product, product-eager-silu,
-    product-eager-norm, product-eager-silu-norm), each compiled for batches of the first batch size; on CUDA the last
-    one is also replayed as a CUDA graph."""
+    """Compile settings to compare (COMPILED: inductor, casts, casts-eager-layout, product-fused-norms,
+    product-fused-norms-eager-silu, product, product-eager-layout, product-eager-avg-down), each compiled for batches
+    of the first batch size; on CUDA the last one is also replayed as a CUDA graph."""
     time_reps: int = 2
     """Timed encodes of all clips per setting (after one untimed), for clips/s."""
     save: Path | None = None

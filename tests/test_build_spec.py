@@ -28,6 +28,7 @@ def args(tmp_path) -> Args:
     for name in ("vae", "image_encoder", "text_encoder", "tokenizer", "other", "metadata"):
         (tmp_path / name).write_text(name)
     return Args(src=tmp_path / "src", out=str(tmp_path / "out"), model="5b", dtype="float32", threads_per_worker=2,
+                vae_compile="off",
                 **{name: tmp_path / name for name in ("vae", "image_encoder", "text_encoder", "tokenizer")})
 
 
@@ -88,3 +89,16 @@ def test_compile_cache_default_lives_in_the_users_cache_and_changes_no_input(arg
     assert given == tmp_path / "given"
     # where the kernels are cached decides no byte: a build resumes with another cache
     assert spec_of(args, compile_cache=tmp_path / "a").inputs() == spec_of(args, compile_cache=tmp_path / "b").inputs()
+
+
+def test_the_compiled_vae_is_the_default_on_a_gpu_and_eager_on_cpu(args):
+    from wampipe.preprocess.shards import prepare_defaults
+
+    def completed(**flags):
+        done = prepare_defaults(replace(args, **flags))
+        return done.dtype, done.vae_compile, spec_of(done).inputs()["vae_compile"]
+
+    assert completed(device="cuda", dtype="auto", vae_compile="auto") == ("bfloat16", "on", True)
+    assert completed(device="cuda:1", dtype="auto", vae_compile="off") == ("bfloat16", "off", False)  # eager: a flag
+    assert completed(device="cpu", dtype="auto", vae_compile="auto") == ("float32", "off", False)
+    assert completed(device="cpu", vae_compile="on") == ("float32", "on", True)

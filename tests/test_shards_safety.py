@@ -26,7 +26,7 @@ OTHER_INPUTS = {
     "model": (["--model", "5b-wan22"], "--model: 5b -> 5b-wan22"),
     "episodes_per_unit": (["--episodes-per-unit", "3"], "--episodes-per-unit: 2 -> 3"),
     "seed": (["--seed", "1"], "--seed: 0 -> 1"),
-    "vae_compile": (["--vae-compile"], "--vae-compile: False -> True"),  # other latents (compiled kernels round apart)
+    "vae_compile": (["--vae-compile", "on"], "--vae-compile: False -> True"),  # other latents (compiled kernels)
 }
 
 

@@ -25,6 +25,23 @@ def test_both_formats_same_latents(tiny_checkpoints, variant, channels, factor):
 
 
 @pytest.mark.parametrize("variant", ["wan2.1", "wan2.2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norms_normalizing_through_the_opaque_op_give_the_librarys_bits(tiny_checkpoints, variant, dtype):
+    """The compiled encoder's RMS norms normalize through `rms_normalize` (an op the compiler cannot fuse); run
+    eagerly, that encoder must give the bits of diffusers' own norms, in bf16 (GPUs) and fp32 (CPU)."""
+    from wampipe.encoders.vae import normalize_eagerly
+
+    vae = load_vae(tiny_checkpoints / FILES[variant], variant)
+    x = clip(b=2).to(dtype)
+    vae.model.to(dtype)
+    own = vae.model.encode(x).latent_dist.mean
+    normalize_eagerly(vae.model.encoder)
+    norms = [m for m in vae.model.encoder.modules() if type(m).__name__ == "WanRMS_norm"]
+    assert norms and all("forward" in m.__dict__ for m in norms)  # every norm of the encoder goes through the op
+    assert torch.equal(vae.model.encode(x).latent_dist.mean, own)
+
+
+@pytest.mark.parametrize("variant", ["wan2.1", "wan2.2"])
 def test_normalization_and_batch_invariance(tiny_checkpoints, variant):
     vae = load_vae(tiny_checkpoints / FILES[variant], variant)
     x = clip(b=3)
