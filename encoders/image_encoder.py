@@ -12,14 +12,13 @@ Loads a Diffusers `image_encoder/` folder (transformers CLIPVisionModel[WithProj
 from __future__ import annotations
 
 import re
-import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from wampipe.encoders.weights import WeightsError, check_keys, expect_kind, folder_config, read_state_dict
+from wampipe.encoders.weights import WeightsError, check_keys, expect_kind, folder_config, on_meta, read_state_dict
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -149,11 +148,7 @@ def load_image_encoder(path: str | Path, device: str | torch.device = "cpu",
                        dtype: torch.dtype = torch.bfloat16) -> ImageEncoder:
     """Load a Diffusers `image_encoder/` folder or Wan's open-clip `.pth`, strictly. On the meta device the file is
     read and checked all the same but no weight is materialized: `preprocess` and `feature_shape` still work."""
-    meta = torch.device(device).type == "meta"
-    with torch.device("meta") if meta else nullcontext(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
-        model = _load_model(Path(path))
-    return ImageEncoder(model, device, dtype)
+    return ImageEncoder(_load_model(Path(path)), device, dtype)
 
 
 def _load_model(path: Path):
@@ -165,7 +160,7 @@ def _load_model(path: Path):
         config = CLIPVisionConfig.from_dict(config_dict.get("vision_config", config_dict))
         state = read_state_dict(path)
         expect_kind(path, state, ("hf-clip-vision",), "image encoder")
-        model = CLIPVisionModelWithProjection(config)
+        model = on_meta(lambda: CLIPVisionModelWithProjection(config))
         expected = {k: v.shape for k, v in model.state_dict().items() if not k.endswith("position_ids")}
         if "CLIPVisionModelWithProjection" not in config_dict.get("architectures", []):
             expected.pop("visual_projection.weight")  # a plain CLIPVisionModel folder has no projection (unused)
@@ -177,9 +172,15 @@ def _load_model(path: Path):
             raise WeightsError(path, "a transformers-layout CLIP file needs its config.json: pass the folder")
         extra = sorted(k for k in state if not k.startswith(("visual.", "textual.")) and k != "log_scale")
         visual = {k: v for k, v in state.items() if k.startswith("visual.")}
-        model = CLIPVisionModelWithProjection(_config_from_wan_state(state))
+        model = on_meta(lambda: CLIPVisionModelWithProjection(_config_from_wan_state(state)))
         expected_wan = {k: v.shape for k, v in hf_clip_to_wan(model.state_dict()).items()}
         check_keys(path, {**visual, **{k: state[k] for k in extra}}, expected_wan)
         state = wan_clip_to_hf(visual)
-    model.load_state_dict(state, strict=False)  # completeness and shapes were checked above
+    model.load_state_dict(state, strict=False, assign=True)  # completeness and shapes were checked above
+    embeddings = model.vision_model.embeddings  # the one buffer the file does not hold
+    ids = torch.arange(embeddings.num_positions, device="cpu")  # on the host even under a meta-device check
+    embeddings.register_buffer("position_ids", ids.expand((1, -1)), persistent=False)
+    left = [name for name, t in [*model.vision_model.named_parameters(), *model.vision_model.named_buffers()] if t.is_meta]
+    if left:
+        raise WeightsError(path, f"not filled from the file: {', '.join(left[:4])}")
     return model

@@ -20,7 +20,8 @@ from pathlib import Path
 import ftfy
 import torch
 
-from wampipe.encoders.weights import WeightsError, check_keys, expect_kind, folder_config, load_strict, read_state_dict
+from wampipe.encoders.weights import (WeightsError, check_keys, expect_kind, folder_config, load_strict, on_meta,
+                                      read_state_dict)
 
 MAX_LENGTH = 512
 # umt5-xxl, as built by Wan's T5 encoder (24 layers, d 4096, ffn 10240, 64 heads of 64, 32 buckets, vocab 256384)
@@ -133,14 +134,14 @@ def load_text_encoder(path: str | Path, tokenizer: str | Path, device: str | tor
         config_dict = folder_config(path, "model_type", ("umt5",), "a text_encoder/ folder")
         state = read_state_dict(path)
         expect_kind(path, state, ("hf-umt5",), "text encoder")
-        model = UMT5EncoderModel(UMT5Config.from_dict(config_dict))
+        model = on_meta(lambda: UMT5EncoderModel(UMT5Config.from_dict(config_dict)))
         load_strict(model, path, state, aliases=TIED)
     else:
         state = read_state_dict(path)
         expect_kind(path, state, ("wan-umt5", "hf-umt5"), "text encoder")
         if "token_embedding.weight" not in state:
             raise WeightsError(path, "a transformers-layout umT5 file needs its config.json: pass the folder")
-        model = UMT5EncoderModel(_config_from_wan_state(state))
+        model = on_meta(lambda: UMT5EncoderModel(_config_from_wan_state(state)))
         table = {wan_umt5_key(k): k for k in model.state_dict() if k not in TIED}
         check_keys(path, state, {wk: model.state_dict()[hk].shape for wk, hk in table.items()})
         converted = {hk: state[wk] for wk, hk in table.items()}

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from wampipe.encoders.weights import WeightsError, check_keys, expect_kind, folder_config, load_strict, read_state_dict
+from wampipe.encoders.weights import (WeightsError, assign_loaded, check_keys, expect_kind, folder_config, load_strict,
+                                      on_meta, read_state_dict)
 
 # Per-channel latent statistics of the released VAEs (the reference's WanVideoVAE / WanVideoVAE38 constants).
 WAN21_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
@@ -309,7 +310,7 @@ def load_vae(path: str | Path, variant: str | None = None, device: str | torch.d
         found = variant_of_config(config)
         state = read_state_dict(path)
         expect_kind(path, state, ("diffusers-vae",), "VAE")
-        model = AutoencoderKLWan.from_config(config)
+        model = on_meta(lambda: AutoencoderKLWan.from_config(config))
         if variant and found != variant:
             raise WeightsError(path, f"this is a {_describe(found)}, but a {_describe(variant)} was asked for")
         load_strict(model, path, state)
@@ -321,10 +322,10 @@ def load_vae(path: str | Path, variant: str | None = None, device: str | torch.d
         found = "wan2.2" if kind == "wan2.2-vae" else "wan2.1"
         if variant and found != variant:
             raise WeightsError(path, f"this is a {_describe(found)}, but a {_describe(variant)} was asked for")
-        model = AutoencoderKLWan(**_config_from_wan_state(state, found))
+        model = on_meta(lambda: AutoencoderKLWan(**_config_from_wan_state(state, found)))
         table = {wan_vae_key(k, found): k for k in model.state_dict()}
         check_keys(path, state, {wk: model.state_dict()[dk].shape for wk, dk in table.items()})
-        model.load_state_dict({dk: state[wk] for wk, dk in table.items()}, strict=True)
+        assign_loaded(model, path, {dk: state[wk] for wk, dk in table.items()})
     if model.config.z_dim != VARIANTS[found]["z_dim"]:
         raise WeightsError(path, f"{model.config.z_dim} latent channels; a {_describe(found)} has {VARIANTS[found]['z_dim']}")
     if not keep_decoder:

@@ -9,6 +9,7 @@ them for one unit.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -126,16 +127,28 @@ class Encoders:
         from wampipe.encoders.vae import load_vae, use_compile_cache
 
         self.device, self.dtype = torch.device(spec.device), getattr(torch, spec.dtype)
+        self.start_seconds: dict[str, float] = {}  # where the start went (the stream's "ready" line says it)
+        if self.device.type == "cuda":  # the CUDA context, made by the first allocation: apart from the weights
+            started = time.perf_counter()
+            torch.empty(0, device=self.device)
+            self.start_seconds["CUDA start"] = time.perf_counter() - started
+        started = time.perf_counter()
         self.vae = load_vae(spec.vae, variant=VAE_OF_MODEL[spec.model], device=spec.device, dtype=self.dtype)
+        self.start_seconds["VAE weights"] = time.perf_counter() - started
         if spec.vae_compile:
+            started = time.perf_counter()
             if spec.compile_cache:
                 use_compile_cache(spec.compile_cache)
             self.vae.compile(spec.batch_size)
             emb = get_embodiment(spec.embodiment)
             self.vae.warm_up(emb.window.num_frames, *emb.preset(spec.model).target_hw)
+            self.start_seconds["compiling" + " and recording" * (self.device.type == "cuda")] = (
+                time.perf_counter() - started)
+        started = time.perf_counter()
         self.image_member = IMAGE_MEMBER[spec.image_features]
         tower_device = spec.device if self.image_member == CLIP else "meta"  # pixels: no CLIP weight is needed
         self.clip = load_image_encoder(spec.image_encoder, device=tower_device, dtype=self.dtype)
+        self.start_seconds["CLIP weights"] = time.perf_counter() - started
         self.needs_y = VAE_OF_MODEL[spec.model] == "wan2.1"
 
     def __call__(self, videos_bcthw: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -125,8 +125,10 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
             torch.cuda.set_device(device)
         loading = time.time()
         encoders = Encoders(replace(spec, device=device))
+        split = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in encoders.start_seconds.items())
         results.put(("info", f"encoders on {device}: ready {time.time() - started:.1f} s after the start of the "
-                             f"workers (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s)"))
+                             f"workers (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s: "
+                             f"{split})"))
         prepared: queue.Queue = queue.Queue(maxsize=1)
         spent = dict.fromkeys(("encoding", "waiting for a prepared batch", "preparing", "waiting for work"), 0.0)
         threading.Thread(target=_prepare_ahead, args=(encoders, requests, prepared, cuda, spent), daemon=True).start()

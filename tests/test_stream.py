@@ -32,7 +32,24 @@ def test_stream_gives_the_bytes_of_the_local_pool(droid_shards, droid_root, tiny
     said = (droid_shards.parent / "build-stdout.txt").read_text()
     assert re.search(r"^start: encoder weights checked in [\d.]+ s, inputs hashed in [\d.]+ s$", said, re.M), said
     assert re.search(r"^encoders on cpu: ready [\d.]+ s after the start of the workers \(process start [\d.]+ s, "
-                     r"loading [\d.]+ s\)$", said, re.M), said
+                     r"loading [\d.]+ s: VAE weights [\d.]+ s, CLIP weights [\d.]+ s\)$", said, re.M), said
+
+
+def test_the_compiled_vae_gives_the_same_bytes_on_every_executor_and_batch_cut(droid_root, tiny_checkpoints, tmp_path):
+    """The compiled VAE (the default with a GPU, asked for here on a CPU): the stream, which cuts its batches from the
+    samples of two workers as they arrive, and the local pool, which cuts them unit by unit, give the same shards:
+    each compiled call is padded to --batch-size, so a clip's bits depend neither on its batch's company nor on the
+    executor. The second build finds the first one's kernels in the shared compile cache."""
+    cache = tmp_path / "compile-cache"
+    common = ("--vae-compile", "on", "--compile-cache", str(cache), "--threads-per-worker", "1")
+    stream, local = tmp_path / "stream", tmp_path / "local"
+    said = build(droid_root, stream, "droid", tiny_checkpoints, *common, "--workers", "2").stdout
+    build(droid_root, local, "droid", tiny_checkpoints, *common, "--executor", "local", "--workers", "1")
+    assert check(stream) == [] and check(local) == []
+    assert manifest(stream)["shards"] == manifest(local)["shards"]
+    assert json.loads((stream / "inputs.json").read_text())["vae_compile"] is True  # recorded like any byte-changer
+    assert re.search(r"^encoders on cpu: ready .*: VAE weights [\d.]+ s, compiling [\d.]+ s, CLIP weights", said, re.M), said
+    assert any(cache.iterdir())
 
 
 def test_a_bad_episode_with_fail_fast_stops_the_stream_with_its_line(droid_root, tiny_checkpoints, tmp_path):
