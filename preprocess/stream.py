@@ -35,7 +35,7 @@ from wampipe.encoders.weights import WeightsError
 from wampipe.preprocess import write
 from wampipe.preprocess.errors import DatasetError
 from wampipe.preprocess.executors import die_with_parent, leave_child
-from wampipe.preprocess.pipeline import Encoders, WindowSample, unit_report, unit_samples
+from wampipe.preprocess.pipeline import Encoders, WindowSample, stack_clips, unit_report, unit_samples
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.shardformat.members import encode_sample
 
@@ -173,10 +173,10 @@ def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bo
                 request = requests.get()
             if request is None:
                 break
-            worker, seq, videos = request
+            worker, seq, batch = request
             with _timed(spent, "preparing"), torch.inference_mode(), (
                     torch.cuda.stream(side) if cuda else contextlib.nullcontext()):
-                inputs = encoders.prepare(videos)
+                inputs = encoders.prepare(batch)
                 ready = torch.cuda.Event() if cuda else None
                 if ready is not None:
                     ready.record(side)
@@ -203,9 +203,9 @@ def _stream_unit(spec: BuildSpec, unit: int, episodes: list[int], worker: int, r
     counter = itertools.count()
     arrived: dict[int, dict[str, torch.Tensor]] = {}
 
-    def submit(videos: torch.Tensor) -> int:
+    def submit(batch: dict[str, torch.Tensor]) -> int:
         seq = next(counter)
-        requests.put((worker, seq, videos))
+        requests.put((worker, seq, batch))
         return seq
 
     def collect(seq: int) -> dict[str, torch.Tensor]:
@@ -217,12 +217,13 @@ def _stream_unit(spec: BuildSpec, unit: int, episodes: list[int], worker: int, r
     return spill_unit(spec, unit, episodes, submit, collect)
 
 
-def spill_unit(spec: BuildSpec, unit: int, episodes: list[int], submit: Callable[[torch.Tensor], Any],
+def spill_unit(spec: BuildSpec, unit: int, episodes: list[int], submit: Callable[[dict[str, torch.Tensor]], Any],
                collect: Callable[[Any], dict[str, torch.Tensor]]) -> dict:
     """One unit's samples in batches of `batch_size` (as `pipeline.encode_samples` cuts them), each sent to an
-    encoder with `submit(videos) -> handle` and its codes taken back with `collect(handle)`, IN_FLIGHT batches
-    ahead; then the unit's spill. Returns the unit's JSON record."""
+    encoder as `stack_clips` makes it with `submit(batch) -> handle` and its codes taken back with `collect(handle)`,
+    IN_FLIGHT batches ahead; then the unit's spill. Returns the unit's JSON record."""
     report = unit_report(spec, episodes)
+    dtype = getattr(torch, spec.dtype)
     pending: deque[tuple[Any, list[WindowSample]]] = deque()
 
     def finish_oldest() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
@@ -235,7 +236,7 @@ def spill_unit(spec: BuildSpec, unit: int, episodes: list[int], submit: Callable
     def members() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
         samples = unit_samples(spec, episodes, report)
         while batch := list(itertools.islice(samples, spec.batch_size)):
-            pending.append((submit(torch.stack([s.video for s in batch])), batch))
+            pending.append((submit(stack_clips([s.video for s in batch], dtype)), batch))
             if len(pending) >= IN_FLIGHT:
                 yield from finish_oldest()
         while pending:
@@ -254,9 +255,9 @@ class EncoderActor:
         torch.set_num_threads(spec.threads_per_worker)
         self.encoders = Encoders(spec)
 
-    def encode(self, videos: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         with torch.inference_mode():
-            return self.encoders(videos)
+            return self.encoders(batch)
 
 
 def ray_unit(spec: BuildSpec, unit: int, episodes: list[int], actor) -> dict:
@@ -264,7 +265,7 @@ def ray_unit(spec: BuildSpec, unit: int, episodes: list[int], actor) -> dict:
     import ray
 
     torch.set_num_threads(spec.threads_per_worker)
-    return spill_unit(spec, unit, episodes, lambda videos: actor.encode.remote(videos), ray.get)
+    return spill_unit(spec, unit, episodes, lambda batch: actor.encode.remote(batch), ray.get)
 
 
 def run_ray(spec: BuildSpec, units: dict[int, list[int]], address: str | None) -> Iterator[dict]:

@@ -132,7 +132,7 @@ def cpu_seconds() -> float:
 def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
     """Samples/s of the run's encoders alone (its weights, device and dtype) on random videos of the recipe's shape,
     in batches of the run's batch size."""
-    from wampipe.preprocess.pipeline import Encoders
+    from wampipe.preprocess.pipeline import Encoders, stack_clips
     from wampipe.shardformat.embodiments import get_embodiment
 
     device = "cuda:0" if cli.device == "cuda" else cli.device
@@ -143,15 +143,16 @@ def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
                                         vae_compile=cli.vae_compile == "on", batch_size=cli.batch_size,
                                         compile_cache=str(cli.compile_cache or "")))
     (h, w), t = emb.preset(cli.model).target_hw, emb.window.num_frames
-    videos = torch.rand(cli.batch_size, 3, t, h, w) * 2 - 1
+    # the batch as a worker sends it (the workers stack and cast in the farm: not part of the encoders' time)
+    batch = stack_clips(list(torch.rand(cli.batch_size, 3, t, h, w) * 2 - 1), encoders.dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     with torch.inference_mode():
         for _ in range(warmup):
-            encoders(videos)
+            encoders(batch)
         sync()
         start = time.perf_counter()
         for _ in range(iters):
-            encoders(videos)
+            encoders(batch)
         sync()
     return iters * cli.batch_size / (time.perf_counter() - start)
 

@@ -135,3 +135,25 @@ def test_compiled_encoder_bits_hold_across_batch_company_and_a_warm_compile_cach
     assert cold["misses"] > 0 and cold["hits"] == 0 and warm["hits"] == cold["misses"] and warm["misses"] == 0
     assert torch.equal(torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt"))
     assert (tmp_path / "cache").stat().st_mode & 0o077 == 0  # the cache holds code: the user's alone
+
+
+def test_a_batch_cast_by_the_worker_encodes_as_one_cast_by_the_encoder(tiny_checkpoints):
+    """The stream's workers send their clips already in the encoders' compute dtype (half the bytes in bf16) and
+    frame 0 unrounded for CLIP: the encoders' outputs must be those of the uncast clips, cast where they run."""
+    from types import SimpleNamespace
+
+    from wampipe.preprocess.pipeline import Encoders, stack_clips
+
+    clips = list(clip(b=2, t=33, h=32, w=64))
+    spec = SimpleNamespace(vae=str(tiny_checkpoints / FILES["wan2.2"]), model="5b", device="cpu", dtype="bfloat16",
+                           image_features="encoded", vae_compile=False, batch_size=2, compile_cache="",
+                           image_encoder=str(tiny_checkpoints / "clip" / "image_encoder"))
+    encoders = Encoders(spec)
+    batch = stack_clips(clips, torch.bfloat16)
+    assert batch["videos"].dtype == torch.bfloat16 and batch["frame0"].dtype == torch.float32
+    assert torch.equal(batch["videos"], torch.stack(clips).to(torch.bfloat16))
+    assert torch.equal(batch["frame0"], torch.stack(clips)[:, :, 0])
+    uncast = {"videos": torch.stack(clips), "frame0": torch.stack(clips)[:, :, 0]}
+    with torch.inference_mode():
+        sent, here = encoders(batch), encoders(uncast)
+    assert sent.keys() == here.keys() and all(torch.equal(sent[k], here[k]) for k in sent)
