@@ -152,10 +152,15 @@ def on_meta(build: Callable[[], M]) -> M:
         return build()
 
 
-def assign_loaded(module: torch.nn.Module, path: str | Path, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-    """The tensors of `state` become the module's (built `on_meta`, or anywhere); every tensor left on the meta
-    device is an error naming it (a buffer the module computes itself must be made by the caller first)."""
-    module.load_state_dict(state, strict=strict, assign=True)
+def assign_loaded(module: torch.nn.Module, path: str | Path, state: dict[str, torch.Tensor]) -> None:
+    """The tensors of `state` become the module's (built `on_meta`, or anywhere), every key checked (`strict`)."""
+    module.load_state_dict(state, strict=True, assign=True)
+    check_filled(module, path)
+
+
+def check_filled(module: torch.nn.Module, path: str | Path) -> None:
+    """An error naming the tensors still on the meta device (a buffer the module computes itself, which the file
+    does not hold, must be made by the caller first)."""
     left = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if left:
         raise WeightsError(path, f"not filled from the file: {', '.join(left[:4])}")

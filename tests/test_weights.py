@@ -4,7 +4,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wampipe.encoders.weights import WeightsError, check_keys, expect_kind, read_state_dict, recognize
+from wampipe.encoders.weights import (WeightsError, assign_loaded, check_keys, expect_kind, on_meta, read_state_dict,
+                                      recognize)
 
 
 def test_read_formats(tmp_path, tiny_checkpoints):
@@ -69,3 +70,22 @@ def test_weights_sha256_of_files_and_folders(tmp_path, tiny_checkpoints):
     assert weights_sha256(folder / "b.bin") == [sha["b.bin"]]
     paths = sorted(tiny_checkpoints.glob("*/*"))
     assert weights_sha256(*paths, folder, threads=3) == [weights_sha256(p)[0] for p in paths] + [want]
+
+
+def test_a_module_built_on_meta_takes_the_files_tensors_and_names_what_the_file_left_empty(tmp_path):
+    """Encoders are built on the meta device (no random init the file would overwrite) and take the file's tensors
+    as they are; a tensor the file cannot fill (a buffer the module computes itself) is an error, not a silent hole."""
+    state = {"weight": torch.randn(3, 2), "bias": torch.randn(3)}
+    before = torch.random.get_rng_state()
+    linear = on_meta(lambda: torch.nn.Linear(2, 3))
+    assert torch.equal(torch.random.get_rng_state(), before)  # nothing drawn
+    assign_loaded(linear, tmp_path / "w.safetensors", state)
+    assert linear.weight.data_ptr() == state["weight"].data_ptr() and not linear.weight.is_meta  # taken, not copied
+
+    class WithTable(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(2, 3)
+            self.register_buffer("table", torch.arange(4), persistent=False)
+
+    with pytest.raises(WeightsError, match=r"w.safetensors: not filled from the file: table"):
+        assign_loaded(on_meta(WithTable), tmp_path / "w.safetensors", state)
