@@ -11,7 +11,8 @@ lever's clips/s with its largest deviation from the baseline latents and whether
 
 - channels_last: weights and input in channels-last-3d memory order (other cuDNN kernels, same convolutions);
 - cudnn_benchmark: cuDNN times its algorithms and keeps the fastest (the choice may differ between runs);
-- compile: torch.compile of the encoder (fuses the norm/activation/cache-copy kernels between convolutions).
+- compile: torch.compile of the encoder as `preprocess shards` compiles it (fuses the activation, norm-scaling and
+  cache-copy kernels between convolutions; the norms' normalize stays on eager's kernel).
 """
 
 from __future__ import annotations
