@@ -8,6 +8,7 @@ them for one unit.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass
@@ -118,6 +119,14 @@ def unit_samples(spec: BuildSpec, episodes: list[int], report: dict) -> Iterator
 # ---------------------------------------------------------------- GPU: frozen encoders
 
 
+@contextlib.contextmanager
+def timed(spent: dict[str, float], what: str) -> Iterator[None]:
+    """Adds the seconds the block took to `spent[what]` (the encoders' start split, the encoder loop's time)."""
+    start = time.perf_counter()
+    yield
+    spent[what] = spent.get(what, 0.0) + time.perf_counter() - start
+
+
 class Encoders:
     """The unit-side frozen encoders (VAE, CLIP) on the spec's device. With `--image-features pixels` only CLIP's
     preprocessing runs: its output, the exact tensor the tower consumes, is stored in the compute dtype."""
@@ -129,26 +138,21 @@ class Encoders:
         self.device, self.dtype = torch.device(spec.device), getattr(torch, spec.dtype)
         self.start_seconds: dict[str, float] = {}  # where the start went (the stream's "ready" line says it)
         if self.device.type == "cuda":  # the CUDA context, made by the first allocation: apart from the weights
-            started = time.perf_counter()
-            torch.empty(0, device=self.device)
-            self.start_seconds["CUDA start"] = time.perf_counter() - started
-        started = time.perf_counter()
-        self.vae = load_vae(spec.vae, variant=VAE_OF_MODEL[spec.model], device=spec.device, dtype=self.dtype)
-        self.start_seconds["VAE weights"] = time.perf_counter() - started
+            with timed(self.start_seconds, "CUDA start"):
+                torch.empty(0, device=self.device)
+        with timed(self.start_seconds, "VAE weights"):
+            self.vae = load_vae(spec.vae, variant=VAE_OF_MODEL[spec.model], device=spec.device, dtype=self.dtype)
         if spec.vae_compile:
-            started = time.perf_counter()
-            if spec.compile_cache:
-                use_compile_cache(spec.compile_cache)
-            self.vae.compile(spec.batch_size)
-            emb = get_embodiment(spec.embodiment)
-            self.vae.warm_up(emb.window.num_frames, *emb.preset(spec.model).target_hw)
-            self.start_seconds["compiling" + " and recording" * (self.device.type == "cuda")] = (
-                time.perf_counter() - started)
-        started = time.perf_counter()
+            with timed(self.start_seconds, "compiling" + " and recording" * (self.device.type == "cuda")):
+                if spec.compile_cache:
+                    use_compile_cache(spec.compile_cache)
+                self.vae.compile(spec.batch_size)
+                emb = get_embodiment(spec.embodiment)
+                self.vae.warm_up(emb.window.num_frames, *emb.preset(spec.model).target_hw)
         self.image_member = IMAGE_MEMBER[spec.image_features]
-        tower_device = spec.device if self.image_member == CLIP else "meta"  # pixels: no CLIP weight is needed
-        self.clip = load_image_encoder(spec.image_encoder, device=tower_device, dtype=self.dtype)
-        self.start_seconds["CLIP weights"] = time.perf_counter() - started
+        with timed(self.start_seconds, "CLIP weights"):
+            tower_device = spec.device if self.image_member == CLIP else "meta"  # pixels: no CLIP weight is needed
+            self.clip = load_image_encoder(spec.image_encoder, device=tower_device, dtype=self.dtype)
         self.needs_y = VAE_OF_MODEL[spec.model] == "wan2.1"
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

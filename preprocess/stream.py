@@ -35,7 +35,7 @@ from wampipe.encoders.weights import WeightsError
 from wampipe.preprocess import write
 from wampipe.preprocess.errors import DatasetError
 from wampipe.preprocess.executors import die_with_parent, leave_child
-from wampipe.preprocess.pipeline import Encoders, WindowSample, stack_clips, unit_report, unit_samples
+from wampipe.preprocess.pipeline import Encoders, WindowSample, stack_clips, timed, unit_report, unit_samples
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.shardformat.members import encode_sample
 
@@ -134,14 +134,14 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
         threading.Thread(target=_prepare_ahead, args=(encoders, requests, prepared, cuda, spent), daemon=True).start()
         batches = 0
         while True:
-            with _timed(spent, "waiting for a prepared batch"):
+            with timed(spent, "waiting for a prepared batch"):
                 item = prepared.get()
             if item is None:
                 break
             if isinstance(item, BaseException):
                 raise item
             worker, seq, inputs, ready = item
-            with _timed(spent, "encoding"):
+            with timed(spent, "encoding"):
                 if ready is not None:
                     torch.cuda.current_stream().wait_event(ready)
                     for tensor in inputs.values():
@@ -158,23 +158,16 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
     leave_child(results)  # every reply was taken: the workers wait for theirs before they finish
 
 
-@contextlib.contextmanager
-def _timed(spent: dict[str, float], what: str) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    spent[what] += time.perf_counter() - start
-
-
 def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bool, spent: dict[str, float]) -> None:
     side = torch.cuda.Stream() if cuda else None
     try:
         while True:
-            with _timed(spent, "waiting for work"):
+            with timed(spent, "waiting for work"):
                 request = requests.get()
             if request is None:
                 break
             worker, seq, batch = request
-            with _timed(spent, "preparing"), torch.inference_mode(), (
+            with timed(spent, "preparing"), torch.inference_mode(), (
                     torch.cuda.stream(side) if cuda else contextlib.nullcontext()):
                 inputs = encoders.prepare(batch)
                 ready = torch.cuda.Event() if cuda else None
