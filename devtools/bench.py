@@ -119,12 +119,14 @@ def measured_window(run_dir: Path, warmup_steps: int, samples_per_rank_step: int
     peaks = [r["peak_mem_gib"] for r in measured if "peak_mem_gib" in r]
     reserved = [r["peak_reserved_gib"] for r in measured if "peak_reserved_gib" in r]
     retries = [r["alloc_retries"] for r in measured if "alloc_retries" in r]
+    host = [r["cpu_optimizer_s"] for r in measured if "cpu_optimizer_s" in r]  # per step, averaged over each log's
     return {"samples_per_s_per_gpu": steps * samples_per_rank_step / seconds,
             "mfu_pct": flops_s / seconds if any("mfu_pct" in r for r in measured) else None,
             "data_wait_pct": 100 * wait_s / seconds, "peak_mem_gib": max(peaks) if peaks else None,
             "peak_reserved_gib": max(reserved) if reserved else None,
             # rank 0's, per measured step: each one empties the allocator's cache and synchronizes the GPU
             "alloc_retries_per_step": sum(retries) / steps if retries else None,
+            "cpu_optimizer_s": sum(host) / len(host) if host else None,
             "measured_steps": steps, "measured_s": seconds, "loss_last": measured[-1].get("loss")}
 
 

@@ -279,18 +279,18 @@ class WanVAE:
 
 
 def diffusers_vae_class():
-    """diffusers' AutoencoderKLWan, imported with torchao out of sight. Why: diffusers imports torchao whenever it is
-    installed (the trainer's fp8 extra), and a torchao built for another torch prints library-load failures and
-    deprecation warnings in every process that loads a VAE; the farm never quantizes. A later `import torchao` in the
-    same process still works."""
-    hidden = "torchao" not in sys.modules
-    if hidden:
-        sys.modules["torchao"] = None  # importlib.util.find_spec reports it missing
+    """diffusers' AutoencoderKLWan, imported with torchao and peft out of sight. Why: diffusers imports both whenever
+    they are installed, and the VAE uses neither. A torchao built for another torch prints library-load failures and
+    deprecation warnings in every process that loads a VAE (the farm never quantizes); peft's import alone took 2.4 s
+    of an encoder process's start on a GPU node's image. A later import of either in the same process still works."""
+    hidden = [name for name in ("torchao", "peft") if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # importlib.util.find_spec reports it missing
     try:
         from diffusers import AutoencoderKLWan
     finally:
-        if hidden:
-            del sys.modules["torchao"]
+        for name in hidden:
+            del sys.modules[name]
     return AutoencoderKLWan
 
 

@@ -133,13 +133,15 @@ class Encoders:
 
     def __init__(self, spec: BuildSpec):
         from wampipe.encoders.image_encoder import load_image_encoder
-        from wampipe.encoders.vae import load_vae, use_compile_cache
+        from wampipe.encoders.vae import diffusers_vae_class, load_vae, use_compile_cache
 
         self.device, self.dtype = torch.device(spec.device), getattr(torch, spec.dtype)
         self.start_seconds: dict[str, float] = {}  # where the start went (the stream's "ready" line says it)
         if self.device.type == "cuda":  # the CUDA context, made by the first allocation: apart from the weights
             with timed(self.start_seconds, "CUDA start"):
                 torch.empty(0, device=self.device)
+        with timed(self.start_seconds, "diffusers import"):  # most of a warm start where many packages are installed
+            diffusers_vae_class()
         with timed(self.start_seconds, "VAE weights"):
             self.vae = load_vae(spec.vae, variant=VAE_OF_MODEL[spec.model], device=spec.device, dtype=self.dtype)
         if spec.vae_compile:

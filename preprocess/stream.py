@@ -53,6 +53,9 @@ def encoder_devices(device: str) -> list[str]:
     return [device]
 
 
+WORKER_NICENESS = 10  # a CPU worker's scheduling priority below the encoder processes' (os.nice)
+
+
 def run_stream(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> Iterator[dict]:
     """Process {unit: episodes} with `workers` CPU workers and one encoder process per device of `spec.device`;
     yields each unit's record as its spill is complete. A failure anywhere stops every process and is raised here."""
@@ -183,6 +186,9 @@ def _worker_main(spec: BuildSpec, worker: int, todo, requests, replies, results,
     """Take units until the queue says stop; spill each one with codes from the encoder processes."""
     die_with_parent(parent)
     torch.set_num_threads(spec.threads_per_worker)  # the views' resize rounds differently with another thread count
+    # the encoder processes first when every core is busy: their start (imports, compiling) and the batches they
+    # prepare for the device; a worker is ahead of them anyway and then waits on the bounded request queue
+    os.nice(WORKER_NICENESS)
     try:
         while (item := todo.get()) is not None:
             unit, episodes = item

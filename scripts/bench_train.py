@@ -49,6 +49,7 @@ from wampipe.train.config import batch_plan
 from wampipe.train.config import parse_args as parse_trainer_args
 from wampipe.train.data import data_dims
 from wampipe.train.flops import dit_flops
+from wampipe.train.memory import Plan, offload_traffic, run_size
 from wampipe.train.metrics import device_peak_flops
 from wampipe.train.model import Block, DiTConfig, rope_tables, text_key_log_weight
 from wampipe.train.parallel import apply_ac, apply_compile, apply_float8, recomputed_blocks, use_expandable_segments
@@ -213,6 +214,37 @@ def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, 
         batch //= 2
 
 
+def pinned_copy_gb_s(device: torch.device, gib: int = 1, reps: int = 3) -> tuple[float, float]:
+    """Best of `reps` copies of `gib` GiB between pinned host memory and `device`: (to the device, to the host)."""
+    host = torch.empty(gib << 30, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty_like(host, device=device)
+    rates = []
+    for dst, src in ((on_device, host), (host, on_device)):
+        best = float("inf")
+        for _ in range(reps):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        rates.append(host.numel() / best / 1e9)
+    return rates[0], rates[1]
+
+
+def offload_split(cfg, plan, world: int, device: torch.device, samples_per_s: float | None) -> dict:
+    """Where an offloaded step goes: the state-transfer bound (the bytes one rank copies in and out per step,
+    train/memory.py `offload_traffic`, at this GPU's pinned-copy rates measured alone, so a lower bound when ranks
+    share the host's links) beside the measured step and its CPU-optimizer share (the trainer's log)."""
+    size = run_size(cfg)
+    traffic = Plan(cfg.parallel.activation_checkpoint, plan.micro, cfg.parallel.reshard_after_forward,
+                   True, plan.accum, world, cpu_offload=True)
+    bytes_in, bytes_out = offload_traffic(size, traffic, cfg.parallel.gather_once_per_step)
+    to_device, to_host = pinned_copy_gb_s(device)
+    return {"offload_in_gb": bytes_in / 1e9, "offload_out_gb": bytes_out / 1e9, "pinned_to_gpu_gb_s": to_device,
+            "pinned_to_host_gb_s": to_host, "offload_copy_bound_s": bytes_in / 1e9 / to_device + bytes_out / 1e9 / to_host,
+            "step_s": plan.micro * plan.accum / samples_per_s if samples_per_s else None}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, extra = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench_train-")) if args.out is None else args.out
@@ -266,12 +298,16 @@ def main(argv: list[str] | None = None) -> dict:
             trainer = measured_window(run_dir, args.warmup_steps, micro * accum)
         result.update({k: trainer.get(k) for k in ("samples_per_s_per_gpu", "mfu_pct", "data_wait_pct",
                                                     "peak_mem_gib", "peak_reserved_gib", "alloc_retries_per_step",
-                                                    "measured_steps", "measured_s", "loss_last")})
+                                                    "cpu_optimizer_s", "measured_steps", "measured_s", "loss_last")})
 
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         use_expandable_segments(device)  # the trainer's allocator, for the bound too
         result.update(device=device.type, gpu=device_name(device), torch=torch.__version__,
                       **provenance(argv))
+        if cfg.parallel.cpu_offload and device.type == "cuda":
+            split = offload_split(cfg, plan, args.nproc, device, result["samples_per_s_per_gpu"])
+            result.update(split)
+            print(f"offload: {split}, CPU optimizer {result['cpu_optimizer_s']} s/step", flush=True)
         bounds = {}
         if not args.trainer_only:
             ac = cfg.parallel.activation_checkpoint

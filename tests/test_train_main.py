@@ -21,6 +21,7 @@ import torch
 
 from wampipe.train.checkpoint import complete_checkpoints
 from wampipe.train.config import OptimConfig
+from wampipe.train.memory import ModelSize, Plan, offload_traffic
 from wampipe.train.model import build_model
 from wampipe.train.optim import lr_factor, warmup_steps
 from wampipe.train.weights import load_weights
@@ -191,7 +192,7 @@ def test_reducing_after_every_micro_batch_offloading_and_gathering_once_train_th
                "--checkpoint.no-save-final", "--checkpoint.no-export", "--parallel.param-dtype", "float32",
                "--parallel.global-batch-size", "8", "--parallel.backend", "gloo",  # CPU ranks, also on a GPU host
                *extra]  # tiny: micro-batch 2 x 2 ranks x accum 2
-        if name.startswith("gathered"):  # step 4 profiled: its parameter all-gathers are in the trace
+        if name.startswith("gathered") or name == "offloaded":  # step 4 profiled: its collectives are in the trace
             cmd += ["--metrics.profile-start", "3", "--metrics.profile-steps", "1"]
         done = subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert ("fp32 state in host memory" in done.stdout) == (name == "offloaded")
@@ -213,3 +214,12 @@ def test_reducing_after_every_micro_batch_offloading_and_gathering_once_train_th
         with gzip.open(tmp_path / name / "trace-rank0.json.gz", "rt") as f:
             gathers[name] = sum(e.get("name") == "c10d::_allgather_base_" for e in json.load(f)["traceEvents"])
     assert gathers == {"gathered_once": 3, "gathered_per_micro_batch": 6}
+    # offloaded, resharding after forward: each micro-batch gathers the first block and the root twice (forward,
+    # backward) and the last block once, and reduce-scatters each unit once: what offload_traffic counts as copies
+    with gzip.open(tmp_path / "offloaded" / "trace-rank0.json.gz", "rt") as f:
+        names = [e.get("name") for e in json.load(f)["traceEvents"]]
+    size = ModelSize(params=30, trainable=30, block_params=10, blocks=2, tokens=1, dim=1)  # 2 blocks, a root of 10
+    copied_in, copied_out = offload_traffic(size, Plan("none", 2, True, True, 2, 1, cpu_offload=True))
+    assert (names.count("c10d::_allgather_base_"), names.count("c10d::_reduce_scatter_base_")) == (10, 6)
+    assert (copied_in, copied_out) == (4 * 100, 4 * 60)  # 10 unit-gathers of 10 parameters, 6 reduces of 10
+    assert all(r["cpu_optimizer_s"] > 0 for r in runs["offloaded"]) and "cpu_optimizer_s" not in per_step[0]

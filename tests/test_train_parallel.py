@@ -16,7 +16,7 @@ from wampipe.train.config import CheckpointConfig, OptimConfig, ParallelConfig
 from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
 from wampipe.train.model import build_model, random_batch
 from wampipe.train.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
-from wampipe.train.parallel import (ac_block_indices, allocator_settings, apply_ac, check_host_memory,
+from wampipe.train.parallel import (HostGradientSum, ac_block_indices, allocator_settings, apply_ac, check_host_memory,
                                     host_memory_available, offload_host_bytes, parallelize, prepare_micro_batch,
                                     recomputed_blocks, use_expandable_segments)
 
@@ -144,6 +144,31 @@ def test_cpu_offload_keeps_every_shard_in_host_memory_and_trains_the_same():
         torch.testing.assert_close(weights[True][k], weights[False][k], rtol=0, atol=0)
 
 
+def test_host_gradient_sum_gives_fsdps_own_accumulation_bit_for_bit():
+    """Offloaded gradients summed over three micro-batches outside FSDP2 (`HostGradientSum`: taken away after each
+    backward but the last, added back after it) are FSDP2's own accumulated gradients, bit for bit; in between the
+    parameters hold no gradient, so FSDP2's next reduce finds none (its fast copy path)."""
+    grads = {}
+    for own in (False, True):
+        model = tiny_model()
+        cfg = ParallelConfig(cpu_offload=True, reduce_every_micro_batch=True)
+        parallelize(model, cfg)
+        sums = HostGradientSum() if own else None
+        for index in range(3):
+            prepare_micro_batch(model, cfg, index, 3)
+            batch = random_batch(model.cfg, 2, (9, 4, 4), generator=torch.Generator().manual_seed(10 + index))
+            loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), generator=torch.Generator().manual_seed(index))
+            loss.backward()
+            if sums is not None:
+                sums.after_backward(model, last=index == 2)
+                assert all(p.grad is None for p in model.parameters()) == (index < 2)
+        assert sums is None or not sums.sums  # emptied for the next step
+        grads[own] = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+    assert grads[True].keys() == grads[False].keys()
+    for k in grads[False]:
+        torch.testing.assert_close(grads[True][k], grads[False][k], rtol=0, atol=0)
+
+
 def _gloo_rank(rank: int, work, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -223,6 +248,8 @@ def test_offload_estimate_pads_shards_and_rounds_pinned_ones_and_refuses_what_do
     assert offload_host_bytes(linear, 2, pinned=False) == 4 * (36 + 12)
     # pinned shards and gradients rounded up to 64 and 16 bytes, the moments not pinned
     assert offload_host_bytes(linear, 2, pinned=True) == 2 * (64 + 16) + 2 * (36 + 12)
+    # summing the gradients over micro-batches (HostGradientSum): one pinned gradient shard more
+    assert offload_host_bytes(linear, 2, pinned=True, accumulating=True) == 3 * (64 + 16) + 2 * (36 + 12)
     linear.weight.requires_grad_(False)  # frozen (LoRA's base): its shard only
     assert offload_host_bytes(linear, 2, pinned=True) == 64 + 2 * 16 + 2 * 12
     check_host_memory(80 * 10**9, 4, 400 * 10**9)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.storage import ShardStore
 from wampipe.train import checkpoint
-from wampipe.train.config import BatchPlan, Config, save_config
+from wampipe.train.config import BatchPlan, Config, batch_plan, save_config
 from wampipe.train.data import ShardIndex, ShardLoader, mixture_dims, open_sets
 from wampipe.train.export import check_base, mixture_statistics
 from wampipe.train.flops import dit_flops
@@ -26,8 +26,9 @@ from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
 from wampipe.train.metrics import MetricsLogger, StepProfiler, device_peak_flops
 from wampipe.train.model import MODEL_INPUTS, CausalWanModel, DiTBatch, DiTConfig, preset
 from wampipe.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, warmup_steps
-from wampipe.train.parallel import (check_host_memory, computes_on_cuda, float8_after_step, host_memory_available,
-                            offload_host_bytes, parallelize, prepare_micro_batch, recomputed_blocks)
+from wampipe.train.parallel import (HostGradientSum, check_host_memory, computes_on_cuda, float8_after_step,
+                            host_memory_available, offload_host_bytes, parallelize, prepare_micro_batch,
+                            recomputed_blocks)
 from wampipe.train.state import TrainState
 from wampipe.train.weights import WeightsError, load_weights
 
@@ -128,7 +129,8 @@ def offloaded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
     with torch.device("meta"):
         model = CausalWanModel(model_cfg)
     apply_lora(model, cfg.lora)
-    held = offload_host_bytes(model, dist.get_world_size(), pinned=computes_on_cuda(cfg.parallel))
+    held = offload_host_bytes(model, dist.get_world_size(), pinned=computes_on_cuda(cfg.parallel),
+                              accumulating=host_sums_gradients(cfg, dist.get_world_size()))
     # the least any rank found (-1: one could not tell), read before any rank allocates its state, so that every rank
     # decides alike (a host tensor: the offload's process group has a CPU backend)
     found = host_memory_available()
@@ -177,6 +179,7 @@ class Run:
     flow: FlowMatchScheduler
     image_encoder: object | None  # encoders/image_encoder.py ImageEncoder, for shards of CLIP's input pixels
     state: TrainState
+    host_sums: HostGradientSum | None = None  # offloaded gradients summed over micro-batches (`host_sums_gradients`)
 
     def forward_backward(self, cfg: Config, batch: dict, index: int, plan: BatchPlan) -> dict:
         """Micro-batch `index` of the step: its loss, whose gradient adds to the step's (reduce-scattered on the last
@@ -187,6 +190,8 @@ class Run:
         inputs = DiTBatch(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
         loss, terms = flow_matching_loss(self.model, inputs, self.flow, cfg.loss, generator=self.state.noise)
         (loss / plan.accum).backward()
+        if self.host_sums is not None:
+            self.host_sums.after_backward(self.model, last=index == plan.accum - 1)
         return terms
 
     def optimizer_step(self, cfg: Config) -> float:
@@ -216,7 +221,15 @@ def build_run(cfg: Config, rank: int, world: int, device: torch.device) -> Run:
     apply_hyperparameters(optimizer, cfg.optim)
     lr_schedule = build_scheduler(optimizer, cfg.optim, cfg.steps, start=state.step, warmup=state.warmup)
     flow = FlowMatchScheduler(cfg.loss.num_train_timesteps, cfg.loss.shift).to(device)
-    return Run(model, optimizer, lr_schedule, loader, flow, image_encoder, state)
+    host_sums = HostGradientSum() if host_sums_gradients(cfg, world) else None
+    return Run(model, optimizer, lr_schedule, loader, flow, image_encoder, state, host_sums)
+
+
+def host_sums_gradients(cfg: Config, world: int) -> bool:
+    """Whether the step's micro-batches sum their offloaded gradients in a `HostGradientSum`: with the state in host
+    memory, gradients reduced every micro-batch and more than one micro-batch a step."""
+    p = cfg.parallel
+    return p.cpu_offload and bool(p.reduce_every_micro_batch) and batch_plan(cfg, world).accum > 1
 
 
 def resume(cfg: Config, path: Path, model: CausalWanModel, optimizer: torch.optim.Optimizer,

@@ -14,6 +14,7 @@ docs/TRAINING.md lists the guarantees.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 
 def train(cfg: Config) -> dict:
+    import torch
+
     from wampipe.train import checkpoint, runtime
     from wampipe.train.builder import announce, build_run, open_metrics
     from wampipe.train.optim import clip_grad_norm
@@ -55,6 +58,7 @@ def train(cfg: Config) -> dict:
             for i in range(plan.accum):
                 batch, pending = pending or next(batches), None
                 micro_batches.append((batch, run.forward_backward(cfg, batch, i, plan)))
+            host_started = host_clock(cfg, device)
             grad_norm = clip_grad_norm(model, cfg.optim.grad_clip).to(device)  # host-offloaded: a host tensor
             # checked before the optimizer step, so no NaN ever reaches the weights (one host sync per step)
             losses = [terms["loss"] for _, terms in micro_batches]
@@ -67,6 +71,8 @@ def train(cfg: Config) -> dict:
                 state.step += 1
                 per_set = [(int(batch["set"]), terms) for batch, terms in micro_batches]
                 mean = {k: sum(terms[k] for _, terms in per_set) / plan.accum for k in per_set[0][1]}
+                if cfg.parallel.cpu_offload:  # the CPU's share of the step: gradient norm and AdamW on the host
+                    mean["cpu_optimizer_s"] = torch.tensor(time.perf_counter() - host_started, device=device)
                 metrics.step(mean | {"grad_norm": grad_norm}, plan.micro * plan.accum, per_set)
                 profiler.after_step(state.step)
                 val = validation.after_step(state.step, end) if not stop else {}  # collective; {} when not due
@@ -84,6 +90,16 @@ def train(cfg: Config) -> dict:
         if metrics is not None:
             metrics.close()
     return finish(cfg, run, start, stop, plan.micro * plan.accum)
+
+
+def host_clock(cfg: Config, device) -> float:
+    """The time before the gradient norm. Offloaded to a GPU's host, first waits for the last gradients' copies to
+    the host (which the norm waits for anyway), so what follows until the optimizer step's end is the CPU's work."""
+    import torch
+
+    if cfg.parallel.cpu_offload and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def checkpoint_due(cfg: Config, step: int) -> bool:

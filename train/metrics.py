@@ -220,6 +220,8 @@ def format_line(r: dict) -> str:
         parts.append("per set loss " + " ".join(f"{name} {r[f'loss/{name}']:.4f}" for name in sets))
     if "val_loss" in r:
         parts.append(f"val loss {r['val_loss']:.4f}")
+    if "cpu_optimizer_s" in r:
+        parts.append(f"CPU optimizer {r['cpu_optimizer_s']:.2f} s/step")
     if "peak_mem_gib" in r:
         parts.append(f"mem {r['peak_mem_gib']:.1f} GiB")
     if r.get("alloc_retries"):

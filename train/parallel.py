@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from wampipe.train.config import ParallelConfig
 
@@ -142,19 +143,20 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward, offload_policy=offload)
 
 
-def offload_host_bytes(model: nn.Module, world: int, pinned: bool) -> int:
+def offload_host_bytes(model: nn.Module, world: int, pinned: bool, accumulating: bool = False) -> int:
     """Host memory the first of `world` ranks holds with --parallel.cpu-offload, the most of any rank (from the
     unsharded shapes, before any step; a meta model will do): per parameter, the rank's fp32 shard (dim 0 split over
     the ranks; rank 0's chunk is the padded size FSDP2 stores on every rank), its gradient and AdamW's two moments
     where it trains. Shards and gradients are pinned where a GPU computes (`pinned`), and the pinned-memory allocator
     rounds each one up to a power of two. For the 14B on 4 ranks: 83.6 GB each, 334 GB per node, where 337-341 GB
-    were in use (the processes' own memory on top)."""
+    were in use (the processes' own memory on top). `accumulating`: one gradient shard more, the sum of the step's
+    earlier micro-batches (`HostGradientSum`)."""
     total = 0
     for p in model.parameters():
         rows = -(-p.shape[0] // world) if p.dim() else 1
         shard = rows * (p.numel() // p.shape[0] if p.dim() else 1) * 4
         held = 1 << (shard - 1).bit_length() if pinned and shard else shard
-        total += held + (held + 2 * shard if p.requires_grad else 0)
+        total += held + (held * (2 if accumulating else 1) + 2 * shard if p.requires_grad else 0)
     return total
 
 
@@ -208,6 +210,39 @@ def prepare_micro_batch(model: nn.Module, cfg: ParallelConfig, index: int, count
     model.set_requires_gradient_sync(last or cfg.reduce_every_micro_batch)
     if cfg.gather_once_per_step:
         model.set_reshard_after_backward(last)
+
+
+class HostGradientSum:
+    """The step's gradient sum over micro-batches with --parallel.cpu-offload, kept outside FSDP2. FSDP2 adds a
+    micro-batch's offloaded gradient shard to one already there by copying it from the GPU synchronously into fresh
+    pageable host memory inside backward and adding it there while the GPU waits (its foreach_reduce); only a first
+    gradient takes the overlapped copy into pinned memory. On the 5B on one H200 two micro-batches of 128 a step took
+    39.5 s against 20.5 s for one of 256 (docs/PERFORMANCE.md). So after each micro-batch's backward but the last,
+    its gradients are taken away (the next one's find none and take the fast path) and summed here on the host; after
+    the last one the sum is added into them: the same fp32 additions in the same order, one gradient shard of host
+    memory more (`offload_host_bytes(..., accumulating=True)`)."""
+
+    def __init__(self):
+        self.sums: dict[nn.Parameter, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def after_backward(self, model: nn.Module, last: bool) -> None:
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            held = self.sums.get(p)
+            if last:
+                if held is not None:
+                    grad.add_(held)
+                continue
+            if held is None:
+                self.sums[p] = grad
+            else:
+                held.add_(grad)
+            p.grad = None
+        if last:
+            self.sums.clear()
 
 
 def float8_filter(module: nn.Module, fqn: str) -> bool:
