@@ -105,7 +105,7 @@ def measured_window(run_dir: Path, warmup_steps: int, samples_per_rank_step: int
     measured = [r for r in records if r["step"] > warmup_steps and "samples_per_s_per_gpu" in r]
     if not measured:
         raise SystemExit(f"{path}: no record after step {warmup_steps}")
-    steps, seconds, wait_s, flops_s = 0, 0.0, 0.0, 0.0
+    steps, seconds, wait_s, flops_s, host_s = 0, 0.0, 0.0, 0.0, 0.0
     prev = warmup_steps
     for r in measured:
         n = r["step"] - prev
@@ -116,17 +116,18 @@ def measured_window(run_dir: Path, warmup_steps: int, samples_per_rank_step: int
         wait_s += elapsed * r["data_wait_pct"] / 100
         if "mfu_pct" in r:
             flops_s += elapsed * r["mfu_pct"]
+        host_s += n * r.get("cpu_optimizer_s", 0.0)  # a row's mean over its steps
     peaks = [r["peak_mem_gib"] for r in measured if "peak_mem_gib" in r]
     reserved = [r["peak_reserved_gib"] for r in measured if "peak_reserved_gib" in r]
     retries = [r["alloc_retries"] for r in measured if "alloc_retries" in r]
-    host = [r["cpu_optimizer_s"] for r in measured if "cpu_optimizer_s" in r]  # per step, averaged over each log's
+
     return {"samples_per_s_per_gpu": steps * samples_per_rank_step / seconds,
             "mfu_pct": flops_s / seconds if any("mfu_pct" in r for r in measured) else None,
             "data_wait_pct": 100 * wait_s / seconds, "peak_mem_gib": max(peaks) if peaks else None,
             "peak_reserved_gib": max(reserved) if reserved else None,
             # rank 0's, per measured step: each one empties the allocator's cache and synchronizes the GPU
             "alloc_retries_per_step": sum(retries) / steps if retries else None,
-            "cpu_optimizer_s": sum(host) / len(host) if host else None,
+            "cpu_optimizer_s": host_s / steps if any("cpu_optimizer_s" in r for r in measured) else None,
             "measured_steps": steps, "measured_s": seconds, "loss_last": measured[-1].get("loss")}
 
 

@@ -282,7 +282,9 @@ def diffusers_vae_class():
     """diffusers' AutoencoderKLWan, imported with torchao and peft out of sight. Why: diffusers imports both whenever
     they are installed, and the VAE uses neither. A torchao built for another torch prints library-load failures and
     deprecation warnings in every process that loads a VAE (the farm never quantizes); peft's import alone took 2.4 s
-    of an encoder process's start on a GPU node's image. A later import of either in the same process still works."""
+    of an encoder process's start on a GPU node's image. A later import of either in the same process works, but
+    diffusers (and transformers, if first imported here) keep them for missing: their LoRA and quantization paths
+    stay off in a process that loaded a VAE this way, as the encoder processes and the trainer's preview need."""
     hidden = [name for name in ("torchao", "peft") if name not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # importlib.util.find_spec reports it missing
@@ -290,7 +292,8 @@ def diffusers_vae_class():
         from diffusers import AutoencoderKLWan
     finally:
         for name in hidden:
-            del sys.modules[name]
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
     return AutoencoderKLWan
 
 

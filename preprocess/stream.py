@@ -185,10 +185,11 @@ def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bo
 def _worker_main(spec: BuildSpec, worker: int, todo, requests, replies, results, parent: int) -> None:
     """Take units until the queue says stop; spill each one with codes from the encoder processes."""
     die_with_parent(parent)
-    torch.set_num_threads(spec.threads_per_worker)  # the views' resize rounds differently with another thread count
     # the encoder processes first when every core is busy: their start (imports, compiling) and the batches they
-    # prepare for the device; a worker is ahead of them anyway and then waits on the bounded request queue
+    # prepare for the device; a worker is ahead of them anyway and then waits on the bounded request queue. Before
+    # any thread starts: on Linux a thread takes its creator's niceness when made, later changes are its own
     os.nice(WORKER_NICENESS)
+    torch.set_num_threads(spec.threads_per_worker)  # the views' resize rounds differently with another thread count
     try:
         while (item := todo.get()) is not None:
             unit, episodes = item

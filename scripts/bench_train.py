@@ -228,6 +228,8 @@ def pinned_copy_gb_s(device: torch.device, gib: int = 1, reps: int = 3) -> tuple
             torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - start)
         rates.append(host.numel() / best / 1e9)
+    del on_device
+    torch.cuda.empty_cache()  # the bounds measured next get the whole device
     return rates[0], rates[1]
 
 
@@ -236,12 +238,15 @@ def offload_split(cfg, plan, world: int, device: torch.device, samples_per_s: fl
     train/memory.py `offload_traffic`, at this GPU's pinned-copy rates measured alone, so a lower bound when ranks
     share the host's links) beside the measured step and its CPU-optimizer share (the trainer's log)."""
     size = run_size(cfg)
+    if size is None:  # a recipe without a sample shape: nothing to count
+        return {}
     traffic = Plan(cfg.parallel.activation_checkpoint, plan.micro, cfg.parallel.reshard_after_forward,
-                   True, plan.accum, world, cpu_offload=True)
+                   bool(cfg.parallel.reduce_every_micro_batch), plan.accum, world, cpu_offload=True)
     bytes_in, bytes_out = offload_traffic(size, traffic, cfg.parallel.gather_once_per_step)
     to_device, to_host = pinned_copy_gb_s(device)
     return {"offload_in_gb": bytes_in / 1e9, "offload_out_gb": bytes_out / 1e9, "pinned_to_gpu_gb_s": to_device,
-            "pinned_to_host_gb_s": to_host, "offload_copy_bound_s": bytes_in / 1e9 / to_device + bytes_out / 1e9 / to_host,
+            "pinned_to_host_gb_s": to_host,
+            "offload_copy_bound_s": bytes_in / 1e9 / to_device + bytes_out / 1e9 / to_host,
             "step_s": plan.micro * plan.accum / samples_per_s if samples_per_s else None}
 
 

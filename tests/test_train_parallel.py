@@ -157,7 +157,8 @@ def test_host_gradient_sum_gives_fsdps_own_accumulation_bit_for_bit():
         for index in range(3):
             prepare_micro_batch(model, cfg, index, 3)
             batch = random_batch(model.cfg, 2, (9, 4, 4), generator=torch.Generator().manual_seed(10 + index))
-            loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), generator=torch.Generator().manual_seed(index))
+            noise = torch.Generator().manual_seed(index)
+            loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), generator=noise)
             loss.backward()
             if sums is not None:
                 sums.after_backward(model, last=index == 2)

@@ -71,7 +71,9 @@ def train(cfg: Config) -> dict:
                 state.step += 1
                 per_set = [(int(batch["set"]), terms) for batch, terms in micro_batches]
                 mean = {k: sum(terms[k] for _, terms in per_set) / plan.accum for k in per_set[0][1]}
-                if cfg.parallel.cpu_offload:  # the CPU's share of the step: gradient norm and AdamW on the host
+                # the host's share of an offloaded step: the gradient norm, the step's checks and AdamW (with several
+                # ranks the norm's and the checks' collectives also wait for the slowest rank)
+                if cfg.parallel.cpu_offload:
                     mean["cpu_optimizer_s"] = torch.tensor(time.perf_counter() - host_started, device=device)
                 metrics.step(mean | {"grad_norm": grad_norm}, plan.micro * plan.accum, per_set)
                 profiler.after_step(state.step)

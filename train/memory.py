@@ -134,12 +134,14 @@ def estimate(size: ModelSize, plan: Plan) -> Estimate:
 def offload_traffic(size: ModelSize, plan: Plan, gather_once: bool = False) -> tuple[int, int]:
     """Bytes one rank copies between host and GPU per optimizer step with --parallel.cpu-offload: in, its fp32
     parameter shard before every all-gather (each micro-batch's forward, and its backward again after resharding;
-    once a step with `gather_once`); out, its fp32 gradient shard after every micro-batch's reduce-scatter. The
+    once a step with `gather_once`); out, its fp32 gradient shard after every reduce-scatter (every micro-batch's
+    with `plan.reduce_every`, else the step's last). The
     last block stays gathered from forward to backward (train/parallel.py); the root is gathered again."""
     regathered = size.params - size.block_params if plan.reshard else 0
     gathered = size.params + regathered if not gather_once else size.params
     micro_batches = 1 if gather_once else plan.accumulation
-    return micro_batches * 4 * gathered // plan.world, plan.accumulation * 4 * size.trainable // plan.world
+    reduces = plan.accumulation if plan.reduce_every else 1
+    return micro_batches * 4 * gathered // plan.world, reduces * 4 * size.trainable // plan.world
 
 
 def fits(size: ModelSize, plan: Plan, gpu_gib: float) -> bool:

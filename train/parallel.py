@@ -219,30 +219,37 @@ class HostGradientSum:
     gradient takes the overlapped copy into pinned memory. On the 5B on one H200 two micro-batches of 128 a step took
     39.5 s against 20.5 s for one of 256 (docs/PERFORMANCE.md). So after each micro-batch's backward but the last,
     its gradients are taken away (the next one's find none and take the fast path) and summed here on the host; after
-    the last one the sum is added into them: the same fp32 additions in the same order, one gradient shard of host
-    memory more (`offload_host_bytes(..., accumulating=True)`)."""
+    the last one the sum is added into them: the same fp32 sums bit for bit (operands swapped), one gradient shard
+    of host memory more (`offload_host_bytes(..., accumulating=True)`)."""
 
     def __init__(self):
-        self.sums: dict[nn.Parameter, torch.Tensor] = {}
+        self.sums: dict[nn.Parameter, torch.Tensor] = {}  # parameter -> its gradient summed so far (as FSDP2 made it)
 
     @torch.no_grad()
     def after_backward(self, model: nn.Module, last: bool) -> None:
+        """Right after a micro-batch's `.backward()` returned: FSDP2's final callback has waited for the gradients'
+        copies to the host by then (the last backward of the step, which every micro-batch's is here)."""
         for p in model.parameters():
-            if p.grad is None:
-                continue
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             held = self.sums.get(p)
+            if p.grad is None:  # none this time (a parameter outside this micro-batch's graph): the sum stays
+                if last and held is not None:
+                    p.grad = held
+                continue
             if last:
                 if held is not None:
-                    grad.add_(held)
+                    _local(p.grad).add_(_local(held))
                 continue
             if held is None:
-                self.sums[p] = grad
+                self.sums[p] = p.grad
             else:
-                held.add_(grad)
+                _local(held).add_(_local(p.grad))
             p.grad = None
         if last:
             self.sums.clear()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def float8_filter(module: nn.Module, fqn: str) -> bool:
