@@ -120,7 +120,6 @@ def measured_window(run_dir: Path, warmup_steps: int, samples_per_rank_step: int
     peaks = [r["peak_mem_gib"] for r in measured if "peak_mem_gib" in r]
     reserved = [r["peak_reserved_gib"] for r in measured if "peak_reserved_gib" in r]
     retries = [r["alloc_retries"] for r in measured if "alloc_retries" in r]
-
     return {"samples_per_s_per_gpu": steps * samples_per_rank_step / seconds,
             "mfu_pct": flops_s / seconds if any("mfu_pct" in r for r in measured) else None,
             "data_wait_pct": 100 * wait_s / seconds, "peak_mem_gib": max(peaks) if peaks else None,

@@ -135,8 +135,8 @@ def offload_traffic(size: ModelSize, plan: Plan, gather_once: bool = False) -> t
     """Bytes one rank copies between host and GPU per optimizer step with --parallel.cpu-offload: in, its fp32
     parameter shard before every all-gather (each micro-batch's forward, and its backward again after resharding;
     once a step with `gather_once`); out, its fp32 gradient shard after every reduce-scatter (every micro-batch's
-    with `plan.reduce_every`, else the step's last). The
-    last block stays gathered from forward to backward (train/parallel.py); the root is gathered again."""
+    with `plan.reduce_every`, else the step's last). The last block stays gathered from forward to backward
+    (train/parallel.py); the root is gathered again."""
     regathered = size.params - size.block_params if plan.reshard else 0
     gathered = size.params + regathered if not gather_once else size.params
     micro_batches = 1 if gather_once else plan.accumulation

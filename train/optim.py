@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from wampipe.train.config import OptimConfig
+from wampipe.train.parallel import local_tensor
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
@@ -25,10 +26,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     fused = (device.type == "cuda" or offloaded) if cfg.fused is None else cfg.fused
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                              fused=fused)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def round_stochastic(value: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -70,8 +67,8 @@ class AdamWBf16Moments(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
                 state["step"] += 1
                 step = int(state["step"].item())  # a host tensor: no device sync
-                param, grad = _local(p), _local(p.grad).float()
-                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                param, grad = local_tensor(p), local_tensor(p.grad).float()
+                exp_avg, exp_avg_sq = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
                 m = exp_avg.float().lerp_(grad, 1 - beta1)
                 v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 param.mul_(1 - group["lr"] * group["weight_decay"])

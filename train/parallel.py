@@ -237,18 +237,19 @@ class HostGradientSum:
                 continue
             if last:
                 if held is not None:
-                    _local(p.grad).add_(_local(held))
+                    local_tensor(p.grad).add_(local_tensor(held))
                 continue
             if held is None:
                 self.sums[p] = p.grad
             else:
-                _local(held).add_(_local(p.grad))
+                local_tensor(held).add_(local_tensor(p.grad))
             p.grad = None
         if last:
             self.sums.clear()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (its own storage: in-place changes land in the DTensor), else `t`."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
