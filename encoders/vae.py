@@ -212,7 +212,8 @@ class WanVAE:
             return self.model.encode(x).latent_dist.mean
         replay, static_in, static_out = graph
         static_in.copy_(x)
-        replay.replay()
+        with torch.cuda.device(self.device):  # a replay launches on the current device's stream
+            replay.replay()
         return static_out  # overwritten by the next replay: the caller derives a new tensor from it first
 
     def compile(self, batch_size: int, options: dict | None = None, fuse_norms: bool = False) -> None:
@@ -243,16 +244,19 @@ class WanVAE:
         if not self.padded_batch or self.device.type != "cuda":
             return
         shape = (self.padded_batch, 3, frames, height, width)
-        static_in = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # compile, and let cuDNN/cuBLAS set up their workspaces, before recording
-            for _ in range(2):
-                self.model.encode(static_in)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        replay = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(replay):
-            static_out = self.model.encode(static_in).latent_dist.mean
+        # recording happens on the current device: on another one (an encoder on cuda:1 in a process whose current
+        # device is cuda:0) the capture fails with cudaErrorStreamCaptureInvalidated
+        with torch.cuda.device(self.device):
+            static_in = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # compile, and let cuDNN/cuBLAS set up their workspaces, before recording
+                for _ in range(2):
+                    self.model.encode(static_in)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            replay = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(replay):
+                static_out = self.model.encode(static_in).latent_dist.mean
         self.graphs[shape] = (replay, static_in, static_out)
 
     def warm_up(self, frames: int, height: int, width: int) -> None:

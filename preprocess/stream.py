@@ -10,8 +10,9 @@ order, the last one short), so every batch an encoder sees is one the in-process
 bits do not depend on the executor, the number of workers or which device of the same kind took a batch. A worker
 keeps a few batches in flight, so it decodes the next episode while its last batches are being encoded; the request
 queue holds at most two batches per encoder and worker, which bounds memory and makes decoders wait for a busy GPU
-(backpressure) instead of piling up videos. Every child dies with the run (PR_SET_PDEATHSIG): none writes after its
-parent was killed.
+(backpressure) instead of piling up videos. The workers start once the encoder processes have imported their
+libraries, and run at a lower priority, so an encoder's start and its batch preparation get the cores first. Every
+child dies with the run (PR_SET_PDEATHSIG): none writes after its parent was killed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
+from wampipe.encoders.vae import diffusers_vae_class
 from wampipe.encoders.weights import WeightsError
 from wampipe.preprocess import write
 from wampipe.preprocess.errors import DatasetError
@@ -41,6 +43,7 @@ from wampipe.shardformat.members import encode_sample
 
 IN_FLIGHT = 2  # batches a worker submits before it waits for the oldest one's codes
 POLL_S = 1.0
+IMPORT_WAIT_S = 120.0  # the longest the CPU workers wait for the encoder processes' imports
 
 
 def encoder_devices(device: str) -> list[str]:
@@ -76,25 +79,28 @@ def run_stream(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> It
                             daemon=True, name=f"encoder-{d}") for d in devices]
     cpu = [ctx.Process(target=_worker_main, args=(spec, w, todo, requests, replies[w], results, parent), daemon=True,
                        name=f"cpu-worker-{w}") for w in range(workers)]
-    for p in encoders + cpu:
+    for p in encoders:
         p.start()
     try:
-        remaining = len(units)
-        while remaining:
-            try:
-                kind, payload = results.get(timeout=POLL_S)
-            except queue.Empty:
-                dead = [p for p in encoders + cpu if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"{dead[0].name} died (exit code {dead[0].exitcode}): see its output above")
-                continue
-            if kind == "error":
-                raise payload
+        # the CPU workers start once every encoder process has imported its libraries (or after IMPORT_WAIT_S):
+        # dozens of workers importing torch and decoding at once slowed four encoder processes' imports from ~5 to
+        # 15 s, and the workers are far ahead of the encoders anyway
+        waiting, until = len(encoders), time.monotonic() + IMPORT_WAIT_S
+        while waiting and time.monotonic() < until:
+            kind, payload = _next_result(results, encoders)
+            waiting -= kind == "imported"
             if kind == "info":
                 tqdm.write(payload)
-                continue
-            remaining -= 1
-            yield payload
+        for p in cpu:
+            p.start()
+        remaining = len(units)
+        while remaining:
+            kind, payload = _next_result(results, encoders + cpu)
+            if kind == "info":
+                tqdm.write(payload)
+            if kind == "unit":
+                remaining -= 1
+                yield payload
     finally:
         for _ in encoders:
             try:
@@ -103,10 +109,27 @@ def run_stream(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> It
                 pass
         deadline = time.monotonic() + 30
         for p in cpu + encoders:
+            if p.pid is None:  # a worker not started: the run stopped while the encoders imported
+                continue
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _next_result(results, processes: list) -> tuple[str, Any]:
+    """The next (kind, payload) a child sent, "idle" after POLL_S without one; raises a child's error, and names a
+    child that died without a word."""
+    try:
+        kind, payload = results.get(timeout=POLL_S)
+    except queue.Empty:
+        dead = [p for p in processes if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"{dead[0].name} died (exit code {dead[0].exitcode}): see its output above")
+        return "idle", None
+    if kind == "error":
+        raise payload
+    return kind, payload
 
 
 def _report_failure(results, where: str, err: BaseException) -> None:
@@ -127,10 +150,15 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
         if cuda:
             torch.cuda.set_device(device)
         loading = time.time()
+        imported: dict[str, float] = {}
+        with timed(imported, "diffusers import"):
+            diffusers_vae_class()
+        results.put(("imported", device))  # the run starts its CPU workers now
         encoders = Encoders(replace(spec, device=device))
-        split = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in encoders.start_seconds.items())
-        results.put(("info", f"encoders on {device}: ready {time.time() - started:.1f} s after the start of the "
-                             f"workers (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s: "
+        split = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in
+                          {**imported, **encoders.start_seconds, "diffusers import": imported["diffusers import"]}.items())
+        results.put(("info", f"encoders on {device}: ready {time.time() - started:.1f} s after the run started "
+                             f"it (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s: "
                              f"{split})"))
         prepared: queue.Queue = queue.Queue(maxsize=1)
         spent = dict.fromkeys(("encoding", "waiting for a prepared batch", "preparing", "waiting for work"), 0.0)

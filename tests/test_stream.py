@@ -31,7 +31,7 @@ def test_stream_gives_the_bytes_of_the_local_pool(droid_shards, droid_root, tiny
     # the stream says where its start went: weight checks and hashing, then each encoder's process start and load
     said = (droid_shards.parent / "build-stdout.txt").read_text()
     assert re.search(r"^start: encoder weights checked in [\d.]+ s, inputs hashed in [\d.]+ s$", said, re.M), said
-    assert re.search(r"^encoders on cpu: ready [\d.]+ s after the start of the workers \(process start [\d.]+ s, "
+    assert re.search(r"^encoders on cpu: ready [\d.]+ s after the run started it \(process start [\d.]+ s, "
                      r"loading [\d.]+ s: diffusers import [\d.]+ s, VAE weights [\d.]+ s, CLIP weights [\d.]+ s\)$",
                      said, re.M), said
 
