@@ -212,8 +212,7 @@ class WanVAE:
             return self.model.encode(x).latent_dist.mean
         replay, static_in, static_out = graph
         static_in.copy_(x)
-        with torch.cuda.device(self.device):  # a replay launches on the current device's stream
-            replay.replay()
+        replay.replay()
         return static_out  # overwritten by the next replay: the caller derives a new tensor from it first
 
     def compile(self, batch_size: int, options: dict | None = None, fuse_norms: bool = False) -> None:
@@ -244,8 +243,9 @@ class WanVAE:
         if not self.padded_batch or self.device.type != "cuda":
             return
         shape = (self.padded_batch, 3, frames, height, width)
-        # recording happens on the current device: on another one (an encoder on cuda:1 in a process whose current
-        # device is cuda:0) the capture fails with cudaErrorStreamCaptureInvalidated
+        # recorded on the encoder's own device and stream: torch's default capture stream belongs to the device that
+        # was current at the first capture, and an encoder on cuda:1 in a process whose current device is cuda:0
+        # failed there with cudaErrorStreamCaptureInvalidated
         with torch.cuda.device(self.device):
             static_in = torch.zeros(shape, device=self.device, dtype=self.dtype)
             side = torch.cuda.Stream(self.device)
@@ -255,7 +255,7 @@ class WanVAE:
                     self.model.encode(static_in)
             torch.cuda.current_stream(self.device).wait_stream(side)
             replay = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(replay):
+            with torch.cuda.graph(replay, stream=side):
                 static_out = self.model.encode(static_in).latent_dist.mean
         self.graphs[shape] = (replay, static_in, static_out)
 

@@ -54,6 +54,23 @@ def _pool(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> Iterato
             raise
 
 
+class ChildDied(RuntimeError):
+    """A process of the run ended without a word (the kernel's out-of-memory killer, a signal from a user): the run
+    stops with this one line; whatever the child printed before it died is above it."""
+
+    def __init__(self, name: str, exitcode: int):
+        if exitcode >= 0:
+            how = f"exit code {exitcode}): see its output above"
+        elif -exitcode == signal.SIGKILL:  # the out-of-memory killer's signal; its report is in the kernel's log
+            how = "killed by SIGKILL): out of host memory? see `dmesg`"
+        else:
+            try:
+                how = f"killed by {signal.Signals(-exitcode).name})"
+            except ValueError:  # a real-time signal has no name
+                how = f"killed by signal {-exitcode})"
+        super().__init__(f"{name} died ({how}")
+
+
 def leave_child(*queues) -> NoReturn:
     """End a spawned child process once what it put on `queues` is flushed, without the interpreter's teardown.
     Why: a spawned child returns through sys.exit, whose teardown runs C++ static destructors while threads of CUDA,

@@ -36,7 +36,7 @@ from wampipe.encoders.vae import diffusers_vae_class
 from wampipe.encoders.weights import WeightsError
 from wampipe.preprocess import write
 from wampipe.preprocess.errors import DatasetError
-from wampipe.preprocess.executors import die_with_parent, leave_child
+from wampipe.preprocess.executors import ChildDied, die_with_parent, leave_child
 from wampipe.preprocess.pipeline import Encoders, WindowSample, stack_clips, timed, unit_report, unit_samples
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.shardformat.members import encode_sample
@@ -69,6 +69,7 @@ def run_stream(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> It
     workers = max(1, min(workers, len(units)))
     todo, requests, results = ctx.Queue(), ctx.Queue(maxsize=IN_FLIGHT * max(workers, len(devices))), ctx.Queue()
     replies = [ctx.Queue() for _ in range(workers)]
+    todo.cancel_join_thread()  # a run that stops before its workers took every unit must still exit
     for item in units.items():
         todo.put(item)
     for _ in range(workers):
@@ -81,6 +82,7 @@ def run_stream(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> It
                        name=f"cpu-worker-{w}") for w in range(workers)]
     for p in encoders:
         p.start()
+    failed = True  # until every unit is in: then the children are stopped, else killed at once
     try:
         # the CPU workers start once every encoder process has imported its libraries (or after IMPORT_WAIT_S):
         # dozens of workers importing torch and decoding at once slowed four encoder processes' imports from ~5 to
@@ -101,13 +103,14 @@ def run_stream(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> It
             if kind == "unit":
                 remaining -= 1
                 yield payload
+        failed = False
     finally:
         for _ in encoders:
             try:
-                requests.put(None, timeout=POLL_S)
+                requests.put(None, timeout=0 if failed else POLL_S)
             except queue.Full:
                 pass
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + (0 if failed else 30)
         for p in cpu + encoders:
             if p.pid is None:  # a worker not started: the run stopped while the encoders imported
                 continue
@@ -125,7 +128,7 @@ def _next_result(results, processes: list) -> tuple[str, Any]:
     except queue.Empty:
         dead = [p for p in processes if p.exitcode not in (None, 0)]
         if dead:
-            raise RuntimeError(f"{dead[0].name} died (exit code {dead[0].exitcode}): see its output above")
+            raise ChildDied(dead[0].name, dead[0].exitcode)
         return "idle", None
     if kind == "error":
         raise payload
@@ -155,8 +158,9 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
             diffusers_vae_class()
         results.put(("imported", device))  # the run starts its CPU workers now
         encoders = Encoders(replace(spec, device=device))
-        split = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in
-                          {**imported, **encoders.start_seconds, "diffusers import": imported["diffusers import"]}.items())
+        start = {**imported, **encoders.start_seconds}
+        start["diffusers import"] = imported["diffusers import"]  # Encoders found diffusers imported already
+        split = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in start.items())
         results.put(("info", f"encoders on {device}: ready {time.time() - started:.1f} s after the run started "
                              f"it (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s: "
                              f"{split})"))

@@ -4,6 +4,7 @@ worker's one-line error, and leave no process behind when the run is killed."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -86,3 +87,42 @@ def test_killing_the_run_stops_every_worker_and_encoder(droid_root, tiny_checkpo
     time.sleep(1)
     assert sorted(p.name for p in (out / "work").iterdir()) == files  # nothing writes on
     # (resuming a killed build, now with the stream as the default executor: test_shards.py::test_kill_and_resume)
+
+
+def spawned(pid: int) -> list[int]:
+    """The multiprocessing children of `pid` that run a target (not its resource tracker)."""
+    found = []
+    for child in children(pid):
+        try:
+            if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read():
+                found.append(child)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_encoder_killed_while_importing_stops_the_run_before_any_worker_starts(droid_root, tiny_checkpoints,
+                                                                                    tmp_path):
+    """The CPU workers start only once the encoder processes have imported their libraries; an encoder that dies
+    before that ends the run with its one line, and no worker was ever started."""
+    out = tmp_path / "out"
+    run = subprocess.Popen(shards_cmd(droid_root, out, "droid", tiny_checkpoints, "--executor", "stream",
+                                      "--workers", "2"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        wait_for(lambda: spawned(run.pid), "the encoder process", timeout=120)
+        (encoder,) = spawned(run.pid)  # alone: still importing, the workers wait for it
+        os.kill(encoder, signal.SIGKILL)
+        seen, deadline = set(), time.time() + 120
+        while run.poll() is None and time.time() < deadline:
+            seen.update(spawned(run.pid))
+            time.sleep(0.02)
+        _, stderr = run.communicate()
+    finally:
+        run.kill()
+        run.wait()
+    assert seen <= {encoder}, f"CPU workers started before the encoder had imported: {seen}"
+    assert run.returncode == 1
+    assert stderr.strip().splitlines()[-1] == "encoder-cpu died (killed by SIGKILL): out of host memory? see `dmesg`", stderr
+    assert "Traceback" not in stderr and not (out / "manifest.json").exists(), stderr
