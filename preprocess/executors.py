@@ -59,16 +59,15 @@ class ChildDied(RuntimeError):
     stops with this one line; whatever the child printed before it died is above it."""
 
     def __init__(self, name: str, exitcode: int):
-        if exitcode >= 0:
-            how = f"exit code {exitcode}): see its output above"
-        elif -exitcode == signal.SIGKILL:  # the out-of-memory killer's signal; its report is in the kernel's log
-            how = "killed by SIGKILL): out of host memory? see `dmesg`"
-        else:
+        how, hint = f"exit code {exitcode}", ": see its output above"
+        if exitcode < 0:
             try:
-                how = f"killed by {signal.Signals(-exitcode).name})"
+                how = f"killed by {signal.Signals(-exitcode).name}"
             except ValueError:  # a real-time signal has no name
-                how = f"killed by signal {-exitcode})"
-        super().__init__(f"{name} died ({how}")
+                how = f"killed by signal {-exitcode}"
+            # SIGKILL is the out-of-memory killer's signal; its report is in the kernel's log
+            hint = ": out of host memory? see `dmesg`" if -exitcode == signal.SIGKILL else ""
+        super().__init__(f"{name} died ({how}){hint}")
 
 
 def leave_child(*queues) -> NoReturn:

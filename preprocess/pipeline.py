@@ -13,7 +13,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -131,7 +131,9 @@ class Encoders:
     """The unit-side frozen encoders (VAE, CLIP) on the spec's device. With `--image-features pixels` only CLIP's
     preprocessing runs: its output, the exact tensor the tower consumes, is stored in the compute dtype."""
 
-    def __init__(self, spec: BuildSpec):
+    def __init__(self, spec: BuildSpec, on_imported: Callable[[], None] = lambda: None):
+        """`on_imported` is called once diffusers is imported, before any weight is read (the stream starts its CPU
+        workers then)."""
         from wampipe.encoders.image_encoder import load_image_encoder
         from wampipe.encoders.vae import diffusers_vae_class, load_vae, use_compile_cache
 
@@ -142,6 +144,7 @@ class Encoders:
                 torch.empty(0, device=self.device)
         with timed(self.start_seconds, "diffusers import"):  # most of a warm start where many packages are installed
             diffusers_vae_class()
+        on_imported()
         with timed(self.start_seconds, "VAE weights"):
             self.vae = load_vae(spec.vae, variant=VAE_OF_MODEL[spec.model], device=spec.device, dtype=self.dtype)
         if spec.vae_compile:

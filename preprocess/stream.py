@@ -32,7 +32,6 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from wampipe.encoders.vae import diffusers_vae_class
 from wampipe.encoders.weights import WeightsError
 from wampipe.preprocess import write
 from wampipe.preprocess.errors import DatasetError
@@ -153,14 +152,9 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
         if cuda:
             torch.cuda.set_device(device)
         loading = time.time()
-        imported: dict[str, float] = {}
-        with timed(imported, "diffusers import"):
-            diffusers_vae_class()
-        results.put(("imported", device))  # the run starts its CPU workers now
-        encoders = Encoders(replace(spec, device=device))
-        start = {**imported, **encoders.start_seconds}
-        start["diffusers import"] = imported["diffusers import"]  # Encoders found diffusers imported already
-        split = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in start.items())
+        encoders = Encoders(replace(spec, device=device),
+                            on_imported=lambda: results.put(("imported", device)))  # the run starts its workers then
+        split = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in encoders.start_seconds.items())
         results.put(("info", f"encoders on {device}: ready {time.time() - started:.1f} s after the run started "
                              f"it (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s: "
                              f"{split})"))
