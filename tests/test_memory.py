@@ -26,6 +26,8 @@ MEASURED_PEAKS = [
     ("droid-14b", 0, Plan("full", 1, True, True, 4, 2, moment_bytes=4), 110.6),  # 2 H200, bf16 moments
     ("libero-5b", 16, Plan("full", 32, True, False, 8, 1), 39.9),  # 1 H100, LoRA rank 16
     ("libero-5b", 0, Plan("selective", 8, False, False, 16, 2), 86.4),  # 2 H200
+    ("libero-5b", 0, Plan("selective", 16, False, False, 8, 2), 109.4),  # 2 H200
+    ("libero-5b", 0, Plan("selective", 16, False, False, 4, 4), 93.9),  # 4 H200, gathered once per step
     ("libero-5b", 0, Plan("full", 32, True, True, 1, 1, cpu_offload=True), 17.2),  # 1 H100, state in host memory
     ("libero-5b", 0, Plan("full", 128, True, True, 2, 1, cpu_offload=True), 65.0),  # 1 H100, state in host memory
     ("libero-5b", 0, Plan("full", 256, True, True, 1, 1, cpu_offload=True), 128.3),  # 1 H200, state in host memory
