@@ -30,11 +30,12 @@ def _parts(cfg):
     ("libero-5b", H200, 8, ("selective", 16, False), (False, True), "measured 16.30-16.73"),
     ("droid-14b", H200, 4, ("full", 1, True), (False, False), "measured 0.255"),
     ("droid-5b", H100, 4, ("selective", 8, False), (True, True), "measured 14.13"),
-    ("droid-5b", H200, 8, ("selective", 8, False), (True, True), "measured 14.13"),
+    ("droid-5b", H200, 8, ("selective", 16, False), (False, True), "measured 15.54"),
+    ("droid-5b", H200, 2, ("full", 32, True), (False, False), "measured 13.13"),
     # nothing measured fits: the recipe with full recompute, where the memory model says it fits
     ("libero-5b", H100, 2, ("full", 32, True), (False, False), "nothing measured fits these GPUs: estimated to fit, "
                                                       "~69 GiB of 79"),
-    ("droid-5b", H200, 2, ("full", 32, True), (False, False), "nothing measured fits"),
+    ("droid-5b", H100, 2, ("full", 32, True), (False, False), "nothing measured fits"),
     ("droid-14b", H100, 8, ("full", 1, True), (False, False), "~48 GiB of 79"),
     # CPU: today's behaviour, the recipe
     ("libero-5b", None, 1, ("full", 32, True), (False, False), "on CPU"),

@@ -28,6 +28,12 @@ MEASURED_PEAKS = [
     ("libero-5b", 0, Plan("selective", 8, False, False, 16, 2), 86.4),  # 2 H200
     ("libero-5b", 0, Plan("selective", 16, False, False, 8, 2), 109.4),  # 2 H200
     ("libero-5b", 0, Plan("selective", 16, False, False, 4, 4), 93.9),  # 4 H200, gathered once per step
+    ("droid-5b", 0, Plan("selective", 16, False, False, 4, 4), 96.1),  # 4 H200, gathered once per step
+    # the 80 GB cards' estimated settings, measured on H200s (allocated peak)
+    ("libero-5b", 0, Plan("full", 32, True, False, 4, 2), 69.8),  # 2 GPUs, the recipe
+    ("droid-5b", 0, Plan("full", 32, True, False, 4, 2), 70.7),  # 2 GPUs, the recipe
+    ("droid-5b", 0, Plan("full", 16, True, True, 16, 1, moment_bytes=4), 72.9),  # 1 GPU, bf16 moments
+    ("droid-5b", 0, Plan("full", 32, True, False, 8, 1), 102.1),  # 1 H200, the recipe
     ("libero-5b", 0, Plan("full", 32, True, True, 1, 1, cpu_offload=True), 17.2),  # 1 H100, state in host memory
     ("libero-5b", 0, Plan("full", 128, True, True, 2, 1, cpu_offload=True), 65.0),  # 1 H100, state in host memory
     ("libero-5b", 0, Plan("full", 256, True, True, 1, 1, cpu_offload=True), 128.3),  # 1 H200, state in host memory
