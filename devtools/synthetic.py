@@ -18,6 +18,7 @@ import torch
 
 from wampipe import configs
 from wampipe.preprocess import write
+from wampipe.preprocess.finalize import mix
 from wampipe.preprocess.prompts import prompt_id
 from wampipe.preprocess.stats import summarize
 from wampipe.shardformat.embodiments import get_embodiment
@@ -65,8 +66,8 @@ def _statistics(values: np.ndarray, dims: dict[str, int]) -> dict[str, dict[str,
 
 def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, windows_per_episode: int = 4,
                           augment_variants: int = 0, samples_per_shard: int = 7, episodes_per_unit: int = 2,
-                          seed: int = 0, compress: str = "auto") -> dict:
-    """Write a complete shard directory; returns its manifest."""
+                          seed: int = 0, compress: str = "auto", workers: int = 1) -> dict:
+    """Write a complete shard directory (`workers` processes write its shards); returns its manifest."""
     if preset not in SHAPES:
         raise SystemExit(f"unknown recipe {preset!r}; choose one of {sorted(SHAPES)}")
     shapes = SHAPES[preset]
@@ -118,8 +119,9 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
                   "encoded": unit_episodes}
         indexes.append(write.write_unit(out, unit, samples, record))
 
-    records = [write.write_shard(out, shard, refs)
-               for shard, refs in enumerate(write.plan_shards(indexes, samples_per_shard, seed))]
+    summaries = [write.summarize_unit(out, index["unit"]) for index in indexes]
+    records, sample_index, member_bytes = mix(out, out, summaries, samples_per_shard, seed, (), None, shapes.dataset,
+                                              workers)
 
     table = {}
     for pid in sorted(prompts):
@@ -136,13 +138,14 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
     atomic_write_json(out / STATISTICS, metadata)
 
     manifest = build_manifest(
-        indexes, records,
+        summaries, records,
         source={"root": "synthetic", "fingerprint": f"synthetic-{preset}-seed{seed}", "codebase_version": None,
                 "episodes": episodes, "fps": None},
         dataset=shapes.dataset, embodiment=emb.tag, model=shapes.model,
         modality_keys={"state": list(emb.state_keys), "action": list(emb.action_keys)},
         transform={"anchor_stride": 8, "augment_variants": augment_variants, "synthetic": preset},
         encoders={}, samples_per_shard=samples_per_shard, seed=seed, compress=compress, text_table=text_table,
-        statistics={"file": STATISTICS, "sha256": sha256_file(out / STATISTICS)})
+        statistics={"file": STATISTICS, "sha256": sha256_file(out / STATISTICS)},
+        sample_index=sample_index, member_bytes=member_bytes)
     manifest.write(out)
     return manifest.to_dict()

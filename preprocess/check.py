@@ -38,6 +38,7 @@ from wampipe.shardformat.keys import parse_key
 from wampipe.shardformat.layout import CLIP_PIXELS, MANIFEST, SHARD_NAME, WIDS_INDEX
 from wampipe.shardformat.manifest import Manifest, ShardEntry, ShardFormatError, check_json_size, check_sha256
 from wampipe.shardformat.members import split_member_name
+from wampipe.shardformat.samples import SampleTable
 from wampipe.shardformat.shard import ShardRecord, json_path, read_sample, verify_members
 from wampipe.shardformat.storage import COPY_BLOCK, STORE_ERRORS, ShardStore
 from wampipe.shardformat.text import TextTable
@@ -253,13 +254,32 @@ def check_split(root: str | os.PathLike, decode: bool) -> tuple[list[str], Manif
     for extra in sorted({f for f in files if SHARD_NAME.fullmatch(f)} - listed):
         problems.append(f"{extra}: not listed in {MANIFEST}")
     keys: dict[str, str] = {}
-    for entry in tqdm(manifest.shards, desc="check", unit="shard", disable=not sys.stderr.isatty()):
+    table, by_shard = check_sample_index(store, manifest, problems)
+    for i, entry in enumerate(tqdm(manifest.shards, desc="check", unit="shard", disable=not sys.stderr.isatty())):
         if entry.shard not in files:
             problems.append(f"{entry.shard}: missing")
             continue
         record = check_shard_json(store, entry, files, problems)
+        if table is not None and record is not None and [table.record(r) for r in by_shard[i]] != record.samples:
+            problems.append(f"{manifest.sample_index['file']}: the samples of {entry.shard} differ from "
+                            f"{json_path(entry.shard).as_posix()}")
         problems += check_shard(store, entry, record, prompt_ids, keys, decode, manifest)
     return problems, manifest, keys
+
+
+def check_sample_index(store: ShardStore, manifest: Manifest, problems: list[str]) -> tuple[SampleTable | None, list]:
+    """The verified sample index and its rows of each shard in tar order, or (None, []) with the problem noted."""
+    block = manifest.sample_index
+    try:
+        table = SampleTable(store.local_root(block["file"]) / block["file"], block["file"], block, manifest.shards,
+                            manifest.dataset)
+    except (ShardFormatError, *STORE_ERRORS) as err:
+        problems.append(str(err))
+        return None, []
+    shard, first = np.asarray(table.rows["shard"]), np.asarray(table.rows["offset"][:, 0])
+    order = np.lexsort((first, shard))
+    bounds = np.searchsorted(shard[order], np.arange(len(manifest.shards) + 1))
+    return table, [order[bounds[i]:bounds[i + 1]].tolist() for i in range(len(manifest.shards))]
 
 
 def check_sample(shard: str, key: str, members: dict[str, bytes], record, prompt_ids: set[str],

@@ -12,7 +12,9 @@ import os
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from typing import Iterator, Literal, NoReturn
+from typing import Any, Callable, Iterator, Literal, NoReturn
+
+from tqdm import tqdm
 
 from wampipe.preprocess.pipeline import process_unit
 from wampipe.preprocess.spec import BuildSpec
@@ -52,6 +54,30 @@ def _pool(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> Iterato
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             raise
+
+
+def run_tasks(fn: Callable, tasks: list[tuple], workers: int, desc: str) -> Iterator[tuple[int, Any]]:
+    """(i, fn(*tasks[i])) as each task finishes, with a progress bar: in this process with one worker, else in a
+    pool of `workers` spawned processes (finalize's shard tasks: independent, so any order gives the same files)."""
+    bar = tqdm(total=len(tasks), desc=desc, unit="task", disable=not tasks)
+    try:
+        if workers <= 1 or len(tasks) <= 1:
+            for i, task in enumerate(tasks):
+                yield i, fn(*task)
+                bar.update(1)
+            return
+        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
+            futures = {pool.submit(fn, *task): i for i, task in enumerate(tasks)}
+            try:
+                for future in as_completed(futures):
+                    yield futures[future], future.result()
+                    bar.update(1)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+    finally:
+        bar.close()
 
 
 class ChildDied(RuntimeError):

@@ -7,36 +7,40 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
-from tqdm import tqdm
 
 from wampipe.preprocess import write
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.pipeline import VAE_OF_MODEL
 from wampipe.preprocess.spec import BuildSpec
-from wampipe.preprocess.validation import HELD_OUT, split_indexes
+from wampipe.preprocess.executors import run_tasks
+from wampipe.preprocess.validation import HELD_OUT, split_summaries
 from wampipe.shardformat.embodiments import get_embodiment
 from wampipe.shardformat.files import atomic_write_bytes, atomic_writer, sha256_file
 from wampipe.shardformat.layout import STATISTICS, VAL_DIR
 from wampipe.shardformat.manifest import ShardFormatError, build_manifest
+from wampipe.shardformat.samples import member_names
 from wampipe.shardformat.text import write_text_table
 
 
-def finalize(spec: BuildSpec, units: list[list[int]]) -> dict:
+def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 1) -> dict:
     """Shards, text table, statistics and manifest from the finished units; returns the training split's manifest.
     With held-out episodes (`spec.held_out`), their samples go into the validation split OUT/val, a sealed shard
-    directory of its own (the same text table and statistics), written before the training split's manifest."""
+    directory of its own (the same text table and statistics), written before the training split's manifest.
+    `workers` processes write the shards (each shard a task of its own: write.write_planned_shard)."""
     out = Path(spec.out)
     missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
     if missing:
         raise SystemExit(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not done")
-    indexes = [write.read_unit_index(out, u) for u in range(len(units))]
-    prompts = {pid: text for idx in indexes for pid, text in idx["prompts"].items()}
-    failures = [f for idx in indexes for f in idx["failures"]]
+    summaries = [summary for _, summary in run_tasks(write.summarize_unit, [(out, u) for u in range(len(units))],
+                                                      workers, "units read")]
+    prompts = {pid: text for summary in summaries for pid, text in summary["prompts"].items()}
+    failures = [f for summary in summaries for f in summary["failures"]]
     shared = {"text_table": encode_text_table(out, prompts, spec), "statistics": write_statistics(out, spec, failures)}
     if not spec.held_out:
-        return write_split(out, indexes, spec, units, shared)
-    train, val = split_indexes(indexes, list(spec.held_out))
+        return write_split(out, summaries, spec, units, shared, workers)
+    train, val = split_summaries(summaries, list(spec.held_out))
     held = {"choice": spec.val_episodes, "episodes": list(spec.held_out)}
     val_dir = out / VAL_DIR
     val_dir.mkdir(exist_ok=True)
@@ -44,45 +48,51 @@ def finalize(spec: BuildSpec, units: list[list[int]]) -> dict:
         (val_dir / name).parent.mkdir(parents=True, exist_ok=True)
         with open(out / name, "rb") as src, atomic_writer(val_dir / name) as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
-    write_split(val_dir, val, spec, units, shared, {"split": "val", **held})
-    return write_split(out, train, spec, units, shared, {"split": "train", **held, "val_dir": VAL_DIR})
+    write_split(val_dir, val, spec, units, shared, workers, {"split": "val", **held})
+    return write_split(out, train, spec, units, shared, workers, {"split": "train", **held, "val_dir": VAL_DIR})
 
 
-def write_split(out: Path, indexes: list[dict], spec: BuildSpec, units: list[list[int]], shared: dict,
-                validation: dict | None = None) -> dict:
-    """The shards of the samples of `indexes` in `out`, then its manifest (`shared`: the text table and statistics
-    blocks, whose files lie in `out`); returns the manifest."""
-    shards = write_shards(out, indexes, spec)
+def write_split(into: Path, summaries: list[dict], spec: BuildSpec, units: list[list[int]], shared: dict,
+                workers: int, validation: dict | None = None) -> dict:
+    """The shards of the samples of `summaries` (the units' records of this split) in `into`, then its sample index
+    and manifest (`shared`: the text table and statistics blocks, whose files lie in `into`); returns the manifest."""
     emb = get_embodiment(spec.embodiment)
     ds = LeRobotDataset(spec.src)
     stated = spec.manifest_fields()
     stated["transform"] |= {"view_hw": list(emb.view_size(spec.model)), "vae_variant": VAE_OF_MODEL[spec.model],
                             "target_hw": list(emb.preset(spec.model).target_hw)}
     try:
+        shards, sample_index, member_bytes = mix(Path(spec.out), into, summaries, spec.samples_per_shard, spec.seed,
+                                                 spec.held_out, validation, spec.dataset, workers)
         manifest = build_manifest(
-            indexes, shards, **stated,
+            summaries, shards, **stated,
             source={"root": spec.src, "fingerprint": spec.digests["src"], "codebase_version": ds.version,
                     "episodes": sum(len(u) for u in units), "fps": ds.fps},
             modality_keys={"state": list(emb.state_keys), "action": list(emb.action_keys)},
-            validation=validation or {}, **shared)
+            validation=validation or {}, sample_index=sample_index, member_bytes=member_bytes, **shared)
     except ShardFormatError as err:
-        raise SystemExit(f"cannot finalize {out}: {err}") from None
-    manifest.write(out)
+        raise SystemExit(f"cannot finalize {into}: {err}") from None
+    manifest.write(into)
     return manifest.to_dict()
 
 
-def write_shards(out: Path, indexes: list[dict], spec: BuildSpec) -> list[dict]:
-    """All samples of `indexes` in one seeded permutation, cut into shards in `out` (the build's directory or its
-    validation split); a shard already written with its planned keys is kept. Returns their records
-    (shardformat.shard)."""
-    records = []
-    for shard, refs in enumerate(tqdm(write.plan_shards(indexes, spec.samples_per_shard, spec.seed), desc="shards",
-                                      unit="shard")):
-        done = write.shard_done(out, shard)
-        if done is None or done["keys"] != [r.key for r in refs]:
-            done = write.write_shard(Path(spec.out), shard, refs, into=out)
-        records.append(done)
-    return records
+def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, seed: int, held: tuple | list,
+        validation: dict | None, dataset: str, workers: int) -> tuple[list[dict], dict, dict]:
+    """Every sample of the units of `out` in one seeded permutation (write.plan_split), cut into shards of `into`
+    written by `workers` processes, then the sample index. Returns (shard entries, sample_index block,
+    member_bytes)."""
+    val = bool(validation) and validation.get("split") == "val"
+    plan = write.plan_split(out, summaries, seed, held, val, dataset)
+    schemas = [s["schema"] for s in summaries if s["count"]]
+    names = member_names(schemas[0]) if schemas else []
+    count = len(np.load(plan, mmap_mode="r"))
+    tasks = [(out, into, plan, shard, samples_per_shard, names, dataset)
+             for shard in range(-(-count // samples_per_shard))]
+    entries = [None] * len(tasks)
+    for shard, entry in run_tasks(write.write_planned_shard, tasks, workers, "shards"):
+        entries[shard] = entry
+    sample_index, member_bytes = write.assemble_index(out, into, plan, entries, samples_per_shard, names)
+    return entries, sample_index, member_bytes
 
 
 def encode_text_table(out: Path, prompts: dict[str, str], spec: BuildSpec) -> dict:

@@ -117,12 +117,12 @@ def check_source(src: Path, manifest: Manifest, shards: str) -> None:
 def first_samples(reader: ShardReader, n: int) -> Iterator[tuple[str, dict, dict]]:
     """(key, meta, tensors) of the first `n` samples in manifest order (shards in order, keys in tar order), each
     read and checked as the trainer reads them (shardformat.index)."""
-    names = [entry.shard for entry in reader.index.manifest.shards]
-    for shard, name in enumerate(names):
-        (record,) = reader.index.store.shard_records([name])
-        for key in record.keys[: max(0, n)]:
-            yield key, *reader.raw(shard, key)
-        n -= record.count
+    table = reader.index.table
+    for shard in range(len(reader.index.manifest.shards)):
+        rows = table.shard_rows(shard)
+        for row in rows[: max(0, n)]:
+            yield table.key(row), *reader.raw_row(row)
+        n -= len(rows)
         if n <= 0:
             return
 

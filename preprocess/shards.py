@@ -52,7 +52,7 @@ DATASETS = {name: configs.build(DatasetPreset, preset, f"configs/datasets.yaml: 
             for name, preset in configs.read(configs.DATASETS_FILE).items()}
 DatasetName = Literal[tuple(DATASETS)]  # type: ignore[valid-type]
 # Arguments with a lower bound (None, where allowed, means "not given").
-AT_LEAST = {"batch_size": 1, "workers": 0, "threads_per_worker": 1, "num_units": 1, "unit_index": 0,
+AT_LEAST = {"batch_size": 1, "workers": 0, "finalize_workers": 0, "threads_per_worker": 1, "num_units": 1, "unit_index": 0,
             "episodes_per_unit": 1, "anchor_stride": 1, "augment_variants": 0, "samples_per_shard": 1, "seed": 0,
             "max_episodes": 1}
 
@@ -94,6 +94,9 @@ class Args:
     workers: int = 0
     """CPU workers: each decodes, windows and transforms whole units (and with --executor local also encodes them).
     0 = auto: with stream, every core but three per GPU encoder (one per CPU encoder); with local, 1."""
+    finalize_workers: int = 0
+    """Processes writing the output shards at finalize (each shard a task of its own; the bytes never depend on it).
+    0 = auto: every core, at most 8 (the copies are bound by the disk)."""
     threads_per_worker: int | None = None
     """Torch threads per unit (default: CPU cores / workers). Float reductions depend on it, so byte-identical
     reruns need the same value; it is recorded with the build's inputs."""
@@ -322,7 +325,7 @@ def run(args: Args) -> None:
         if args.stage == "units" or array_job:
             print("units done; run again with --stage finalize once every unit is finished")
             return
-        manifest = finalize(spec, units)
+        manifest = finalize(spec, units, args.finalize_workers or min(8, os.cpu_count() or 1))
         if url:
             remote.publish(args.out, url, overwrite=args.overwrite)
     t = manifest["totals"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 
-from wampipe.shardformat.keys import parse_key
 
 HELD_OUT = "held out for validation (--val-episodes)"  # the statistics' reason for leaving an episode out
 USAGE = "a fraction in (0, 1) like 0.05, or a comma list of episode ids like 3,17,42"
@@ -63,16 +62,16 @@ def held_out(spec: str, dataset: str, episodes: list[int], src) -> list[int]:
     return held
 
 
-def split_indexes(indexes: list[dict], held: list[int]) -> tuple[list[dict], list[dict]]:
-    """(training, validation) copies of the units' JSON records, each with the samples and episode outcomes (encoded,
-    failures, skipped) of its own episodes only. Prompts stay whole: both splits share one text table."""
+def split_summaries(summaries: list[dict], held: list[int]) -> tuple[list[dict], list[dict]]:
+    """(training, validation) copies of the units' records (write.summarize_unit), each with the episode outcomes
+    (encoded, failures, skipped) of its own episodes only; which samples go where is the plan's (write.plan_split).
+    Prompts stay whole: both splits share one text table."""
     held_set = set(held)
 
-    def part(idx: dict, keep) -> dict:
-        return {**idx, "index": {k: v for k, v in idx["index"].items() if keep(parse_key(k).episode)},
-                "encoded": [e for e in idx["encoded"] if keep(e)],
-                "failures": [f for f in idx["failures"] if keep(f["episode"])],
-                "skipped": [s for s in idx["skipped"] if keep(s["episode"])]}
+    def part(summary: dict, keep) -> dict:
+        return {**summary, "encoded": [e for e in summary["encoded"] if keep(e)],
+                "failures": [f for f in summary["failures"] if keep(f["episode"])],
+                "skipped": [s for s in summary["skipped"] if keep(s["episode"])]}
 
-    return ([part(i, lambda e: e not in held_set) for i in indexes],
-            [part(i, lambda e: e in held_set) for i in indexes])
+    return ([part(s, lambda e: e not in held_set) for s in summaries],
+            [part(s, lambda e: e in held_set) for s in summaries])

@@ -16,16 +16,17 @@ from __future__ import annotations
 import json
 import os
 import tarfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
 from wampipe.shardformat.files import atomic_write_json, atomic_writer, sha256_file
-from wampipe.shardformat.layout import META, shard_file, unit_file
+from wampipe.shardformat.keys import parse_key, sample_key
+from wampipe.shardformat.layout import META, SAMPLE_INDEX, WORK_DIR, shard_file, unit_file
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.members import checksum, split_member_name
+from wampipe.shardformat.samples import FREE, member_names, row_dtype, shard_index_rows
 from wampipe.shardformat.schema import describe, schema_of
 from wampipe.shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
 
@@ -117,59 +118,142 @@ def read_unit_index(out: Path, unit: int) -> dict:
 
 
 # ---------------------------------------------------------------- finalize stage
+#
+# Nothing here holds a Python object per sample: a unit's JSON becomes a table of rows (work/unit-u.rows.npy, the
+# sample index's row layout with the unit in place of the shard), the plan is integer arrays, each shard is written by
+# a task of its own from the plan, and the sample index is assembled from the shards' rows in buckets of BUCKET rows.
+
+BUCKET = 1 << 19
+PLAN_ROW = np.dtype([("unit", "<u4"), ("row", "<u4"), ("canon", "<u4")])
 
 
-@dataclass(frozen=True)
-class SampleRef:
-    key: str
-    unit: int
-    members: tuple  # ((name, offset, size), ...)
+def unit_rows_path(out: Path, unit: int) -> Path:
+    return unit_paths(out, unit)[0].with_suffix(".rows.npy")
 
 
-def plan_shards(unit_indexes: list[dict], samples_per_shard: int, seed: int) -> list[list[SampleRef]]:
-    """All samples of all units in one seeded permutation, cut into shards of `samples_per_shard` (last may be short)."""
-    refs = [
-        SampleRef(key, idx["unit"], tuple(tuple(m) for m in members))
-        for idx in sorted(unit_indexes, key=lambda i: i["unit"])
-        for key, members in sorted(idx["index"].items())
-    ]
-    refs.sort(key=lambda r: r.key)  # canonical order, independent of how units were cut
-    order = np.random.default_rng(seed).permutation(len(refs))
-    mixed = [refs[i] for i in order]
-    return [mixed[i : i + samples_per_shard] for i in range(0, len(mixed), samples_per_shard)]
+def summarize_unit(out: Path, unit: int) -> dict:
+    """A unit's JSON record without its per-sample index (prompts, episode outcomes, schema, count), after writing
+    that index as rows (`unit_rows_path`; member ids into `member_names(schema)`) unless already there."""
+    record = read_unit_index(out, unit)
+    index = record.pop("index")
+    path = unit_rows_path(out, unit)
+    if record["count"] and not path.is_file():
+        names = {name: i for i, name in enumerate(member_names(record["schema"]))}
+        rows = np.zeros(len(index), row_dtype(1 + len(record["schema"])))
+        rows["member"], rows["shard"] = FREE, unit
+        for r, (key, members) in enumerate(sorted(index.items())):
+            k = parse_key(key)
+            rows[r]["episode"], rows[r]["start"], rows[r]["variant"] = k.episode, k.start, k.variant
+            n = len(members)
+            rows[r]["member"][:n] = [names[split_member_name(name)[1]] for name, _, _ in members]
+            rows[r]["offset"][:n] = [offset for _, offset, _ in members]
+            rows[r]["size"][:n] = [size for _, _, size in members]
+        with atomic_writer(path) as f:
+            np.lib.format.write_array(f, rows, allow_pickle=False)
+    return record
 
 
-def write_shard(out: Path, shard: int, refs: list[SampleRef], into: Path | None = None) -> dict:
-    """Copy the shard's samples out of the unit spills of `out` into shard `shard` of `into` (default `out`; the
-    validation split's own directory); then its JSON (offsets, CRC-32s, anchor multiplicities). Returns the JSON
-    record."""
-    path = (into or out) / shard_file(shard)
+def plan_split(out: Path, summaries: list[dict], seed: int, held: Iterable[int], val: bool, dataset: str) -> Path:
+    """The samples of the units (those of held-out episodes for the validation split, the others else) in one
+    seeded permutation of their canonical (episode, start, variant) order, as work/plan-<split>.npy: per position the
+    unit, the row in its table and the canonical position. ShardFormatError names a sample two units both hold."""
+    held = np.array(sorted(held), np.int64)
+    columns: dict[str, list[np.ndarray]] = {k: [] for k in ("episode", "start", "variant", "unit", "row")}
+    for summary in summaries:
+        if not summary["count"]:
+            continue
+        rows = np.load(unit_rows_path(out, summary["unit"]), mmap_mode="r")
+        episode = np.asarray(rows["episode"])
+        keep = np.flatnonzero(np.isin(episode, held) == val)
+        for name in ("episode", "start", "variant"):
+            columns[name].append(np.asarray(rows[name])[keep])
+        columns["unit"].append(np.full(len(keep), summary["unit"], np.uint32))
+        columns["row"].append(keep.astype(np.uint32))
+        del rows
+    cols = {k: np.concatenate(v) if v else np.zeros(0, np.uint32) for k, v in columns.items()}
+    order = np.lexsort((cols["variant"], cols["start"], cols["episode"]))
+    for name in ("episode", "start", "variant"):
+        cols[name] = cols[name][order]
+    twice = np.flatnonzero((cols["episode"][1:] == cols["episode"][:-1]) & (cols["start"][1:] == cols["start"][:-1])
+                           & (cols["variant"][1:] == cols["variant"][:-1]))
+    if twice.size:
+        i = twice[0]
+        raise ShardFormatError(f"{out}: sample {sample_key(dataset, int(cols['episode'][i]), int(cols['start'][i]), int(cols['variant'][i]))} "
+                               f"is in two units (an episode listed twice?)")
+    perm = np.random.default_rng(seed).permutation(len(order))
+    plan = np.empty(len(order), PLAN_ROW)
+    plan["unit"], plan["row"], plan["canon"] = cols["unit"][order][perm], cols["row"][order][perm], perm
+    path = out / WORK_DIR / f"plan-{'val' if val else 'train'}.npy"
+    with atomic_writer(path) as f:
+        np.lib.format.write_array(f, plan, allow_pickle=False)
+    return path
+
+
+def shard_rows_path(out: Path, plan: Path, shard: int) -> Path:
+    return out / WORK_DIR / plan.stem / f"{shard_file(shard)}.rows.npy"
+
+
+def write_planned_shard(out: Path, into: Path, plan_path: Path, shard: int, samples_per_shard: int, names: list[str],
+                        dataset: str) -> dict:
+    """Shard `shard` of the plan (positions shard x samples_per_shard ...) in `into`, copied out of the unit spills
+    of `out`, then its JSON and its rows for the sample index; a shard already written with its planned keys is
+    kept. Returns its manifest entry (shard, count, bytes, sha256)."""
+    plan = np.load(plan_path, mmap_mode="r")
+    planned = np.array(plan[shard * samples_per_shard:(shard + 1) * samples_per_shard])
+    del plan
+    tables: dict[int, np.ndarray] = {}
+
+    def unit_row(unit: int, row: int):
+        if unit not in tables:
+            tables[unit] = np.load(unit_rows_path(out, unit), mmap_mode="r")
+        return tables[unit][row]
+
+    located = [(int(p["unit"]), unit_row(int(p["unit"]), int(p["row"]))) for p in planned]
+    keys = [sample_key(dataset, int(r["episode"]), int(r["start"]), int(r["variant"])) for _, r in located]
+    done = shard_done(into, shard)
+    if done is None or done["keys"] != keys:
+        done = _copy_shard(out, into / shard_file(shard), keys, located, names)
+    rows_path = shard_rows_path(out, plan_path, shard)
+    if not rows_path.is_file():
+        record = ShardRecord.from_dict(done, json_path(shard_file(shard)))
+        rows = shard_index_rows(shard, record.samples, names, len(located[0][1]["member"]) if located else 1)
+        rows_path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_writer(rows_path) as f:
+            np.lib.format.write_array(f, rows, allow_pickle=False)
+    return {k: done[k] for k in ("shard", "count", "bytes", "sha256")}
+
+
+def _copy_shard(out: Path, path: Path, keys: list[str], located: list, names: list[str]) -> dict:
+    """Copy the members of the samples `located` ((unit, unit row)) out of the unit tars of `out` into the tar at
+    `path`, then its JSON (offsets, CRC-32s, anchor multiplicities); returns the JSON record."""
     handles: dict[int, int] = {}
     crcs: list[int] = []
     multiplicity: dict[str, int] = {}
+    suffixes: list[list[str]] = []
 
     def members() -> Iterator[tuple[str, bytes]]:
-        for ref in refs:
-            fd = handles.get(ref.unit)
+        for key, (unit, row) in zip(keys, located):
+            fd = handles.get(unit)
             if fd is None:
-                fd = handles[ref.unit] = os.open(unit_paths(out, ref.unit)[0], os.O_RDONLY)
-            for name, offset, size in ref.members:
-                data = os.pread(fd, size, offset)
+                fd = handles[unit] = os.open(unit_paths(out, unit)[0], os.O_RDONLY)
+            used = [i for i in range(len(row["member"])) if row["member"][i] != FREE]
+            suffixes.append([names[int(row["member"][i])] for i in used])
+            for i, suffix in zip(used, suffixes[-1]):
+                data = os.pread(fd, int(row["size"][i]), int(row["offset"][i]))
                 crcs.append(checksum(data))
-                if name == f"{ref.key}.{META}":
-                    multiplicity[ref.key] = int(json.loads(data)["anchor_multiplicity"])
-                yield name, data
+                if suffix == META:
+                    multiplicity[key] = int(json.loads(data)["anchor_multiplicity"])
+                yield f"{key}.{suffix}", data
 
     try:
         written = write_tar(path, members())
     finally:
         for fd in handles.values():
             os.close(fd)
-    located = iter(zip(written["members"], crcs))
-    samples = [SampleRecord(ref.key, multiplicity[ref.key],
-                            tuple(MemberRef(split_member_name(name)[1], offset, size, crc)
-                                  for (name, offset, size), crc in (next(located) for _ in ref.members)))
-               for ref in refs]
+    placed = iter(zip(written["members"], crcs))
+    samples = [SampleRecord(key, multiplicity[key], tuple(MemberRef(split_member_name(name)[1], offset, size, crc)
+                                                          for (name, offset, size), crc in (next(placed) for _ in sfx)))
+               for key, sfx in zip(keys, suffixes)]
     record = ShardRecord(path.name, written["bytes"], written["sha256"], samples)
     record.write(json_path(path))
     return record.to_dict()
@@ -184,3 +268,52 @@ def shard_done(out: Path, shard: int) -> dict | None:
         return ShardRecord.read(json_path(path)).to_dict()
     except ShardFormatError:  # an older format version or a damaged JSON: rewrite the shard
         return None
+
+
+def assemble_index(out: Path, into: Path, plan_path: Path, entries: list[dict], samples_per_shard: int,
+                   names: list[str]) -> tuple[dict, dict]:
+    """The sample index of the planned shards (their rows, `write_planned_shard`) in canonical order, written to
+    `into`/samples.npy through bucket files of BUCKET rows under `out`'s work directory (removed after), and the
+    bytes and count of each member type. Returns (the manifest's sample_index block, member_bytes)."""
+    plan = np.load(plan_path, mmap_mode="r")
+    n = len(plan)
+    work = out / WORK_DIR / plan_path.stem
+    work.mkdir(parents=True, exist_ok=True)
+    buckets = [work / f"bucket-{b:06d}" for b in range(-(-n // BUCKET))]
+    dtype = None
+    for path in buckets:
+        path.with_suffix(".rows").write_bytes(b"")
+        path.with_suffix(".ids").write_bytes(b"")
+    for shard, entry in enumerate(entries):
+        rows = np.load(shard_rows_path(out, plan_path, shard))
+        dtype = rows.dtype
+        canon = np.asarray(plan["canon"][shard * samples_per_shard:shard * samples_per_shard + len(rows)])
+        which = canon // BUCKET
+        for b in np.unique(which):
+            pick = which == b
+            with open(buckets[b].with_suffix(".rows"), "ab") as f:
+                f.write(rows[pick].tobytes())
+            with open(buckets[b].with_suffix(".ids"), "ab") as f:
+                f.write(canon[pick].astype(np.uint32).tobytes())
+    del plan
+    dtype = dtype if dtype is not None else row_dtype(max(1, len(names)))
+    totals = {name: {"count": 0, "bytes": 0} for name in names}
+    target = into / SAMPLE_INDEX
+    with atomic_writer(target) as f:
+        header = np.lib.format.header_data_from_array_1_0(np.empty(0, dtype))
+        np.lib.format.write_array_header_1_0(f, {**header, "shape": (n,)})
+        for b, path in enumerate(buckets):
+            rows = np.fromfile(path.with_suffix(".rows"), dtype)
+            ids = np.fromfile(path.with_suffix(".ids"), np.uint32).astype(np.int64) - b * BUCKET
+            block = np.empty(len(rows), dtype)
+            block[ids] = rows
+            f.write(block.tobytes())
+            used = block["member"] != FREE
+            for i, name in enumerate(names):
+                hit = (block["member"] == i) & used
+                totals[name]["count"] += int(hit.sum())
+                totals[name]["bytes"] += int(block["size"][hit].sum(dtype=np.uint64))
+            path.with_suffix(".rows").unlink()
+            path.with_suffix(".ids").unlink()
+    block = {"file": SAMPLE_INDEX, "sha256": sha256_file(target), "count": n, "members": names}
+    return block, {name: t for name, t in totals.items() if t["count"]}

@@ -3,6 +3,7 @@
     shard-000000.tar / .json      SHARD_FILE (SHARD_NAME matches it), its JSON beside it (shardformat.shard)
     text/embeddings.safetensors   TEXT_TABLE, with TEXT_PROMPTS
     metadata.json                 STATISTICS
+    samples.npy                   SAMPLE_INDEX: a row per sample (shardformat.samples), what readers use
     wids.json, manifest.json      WIDS_INDEX, MANIFEST (last)
     inputs.json                   INPUTS (the preprocessor's record of a build)
     work/unit-000000.tar / .json  WORK_DIR, UNIT_FILE: the preprocessor's spills, never part of a finished copy
@@ -17,6 +18,7 @@ import re
 MANIFEST = "manifest.json"
 WIDS_INDEX = "wids.json"
 STATISTICS = "metadata.json"
+SAMPLE_INDEX = "samples.npy"
 TEXT_TABLE = "text/embeddings.safetensors"
 TEXT_PROMPTS = "text/prompts.json"
 INPUTS = "inputs.json"

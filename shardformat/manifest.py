@@ -19,17 +19,18 @@ from pathlib import Path
 
 from wampipe.shardformat.files import atomic_write_json, canonical_json
 from wampipe.shardformat.layout import IMAGE_MEMBER, MANIFEST, SHARD_NAME, WIDS_INDEX
-from wampipe.shardformat.members import split_member_name
 from wampipe.shardformat.schema import SchemaError, merge_schemas, model_dims, validate
 
-# 2: per-member offsets and CRC-32 in shard JSONs, sealed JSON, wids.json; 3: the sample schema in the manifest
-FORMAT_VERSION = "wampipe-shards/3"
+# 2: per-member offsets and CRC-32 in shard JSONs, sealed JSON, wids.json; 3: the sample schema in the manifest;
+# 4: the sample index (samples.npy), which readers use instead of the shard JSONs
+FORMAT_VERSION = "wampipe-shards/4"
 SEAL = "content_sha256"
 MAX_JSON_BYTES = 1 << 28  # 256 MiB: far above any manifest or shard JSON, far below what exhausts a reader's memory
 # (manifest block, field, pattern) of every file besides the shards that the manifest names
 SIDE_FILES = (("text_table", "file", re.compile(r".+\.safetensors")),
               ("text_table", "prompts", re.compile(r".+\.json")),
-              ("statistics", "file", re.compile(r".+\.json")))
+              ("statistics", "file", re.compile(r".+\.json")),
+              ("sample_index", "file", re.compile(r"[^/]+\.npy")))
 
 
 class ShardFormatError(ValueError):
@@ -135,6 +136,7 @@ class Manifest:
     shards: list[ShardEntry]
     text_table: dict  # file, prompts, count, sha256
     statistics: dict  # file, sha256
+    sample_index: dict  # file, sha256, count, members (the member names its rows refer to): shardformat.samples
     member_bytes: dict
     schema: dict  # {tensor member: {dtype, shape}}, the same in every sample (shardformat.schema)
     failures: list
@@ -170,6 +172,11 @@ class Manifest:
             raise ShardFormatError(f"{where}: shards lists a shard twice")
         for block, name, pattern in SIDE_FILES:
             relative_path(d[block].get(name), where, f"{block}.{name}", pattern)
+        members = d["sample_index"].get("members")
+        if (not isinstance(members, list) or not all(isinstance(m, str) for m in members)
+                or not isinstance(d["sample_index"].get("sha256"), str)):
+            raise ShardFormatError(f"{where}: sample_index needs sha256 and a list of member names")
+        non_negative(d["sample_index"].get("count"), where, "sample_index.count")
         if d.get("image_features", "encoded") not in IMAGE_MEMBER:
             raise ShardFormatError(f"{where}: image_features {d['image_features']!r} is none of {sorted(IMAGE_MEMBER)}")
         if d.get("validation", {}).get("val_dir") is not None:
@@ -222,8 +229,9 @@ class Manifest:
 
 def build_manifest(units: list[dict], shards: list[dict], **fields) -> Manifest:
     """The manifest of a finished build (real or synthetic), checked: `units` are the records of the units it mixed
-    (their samples' schema and member index, episodes encoded, failures and skips), `shards` those of its shards
-    (shard, count, bytes, sha256, ...), `fields` every other Manifest field (source, dataset, ..., statistics)."""
+    (their samples' schema, episodes encoded, failures and skips), `shards` those of its shards (shard, count,
+    bytes, sha256, ...), `fields` every other Manifest field (source, dataset, ..., statistics, sample_index,
+    member_bytes)."""
     failures = [f for u in units for f in u["failures"]]
     skipped = [s for u in units for s in u["skipped"]]
     entries = [{k: s[k] for k in ("shard", "count", "bytes", "sha256")} for s in shards]
@@ -235,17 +243,4 @@ def build_manifest(units: list[dict], shards: list[dict], **fields) -> Manifest:
               "shards": len(entries), "episodes_encoded": sum(len(u["encoded"]) for u in units),
               "episodes_failed": len(failures), "episodes_skipped": len(skipped)}
     return Manifest.from_dict({"format": FORMAT_VERSION, **fields, "shards": entries, "schema": schema,
-                               "member_bytes": member_bytes(units), "failures": failures, "skipped": skipped,
-                               "totals": totals})
-
-
-def member_bytes(units: list[dict]) -> dict[str, dict]:
-    """Stored bytes and count per member type (latents.npy, clip.npy.zst, ...) over all samples of the units."""
-    totals: dict[str, dict] = {}
-    for unit in units:
-        for members in unit["index"].values():
-            for name, _, size in members:
-                entry = totals.setdefault(split_member_name(name)[1], {"count": 0, "bytes": 0})
-                entry["count"] += 1
-                entry["bytes"] += size
-    return totals
+                               "failures": failures, "skipped": skipped, "totals": totals})

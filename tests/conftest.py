@@ -23,7 +23,7 @@ from wampipe.train.model import CausalWanModel, DiTConfig, build_model
 ROOT = Path(__file__).resolve().parents[1]
 # what makes a test end-to-end besides its own mark (`e2e`, or `slow`: multi-process trainer runs): a fixture that
 # builds shards through the CLI or serves S3
-E2E_FIXTURES = {"droid_shards", "s3_server"}
+E2E_FIXTURES = {"droid_shards", "libero_shards", "s3_server"}
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # small, quick builds: few anchors, several units and shards
 # Builders import what they build with when called: spawned test workers import this module too.
@@ -53,6 +53,33 @@ def build(*args, **kwargs) -> subprocess.CompletedProcess:
 
 def manifest(out: Path) -> dict:
     return json.loads((out / "manifest.json").read_text())
+
+
+def reindex(root: Path) -> None:
+    """Write the sample index again from the shard JSONs and seal the manifest over it, as anyone who edits a shard
+    directory can."""
+    from wampipe.shardformat.manifest import Manifest
+    from wampipe.shardformat.samples import write_sample_index
+    from wampipe.shardformat.shard import ShardRecord, json_path
+
+    m = Manifest.read(root)
+    m.sample_index = write_sample_index(root, [ShardRecord.read(root / json_path(e.shard)).to_dict() for e in m.shards])
+    m.write(root)
+
+
+def edit_index(root: Path, edit) -> None:
+    """Apply `edit` to the rows of the sample index (a numpy structured array), write it and seal the manifest over
+    it again."""
+    import numpy as np
+
+    from wampipe.shardformat.manifest import Manifest
+    from wampipe.shardformat.samples import write_index
+
+    m = Manifest.read(root)
+    rows = np.load(root / m.sample_index["file"])
+    edit(rows)
+    m.sample_index = {**m.sample_index, **write_index(root / m.sample_index["file"], rows, m.sample_index["members"])}
+    m.write(root)
 
 
 def tiny_model(**overrides) -> CausalWanModel:
@@ -111,6 +138,14 @@ def droid_shards(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
     done = build(droid_root, out, "droid", tiny_checkpoints)
     (out.parent / "build-stdout.txt").write_text(done.stdout)  # beside the shards, not in them
     (out.parent / "build-stderr.txt").write_text(done.stderr)
+    return out
+
+
+@pytest.fixture(scope="session")
+def libero_shards(tmp_path_factory, libero_root, tiny_checkpoints) -> Path:
+    """The sample LIBERO dataset built by the CLI with the same tiny checkpoints as `droid_shards`."""
+    out = tmp_path_factory.mktemp("shards") / "libero"
+    build(libero_root, out, "libero", tiny_checkpoints)
     return out
 
 

@@ -11,7 +11,7 @@ from wampipe.preprocess.shards import Args
 from wampipe.preprocess.spec import FINALIZE, UNIT, BuildSpec, arg
 
 # The flags that change no output byte: where and how the run goes, not what it builds.
-RUN_ONLY = {"config", "out", "staging_dir", "workers", "executor", "ray_address", "unit_index", "num_units", "stage",
+RUN_ONLY = {"config", "out", "staging_dir", "workers", "finalize_workers", "executor", "ray_address", "unit_index", "num_units", "stage",
             "fail_fast", "overwrite", "compile_cache"}
 # inputs.json's keys as builds before the spec recorded them: a build made then resumes now
 RECORDED = {"src", "dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend",

@@ -29,6 +29,7 @@ from wampipe.train.data import SampleReader, ShardIndex, ShardLoader, open_index
 from wampipe.train.export import shard_statistics
 from wampipe.train.model import preset
 from wampipe.train.weights import WeightsError
+from tests.conftest import edit_index, reindex
 
 ROOT = Path(__file__).resolve().parents[1]
 ESCAPE = "../../../../tmp/x"  # below <cache>/<bucket>/<prefix>/: <cache>/../../tmp/x
@@ -150,8 +151,12 @@ def test_a_member_size_beyond_its_tar_is_refused_before_any_read(copy):
     reseal(copy / "shard-000000.json", lambda o: o["samples"][key]["members"][0].__setitem__(2, 2**40))
     message = (f"{copy / 'shard-000000.json'}: sample {key}: member {member.name}: {2**40} bytes at offset "
                f"{member.offset} lie outside the tar's {record.bytes} bytes (crafted or corrupt): rebuild the shards")
-    assert refused(copy) == message
     assert message in check(copy, decode=False)
+    # the readers' copy of the same numbers, the sample index, crafted the same way
+    row = ShardIndex(copy).table.find(key)
+    edit_index(copy, lambda rows: rows["offset"].__setitem__((row, 0), 2**40))
+    assert refused(copy) == (f"{copy / 'samples.npy'}: row {row}: a member lies outside the {record.bytes} bytes of "
+                             f"shard-000000.tar (crafted or corrupt): rebuild the shards")
 
 
 def test_a_tar_size_the_manifest_and_json_both_inflate_is_refused(copy):
@@ -192,6 +197,7 @@ def test_a_member_declaring_a_huge_array_is_refused_without_allocating_it(copy, 
     tar.write_bytes(bytes(data))
     reseal(side, lambda o: o["samples"][sample.key]["members"][i].__setitem__(
         3, checksum(crafted.ljust(ref.size, b"\0"))))
+    reindex(copy)
     reader = SampleReader(ShardIndex(copy), preset("tiny"))
     with pytest.raises(ShardFormatError) as err:
         reader.raw(0, sample.key)
@@ -235,5 +241,6 @@ def test_a_sample_lacking_what_every_sample_holds_is_named_in_one_line(copy):
     data[ref.offset : ref.offset + ref.size] = crafted
     tar.write_bytes(bytes(data))
     reseal(side, lambda o: o["samples"][sample.key]["members"][i].__setitem__(3, checksum(crafted)))
+    reindex(copy)
     with pytest.raises(ShardFormatError, match=f"^{re.escape(f'{tar}: sample {sample.key}: no prompt_ids')}$"):
         SampleReader(ShardIndex(copy), preset("tiny")).raw(0, sample.key)

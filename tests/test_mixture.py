@@ -22,8 +22,8 @@ from PIL import Image
 
 from devtools import synthetic
 from wampipe.shardformat.manifest import Manifest
+from wampipe.shardformat.samples import write_index
 from wampipe.shardformat.stats import normalize_q99, pad_with_mask
-from tests.conftest import build
 from wampipe.train.builder import model_config
 from wampipe.train.config import DataConfig, ShardSet, file_config, parse_args, save_config
 from wampipe.train.curves import plot
@@ -31,14 +31,6 @@ from wampipe.train.data import SampleReader, ShardLoader, SetDraws, open_sets, s
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def libero_shards(tmp_path_factory, libero_root, tiny_checkpoints) -> Path:
-    """The sample LIBERO dataset built by the CLI with the same tiny checkpoints as `droid_shards`."""
-    out = tmp_path_factory.mktemp("shards") / "libero"
-    build(libero_root, out, "libero", tiny_checkpoints)
-    return out
 
 
 def test_sets_are_named_after_their_folders_and_a_validation_split_after_its_build():
@@ -191,6 +183,8 @@ def test_sets_of_another_dit_recipe_or_empty_sets_are_refused_naming_the_set(dro
     shutil.copytree(other, empty)
     manifest = Manifest.read(empty)
     manifest.shards, manifest.totals = [], {**manifest.totals, "samples": 0, "shards": 0}
+    rows = np.load(empty / "samples.npy")[:0]
+    manifest.sample_index = {**manifest.sample_index, **write_index(empty / "samples.npy", rows, [])}
     manifest.write(empty)
     with pytest.raises(SystemExit) as refused:
         open_sets(DataConfig(mixture=(ShardSet(str(other)), ShardSet(str(empty)))))

@@ -23,6 +23,7 @@ from wampipe.shardformat.schema import model_dims
 from wampipe.shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
 from wampipe.train.data import SampleReader, ShardIndex, data_dims
 from wampipe.train.model import preset
+from tests.conftest import reindex
 
 
 @pytest.fixture
@@ -56,6 +57,7 @@ def rewrite_first_sample(root: Path, edit) -> str:
     manifest.shards[0] = dataclasses.replace(entry, bytes=written["bytes"], sha256=written["sha256"])
     manifest.totals["bytes"] += written["bytes"] - entry.bytes
     manifest.write(root)
+    reindex(root)
     return key
 
 

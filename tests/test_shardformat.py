@@ -102,7 +102,7 @@ def test_manifest_round_trip_seal_and_version(shards, tmp_path):
     copy = damaged(shards, tmp_path)
     raw = json.loads((copy / "manifest.json").read_text())
     (copy / "manifest.json").write_text(json.dumps({**raw, "format": "wampipe-shards/1"}))
-    with pytest.raises(ShardFormatError, match="this code reads 'wampipe-shards/3': rebuild the shards"):
+    with pytest.raises(ShardFormatError, match=f"this code reads '{FORMAT_VERSION}': rebuild the shards"):
         Manifest.read(copy)
     (copy / "manifest.json").write_text("{not json")
     with pytest.raises(ShardFormatError, match=f"^{copy / 'manifest.json'}: unreadable"):
@@ -183,5 +183,5 @@ def test_check_command_refuses_an_old_format_in_one_line(shards, tmp_path, capsy
         run(Args(copy))
     assert exit_.value.code == 1
     assert capsys.readouterr().out.splitlines()[1:] == [
-        f"  {copy / 'manifest.json'}: format 'wampipe-shards/1', this code reads 'wampipe-shards/3': rebuild the "
+        f"  {copy / 'manifest.json'}: format 'wampipe-shards/1', this code reads 'wampipe-shards/4': rebuild the "
         f"shards with this version (python -m preprocess shards)"]

@@ -268,7 +268,7 @@ def test_old_or_edited_manifests_are_refused_in_one_line(shards, tmp_path):
     shutil.copytree(shards, old)
     manifest = json.loads((old / "manifest.json").read_text())
     (old / "manifest.json").write_text(json.dumps({**manifest, "format": "wampipe-shards/1"}))
-    with pytest.raises(SystemExit, match=r"format 'wampipe-shards/1', this code reads 'wampipe-shards/3': rebuild"):
+    with pytest.raises(SystemExit, match=r"format 'wampipe-shards/1', this code reads 'wampipe-shards/4': rebuild"):
         _loader(old)
     (old / "manifest.json").write_text(json.dumps({**manifest, "seed": manifest["seed"] + 1}))
     with pytest.raises(SystemExit, match="content_sha256 does not match the content"):

@@ -189,11 +189,11 @@ class SampleReader(ShardReader):
 
     def sample(self, window: Window, rng: np.random.Generator, variant: int = -1, column: str = "") -> dict:
         """One window's model inputs, with this visit's variant and prompt column."""
-        if variant >= 0 and variant >= len(window.variants):
-            raise ValueError(f"window {window.name} has {len(window.variants)} variants, --data.variant {variant}")
-        pick = rng.integers(len(window.variants)) if variant < 0 else variant
+        if variant >= 0 and variant >= len(window.rows):
+            raise ValueError(f"window {window.name} has {len(window.rows)} variants, --data.variant {variant}")
+        pick = rng.integers(len(window.rows)) if variant < 0 else variant
         shard, key = window.variants[pick]
-        meta, t = self.raw(shard, key)
+        meta, t = self.raw_row(window.rows[pick])
         prompt_ids = meta["prompt_ids"]
         if column and column not in prompt_ids:
             raise ShardFormatError(f"{self.index.shards[shard]}: sample {key} has no prompt column {column!r} "

@@ -154,7 +154,7 @@ def describe_samples(batch: dict, indexes: list[ShardIndex]) -> list[str]:
     described = []
     for j, w in enumerate(batch["window"].tolist()):
         window = index.windows[w]
-        shards = ", ".join(sorted({str(index.shards[s]) for s, _ in window.variants}))
+        shards = ", ".join(sorted({str(index.shards[index.table.shard(r)]) for r in window.rows}))
         bad = [k for k in MODEL_INPUTS
                if k in batch and batch[k].is_floating_point() and not torch.isfinite(batch[k][j]).all()]
         described.append((bad, f"{window.name} in {shards}" + (f" (non-finite {', '.join(bad)})" if bad else "")))

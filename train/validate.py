@@ -58,9 +58,18 @@ def val_dir(shards: str, index: ShardIndex) -> str | None:
 
 def val_samples(index: ShardIndex, cap: int) -> list[tuple[int, str, int]]:
     """(window, key, variant) of at most `cap` samples of a split: all sorted by key, evenly spaced."""
-    every = sorted((key, w, v) for w, window in enumerate(index.windows) for v, (_, key) in enumerate(window.variants))
-    picked = every if len(every) <= cap else [every[i * len(every) // cap] for i in range(cap)]
-    return [(w, key, v) for key, w, v in picked]
+    table = index.table
+    n, starts = len(table), table.window_starts
+    if not n:
+        return []
+    window = np.repeat(np.arange(table.num_windows), np.diff(starts))
+    variant = np.asarray(table.rows["variant"])
+    # keys sort a window's variants by their digits as text (v10 before v2): rank each variant number so
+    spelled = [str(v) for v in range(int(variant.max()) + 1)]
+    text_rank = np.argsort(np.argsort(spelled, kind="stable"), kind="stable")
+    order = np.lexsort((text_rank[variant], window))
+    picked = order if n <= cap else order[[i * n // cap for i in range(cap)]]
+    return [(int(window[r]), table.key(int(r)), int(r - starts[window[r]])) for r in picked]
 
 
 class Validation:
