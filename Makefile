@@ -24,7 +24,7 @@ NPROC ?= 2
 
 ARGS ?=
 
-.PHONY: setup test test-unit test-e2e demo demo-data sample-data shards check-shards train clean help
+.PHONY: setup lint test test-unit test-e2e demo demo-data sample-data shards check-shards train clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -39,8 +39,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-test: $(STAMP)  ## run the test suite
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+test: $(STAMP)  ## the whole check, quickest first: lint, then the unit tests, then the end-to-end tests
+	$(MAKE) --no-print-directory lint
+	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
+
+lint: $(STAMP)  ## ruff: pyflakes' errors and pycodestyle's, lines of at most 120 characters (pyproject.toml)
+	$(VENV)/bin/ruff check --no-cache .
 
 test-unit: $(STAMP)  ## the unit tests alone: the code called in the test process, no process started (minutes)
 	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)

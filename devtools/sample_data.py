@@ -39,7 +39,8 @@ LIBERO_TASKS = [
     "turn on the stove",
     "put the cream cheese in the bowl",
 ]
-# Full window extents: episodes shorter than this yield no full window (docs/REFERENCE.md#2-windows-and-anchor-sampling).
+# Full window extents: episodes shorter than this yield no full window
+# (docs/REFERENCE.md#2-windows-and-anchor-sampling).
 WINDOW_EXTENT = {"droid": 97, "libero": 73, "libero-v3": 73}
 
 
@@ -163,7 +164,8 @@ def _pool(workers: int):
     the files do not depend on `workers`)."""
     import multiprocessing
 
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1 else nullcontext()
+    return (ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1
+            else nullcontext())
 
 
 def make_droid(out: Path, episodes: int, seed: int, codec: str, workers: int = 1) -> None:
@@ -183,7 +185,8 @@ def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool) -> None:
         state = np.concatenate([cart[:-1], traj.gripper[:-1, None], traj.joints[:-1]], 1)  # [L, 14]
         action = np.concatenate(
             [cart[1:], (cart[1:] - cart[:-1]) * fps, traj.gripper[1:, None],
-             (traj.gripper[1:, None] - traj.gripper[:-1, None]) * fps, traj.joints[1:], (traj.joints[1:] - traj.joints[:-1]) * fps],
+             (traj.gripper[1:, None] - traj.gripper[:-1, None]) * fps, traj.joints[1:],
+             (traj.joints[1:] - traj.joints[:-1]) * fps],
             1,
         )  # [L, 28]: each action is the next state's target
         first = 1 + int(rng.integers(len(DROID_TASKS)))
@@ -224,7 +227,8 @@ def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool) -> None:
 
     features = {f"observation.images.{c}": video_feature(h, w, fps, codec) for c in DROID_CAMERAS}
     features |= {
-        "observation.state": feature("float64", [14], ["cartesian_position"] * 6 + ["gripper_position"] + ["joint_position"] * 7),
+        "observation.state": feature("float64", [14],
+                                     ["cartesian_position"] * 6 + ["gripper_position"] + ["joint_position"] * 7),
         "action": feature("float64", [28]),
         "timestamp": feature("float32", [1]), "frame_index": feature("int64", [1]),
         "episode_index": feature("int64", [1]), "task_index": feature("int64", [1]),
@@ -236,7 +240,8 @@ def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool) -> None:
     }
     write_json(out / "meta/info.json", {
         "codebase_version": "v2.1", "robot_type": "franka", "total_episodes": episodes, "total_frames": sum(lengths),
-        "total_tasks": len(tasks), "total_videos": episodes * len(DROID_CAMERAS), "total_chunks": 1, "chunks_size": 1000,
+        "total_tasks": len(tasks), "total_videos": episodes * len(DROID_CAMERAS), "total_chunks": 1,
+        "chunks_size": 1000,
         "fps": fps, "splits": {"train": f"0:{episodes}"},
         "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
         "video_path": "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4",
@@ -289,8 +294,10 @@ def libero_rows(ep: int, length: int, offset: int, task: int, state: np.ndarray,
     }
 
 
-def libero_info(version: str, episodes: int, lengths: list[int], features: dict, paths: dict, videos: int, fps: int) -> dict:
-    return {"codebase_version": version, "robot_type": "panda", "total_episodes": episodes, "total_frames": sum(lengths),
+def libero_info(version: str, episodes: int, lengths: list[int], features: dict, paths: dict, videos: int,
+                fps: int) -> dict:
+    return {"codebase_version": version, "robot_type": "panda", "total_episodes": episodes,
+            "total_frames": sum(lengths),
             "total_tasks": len(LIBERO_TASKS), "total_videos": videos, "total_chunks": 1, "chunks_size": 1000,
             "fps": fps, "splits": {"train": f"0:{episodes}"}, **paths, "features": features}
 
@@ -318,10 +325,12 @@ def make_libero(out: Path, episodes: int, seed: int, workers: int = 1) -> None:
     image = feature("image", [size, size, 3], ["height", "width", "channel"])
     write_json(out / "meta/info.json", libero_info(
         "v2.0", episodes, lengths, libero_features(image),
-        {"data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet", "video_path": None}, 0, fps))
+        {"data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet", "video_path": None},
+        0, fps))
     write_jsonl(out / "meta/tasks.jsonl", [{"task_index": i, "task": t} for i, t in enumerate(LIBERO_TASKS)])
     write_jsonl(out / "meta/episodes.jsonl", episode_rows)
-    write_json(out / "meta/stats.json", basic_stats({"state": np.concatenate(all_state), "actions": np.concatenate(all_actions)}))
+    write_json(out / "meta/stats.json",
+               basic_stats({"state": np.concatenate(all_state), "actions": np.concatenate(all_actions)}))
 
 
 def _write_libero_episode(out: Path, ep: int, length: int, offset: int, task: int, state, actions, fps: int,
@@ -345,7 +354,8 @@ def make_libero_v3(out: Path, episodes: int, seed: int, codec: str, episodes_per
         traj, state, actions = libero_episode(rng, length)
         task = int(rng.integers(len(LIBERO_TASKS)))
         data_file, video_file = ep // episodes_per_data_file, ep // episodes_per_video_file
-        data_tables.setdefault(data_file, []).append(pa.table(libero_rows(ep, length, offset, task, state, actions, fps)))
+        data_tables.setdefault(data_file, []).append(
+            pa.table(libero_rows(ep, length, offset, task, state, actions, fps)))
         row = {"episode_index": ep, "tasks": [LIBERO_TASKS[task]], "length": length,
                "data/chunk_index": 0, "data/file_index": data_file,
                "dataset_from_index": offset, "dataset_to_index": offset + length}
@@ -375,7 +385,8 @@ def make_libero_v3(out: Path, episodes: int, seed: int, codec: str, episodes_per
                        episodes * len(LIBERO_CAMERAS), fps)
     info |= {"data_files_size_in_mb": 100, "video_files_size_in_mb": 200}
     write_json(out / "meta/info.json", info)
-    write_json(out / "meta/stats.json", basic_stats({"state": np.concatenate(all_state), "actions": np.concatenate(all_actions)}))
+    write_json(out / "meta/stats.json",
+               basic_stats({"state": np.concatenate(all_state), "actions": np.concatenate(all_actions)}))
 
 
 LAYOUTS = ("droid", "libero", "libero-v3")

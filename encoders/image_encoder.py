@@ -32,7 +32,8 @@ _WAN_TO_HF = [  # Wan open-clip visual name -> CLIPVisionModelWithProjection nam
     (r"^visual\.post_norm\.(weight|bias)$", r"vision_model.post_layernorm.\1"),
     (r"^visual\.transformer\.(\d+)\.norm1\.(weight|bias)$", r"vision_model.encoder.layers.\1.layer_norm1.\2"),
     (r"^visual\.transformer\.(\d+)\.norm2\.(weight|bias)$", r"vision_model.encoder.layers.\1.layer_norm2.\2"),
-    (r"^visual\.transformer\.(\d+)\.attn\.proj\.(weight|bias)$", r"vision_model.encoder.layers.\1.self_attn.out_proj.\2"),
+    (r"^visual\.transformer\.(\d+)\.attn\.proj\.(weight|bias)$",
+     r"vision_model.encoder.layers.\1.self_attn.out_proj.\2"),
     (r"^visual\.transformer\.(\d+)\.mlp\.0\.(weight|bias)$", r"vision_model.encoder.layers.\1.mlp.fc1.\2"),
     (r"^visual\.transformer\.(\d+)\.mlp\.2\.(weight|bias)$", r"vision_model.encoder.layers.\1.mlp.fc2.\2"),
 ]
@@ -76,7 +77,8 @@ def hf_clip_to_wan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         else:
             for pattern, repl in _WAN_TO_HF:
-                hf_pattern = "^" + re.escape(repl).replace(r"\\1", r"(\d+|weight|bias)").replace(r"\\2", r"(weight|bias)") + "$"
+                hf_pattern = ("^" + re.escape(repl).replace(r"\\1", r"(\d+|weight|bias)")
+                              .replace(r"\\2", r"(weight|bias)") + "$")
                 if m := re.match(hf_pattern, key):
                     wan = pattern.strip("^$")
                     for group in m.groups():

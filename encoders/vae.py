@@ -180,7 +180,8 @@ class WanVAE:
         b, c, t, h, w = videos_bcthw.shape
         s = self.info.spatial
         if c != 3 or (t - 1) % 4 or h % s or w % s:
-            raise ValueError(f"VAE input must be [B, 3, 1+4k, H, W] with H, W multiples of {s}; got {list(videos_bcthw.shape)}")
+            raise ValueError(f"VAE input must be [B, 3, 1+4k, H, W] with H, W multiples of {s}; "
+                             f"got {list(videos_bcthw.shape)}")
         step = self.padded_batch or batch_size or b
         out = []
         for i in range(0, b, step):
@@ -271,8 +272,8 @@ class WanVAE:
 
     @torch.no_grad()
     def encode_first_frame(self, frame0_bchw: torch.Tensor, num_frames: int, batch_size: int = 0) -> torch.Tensor:
-        """The 14B i2v input `y`: [mask (4 ch, 1 on latent frame 0) ; VAE([frame 0, zeros x (T-1)])] -> [B, 4+C, T', h, w].
-        Zeros are mid-grey in [-1, 1] space, as in the reference."""
+        """The 14B i2v input `y`: [mask (4 ch, 1 on latent frame 0) ; VAE([frame 0, zeros x (T-1)])]
+        -> [B, 4+C, T', h, w]. Zeros are mid-grey in [-1, 1] space, as in the reference."""
         b, c, h, w = frame0_bchw.shape
         clip = torch.zeros(b, c, num_frames, h, w, dtype=self.dtype, device=frame0_bchw.device)
         clip[:, :, 0] = frame0_bchw.to(self.dtype)
@@ -334,7 +335,8 @@ def load_vae(path: str | Path, variant: str | None = None, device: str | torch.d
         check_keys(path, state, {wk: model.state_dict()[dk].shape for wk, dk in table.items()})
         assign_loaded(model, path, {dk: state[wk] for wk, dk in table.items()})
     if model.config.z_dim != VARIANTS[found]["z_dim"]:
-        raise WeightsError(path, f"{model.config.z_dim} latent channels; a {_describe(found)} has {VARIANTS[found]['z_dim']}")
+        raise WeightsError(path, f"{model.config.z_dim} latent channels; "
+                                 f"a {_describe(found)} has {VARIANTS[found]['z_dim']}")
     if not keep_decoder:
         model.decoder = None
         model.post_quant_conv = None
@@ -343,4 +345,5 @@ def load_vae(path: str | Path, variant: str | None = None, device: str | torch.d
 
 
 def _describe(variant: str) -> str:
-    return {"wan2.1": "Wan2.1 VAE (16 latent channels, 8x)", "wan2.2": "Wan2.2 VAE38 (48 latent channels, 16x)"}[variant]
+    return {"wan2.1": "Wan2.1 VAE (16 latent channels, 8x)",
+            "wan2.2": "Wan2.2 VAE38 (48 latent channels, 16x)"}[variant]

@@ -138,7 +138,8 @@ def expect_kind(path: str | Path, state: dict[str, torch.Tensor], wanted: tuple[
     kind = recognize(state)
     if kind in wanted:
         return kind
-    what = KIND_NAMES.get(kind, "not a checkpoint this project knows") if kind else "not a checkpoint this project knows"
+    what = (KIND_NAMES.get(kind, "not a checkpoint this project knows") if kind
+            else "not a checkpoint this project knows")
     want = " or ".join(KIND_NAMES[w] for w in wanted)
     raise WeightsError(path, f"this file is a {what}, but the {role} needs a {want}")
 

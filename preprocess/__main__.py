@@ -11,7 +11,8 @@ COMMANDS = {
     "stats": ("wampipe.preprocess.stats", "write DreamZero's metadata.json statistics for one or more datasets"),
     "shards": ("wampipe.preprocess.shards", "build WebDataset shards with precomputed encoder outputs"),
     "check": ("wampipe.preprocess.check", "verify a shard directory against its manifest"),
-    "preview": ("wampipe.preprocess.preview", "decode stored samples to an MP4 and a PNG sheet each, to look at a build"),
+    "preview": ("wampipe.preprocess.preview",
+                "decode stored samples to an MP4 and a PNG sheet each, to look at a build"),
 }
 
 

@@ -31,11 +31,11 @@ from typing import Annotated, BinaryIO, Iterator
 
 import numpy as np
 import tyro
-from tqdm import tqdm
 
+from wampipe.preprocess.executors import LazyTasks, auto_workers, run_tasks
 from wampipe.shardformat.files import sha256_file
 from wampipe.shardformat.keys import parse_key
-from wampipe.shardformat.layout import CLIP_PIXELS, MANIFEST, SHARD_NAME, WIDS_INDEX
+from wampipe.shardformat.layout import CLIP_PIXELS, MANIFEST, SAMPLE_INDEX, SHARD_NAME, WIDS_INDEX
 from wampipe.shardformat.manifest import Manifest, ShardEntry, ShardFormatError, check_json_size, check_sha256
 from wampipe.shardformat.members import split_member_name
 from wampipe.shardformat.samples import SampleTable
@@ -51,6 +51,9 @@ class Args:
     credentials from the AWS_* variables)."""
     members: bool = True
     """Decode every member of every sample (slower, thorough); --no-members checks files, hashes and indexes only."""
+    workers: int = 0
+    """Processes reading the shards, each shard a task of its own (0 = auto: one per 32 shards, at most every core
+    and 8)."""
 
 
 def _finite(value) -> bool:
@@ -171,18 +174,25 @@ def check_shard_json(store: ShardStore, entry: ShardEntry, files: set[str], prob
     return record
 
 
-def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None, prompt_ids: set[str],
-                keys: dict[str, str], decode: bool, manifest: Manifest) -> list[str]:
-    """One pass over the tar: every sample, its size and sha256, its headers against the shard JSON."""
+def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None, indexed: list | None,
+                prompt_ids: set[str], decode: bool, schema: dict, held: set[int], held_in: bool) -> list[str]:
+    """One pass over the tar: every sample, its size and sha256, its headers against the shard JSON (`record`) and
+    the sample index's rows of the shard (`indexed`, SampleRecords in tar order; None when the index is unusable),
+    each sample's episode held out (`held_in`: a validation split) or not, as its split says."""
     name, problems, count = entry.shard, [], 0
     samples = {s.key: s for s in record.samples} if record else {}
     headers: dict[str, list] = {}
+    keys: dict[str, str] = {}
     with store.open(name) as f:
         reader = HashingReader(f)
         try:
             for key, members in tar_samples(reader, headers):
                 count += 1
-                problems += check_sample(name, key, members, samples.get(key), prompt_ids, keys, decode, manifest)
+                problems += check_sample(name, key, members, samples.get(key), prompt_ids, keys, decode, schema)
+                episode = _episode(key)
+                if episode is not None and (episode in held) != held_in:
+                    problems.append(f"{name}: sample {key} is of episode {episode}, "
+                                    f"{'not held out' if held_in else 'held out for validation'}")
             complete = True
         except (tarfile.TarError, OSError, EOFError) as err:
             problems.append(f"{name}: truncated or unreadable tar after {count} samples: {err}")
@@ -200,29 +210,40 @@ def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None
             if listed.get(key) != headers.get(key):
                 problems.append(f"{json_path(name).as_posix()}: sample {key}: members and offsets differ from the "
                                 f"tar's headers")
+    if indexed is not None and record is not None and indexed != record.samples:
+        problems.append(f"{SAMPLE_INDEX}: the samples of {name} differ from {json_path(name).as_posix()}")
     return problems
 
 
-def check(root: str | os.PathLike, decode: bool = True) -> list[str]:
+def check_one_shard(store: ShardStore, entry: ShardEntry, has_json: bool, indexed: list | None, prompt_ids: set[str],
+                    decode: bool, schema: dict, held: set[int], held_in: bool) -> list[str]:
+    """The problems of one shard (its JSON, then its tar): a task of its own (preprocess.executors.run_tasks)."""
+    problems: list[str] = []
+    record = check_shard_json(store, entry, {json_path(entry.shard).as_posix()} if has_json else set(), problems)
+    return problems + check_shard(store, entry, record, indexed, prompt_ids, decode, schema, held, held_in)
+
+
+def check(root: str | os.PathLike, decode: bool = True, workers: int = 0) -> list[str]:
     """All problems found in the shard directory at `root` (a path or URL) and in its validation split, as messages
-    naming the file and sample; empty when the directory is sound."""
-    problems, manifest, keys = check_split(root, decode)
-    held = manifest.validation if manifest is not None else {}
-    if not held.get("val_dir"):
+    naming the file and sample; empty when the directory is sound. `workers` processes read the shards (0: auto,
+    preprocess.executors.auto_workers)."""
+    try:
+        held = ShardStore(root).manifest().validation
+    except ShardFormatError:  # named by check_split
+        held = {}
+    episodes = set(held.get("episodes") or [])
+    problems, manifest = check_split(root, decode, episodes, held.get("split") == "val", workers)
+    if manifest is None or not held.get("val_dir"):
         return problems
     val_dir = f"{str(root).rstrip('/')}/{held['val_dir']}"
-    val_problems, val_manifest, val_keys = check_split(val_dir, decode)
-    problems += [f"validation split {val_dir}: {p}" for p in val_problems]
+    val_problems, val_manifest = check_split(val_dir, decode, episodes, True, workers)
+    for p in val_problems:  # a sample in the wrong split is named by its path, like the training split's
+        problems.append(f"{val_dir}/{p}" if p.endswith(", not held out") else f"validation split {val_dir}: {p}")
     if val_manifest is None:
         return problems
     record = val_manifest.validation
     if [record.get(k) for k in ("split", "choice", "episodes")] != ["val", held.get("choice"), held.get("episodes")]:
         problems.append(f"{val_dir}/{MANIFEST}: its validation record {record} disagrees with {MANIFEST}'s {held}")
-    episodes = set(held.get("episodes") or [])
-    problems += [f"{shard}: sample {key} is of episode {_episode(key)}, held out for validation"
-                 for key, shard in keys.items() if _episode(key) in episodes]
-    problems += [f"{val_dir}/{shard}: sample {key} is of episode {_episode(key)}, not held out"
-                 for key, shard in val_keys.items() if _episode(key) not in episodes]
     return problems
 
 
@@ -233,13 +254,15 @@ def _episode(key: str) -> int | None:
         return None
 
 
-def check_split(root: str | os.PathLike, decode: bool) -> tuple[list[str], Manifest | None, dict[str, str]]:
-    """(problems, manifest or None, sample key -> shard) of one shard directory."""
+def check_split(root: str | os.PathLike, decode: bool, held: set[int], held_in: bool,
+                workers: int = 0) -> tuple[list[str], Manifest | None]:
+    """(problems, manifest or None) of one shard directory; `held`: the held-out episodes, which its samples must
+    (`held_in`, a validation split) or must not be of. The shards are read by `workers` processes."""
     store = ShardStore(root)
     try:
         manifest = store.manifest()
     except ShardFormatError as err:
-        return [str(err)], None, {}
+        return [str(err)], None
     files = set(store.list())
     problems: list[str] = check_image(manifest)
     check_statistics(store, manifest, files, problems)
@@ -253,37 +276,41 @@ def check_split(root: str | os.PathLike, decode: bool) -> tuple[list[str], Manif
     listed = {s.shard for s in manifest.shards}
     for extra in sorted({f for f in files if SHARD_NAME.fullmatch(f)} - listed):
         problems.append(f"{extra}: not listed in {MANIFEST}")
-    keys: dict[str, str] = {}
-    table, by_shard = check_sample_index(store, manifest, problems)
-    for i, entry in enumerate(tqdm(manifest.shards, desc="check", unit="shard", disable=not sys.stderr.isatty())):
-        if entry.shard not in files:
-            problems.append(f"{entry.shard}: missing")
-            continue
-        record = check_shard_json(store, entry, files, problems)
-        if table is not None and record is not None and [table.record(r) for r in by_shard[i]] != record.samples:
-            problems.append(f"{manifest.sample_index['file']}: the samples of {entry.shard} differ from "
-                            f"{json_path(entry.shard).as_posix()}")
-        problems += check_shard(store, entry, record, prompt_ids, keys, decode, manifest)
-    return problems, manifest, keys
+    table, order, bounds = check_sample_index(store, manifest, problems)
+    present = [i for i, entry in enumerate(manifest.shards) if entry.shard in files]
+
+    def task(i: int) -> tuple:
+        entry = manifest.shards[i]
+        indexed = None if table is None else [table.record(int(r)) for r in order[bounds[i]:bounds[i + 1]]]
+        return (store, entry, json_path(entry.shard).as_posix() in files, indexed, prompt_ids, decode,
+                manifest.schema, held, held_in)
+
+    found: dict[int, list[str]] = {}
+    for n, shard_problems in run_tasks(check_one_shard, LazyTasks(task, present), auto_workers(workers, len(present)),
+                                       "check", progress=sys.stderr.isatty()):
+        found[present[n]] = shard_problems
+    for i, entry in enumerate(manifest.shards):
+        problems += [f"{entry.shard}: missing"] if i not in found else found[i]
+    return problems, manifest
 
 
-def check_sample_index(store: ShardStore, manifest: Manifest, problems: list[str]) -> tuple[SampleTable | None, list]:
-    """The verified sample index and its rows of each shard in tar order, or (None, []) with the problem noted."""
+def check_sample_index(store: ShardStore, manifest: Manifest, problems: list[str]):
+    """(the verified sample index, the order of its rows by (shard, offset of the first member), where each shard's
+    rows begin in that order), or (None, None, None) with the problem noted."""
     block = manifest.sample_index
     try:
         table = SampleTable(store.local_root(block["file"]) / block["file"], block["file"], block, manifest.shards,
                             manifest.dataset)
     except (ShardFormatError, *STORE_ERRORS) as err:
         problems.append(str(err))
-        return None, []
+        return None, None, None
     shard, first = np.asarray(table.rows["shard"]), np.asarray(table.rows["offset"][:, 0])
-    order = np.lexsort((first, shard))
-    bounds = np.searchsorted(shard[order], np.arange(len(manifest.shards) + 1))
-    return table, [order[bounds[i]:bounds[i + 1]].tolist() for i in range(len(manifest.shards))]
+    order = np.lexsort((first, shard)).astype(np.uint32)
+    return table, order, np.searchsorted(shard[order], np.arange(len(manifest.shards) + 1))
 
 
 def check_sample(shard: str, key: str, members: dict[str, bytes], record, prompt_ids: set[str],
-                 keys: dict[str, str], decode: bool, manifest: Manifest) -> list[str]:
+                 keys: dict[str, str], decode: bool, schema: dict) -> list[str]:
     """Problems of one sample; `keys` (key -> shard seen in) is updated."""
     problems = []
     where = f"{shard}: sample {key}"
@@ -299,7 +326,7 @@ def check_sample(shard: str, key: str, members: dict[str, bytes], record, prompt
             if record is not None:
                 verify_members(shard, record, members)
             return problems
-        meta, tensors = read_sample(shard, key, members, manifest.schema, record)
+        meta, tensors = read_sample(shard, key, members, schema, record)
     except ShardFormatError as err:
         return problems + [str(err)]
     for tname, value in tensors.items():
@@ -328,7 +355,7 @@ def check_image(manifest: Manifest) -> list[str]:
 
 def run(args: Args) -> None:
     try:
-        problems = check(args.root, decode=args.members)
+        problems = check(args.root, decode=args.members, workers=args.workers)
     except STORE_ERRORS as err:  # the storage failed midway (network, permissions): one line, no traceback
         raise SystemExit(f"{args.root}: {err}") from None
     if problems:

@@ -11,12 +11,13 @@ import multiprocessing
 import os
 import signal
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import itertools
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, as_completed, wait
 from typing import Any, Callable, Iterator, Literal, NoReturn
 
 from tqdm import tqdm
 
-from wampipe.preprocess.pipeline import process_unit
 from wampipe.preprocess.spec import BuildSpec
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -37,6 +38,8 @@ def run_units(spec: BuildSpec, units: dict[int, list[int]], executor: Literal["s
 
         yield from run_ray(spec, units, ray_address)
     elif workers <= 1:
+        from wampipe.preprocess.pipeline import process_unit
+
         for unit, episodes in units.items():
             yield process_unit(spec, unit, episodes)
     else:
@@ -44,6 +47,8 @@ def run_units(spec: BuildSpec, units: dict[int, list[int]], executor: Literal["s
 
 
 def _pool(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> Iterator[dict]:
+    from wampipe.preprocess.pipeline import process_unit  # here: check and finalize import this module's task runner
+
     # spawn: torch and the decoders are not fork-safe
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
@@ -56,23 +61,52 @@ def _pool(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> Iterato
             raise
 
 
-def run_tasks(fn: Callable, tasks: list[tuple], workers: int, desc: str) -> Iterator[tuple[int, Any]]:
+def auto_workers(workers: int, tasks: int) -> int:
+    """`workers`, or for 0 (auto) one process per 32 tasks, at most every core and 8: a small job runs in this
+    process, where starting processes would cost more than they save."""
+    return workers or max(1, min(8, os.cpu_count() or 1, tasks // 32))
+
+
+class LazyTasks(Sequence):
+    """The arguments of task i, `make(items[i])`, built only when the task is handed out: a run of many tasks never
+    holds all their arguments at once."""
+
+    def __init__(self, make: Callable[[Any], tuple], items: Sequence):
+        self.make, self.items = make, items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple:
+        return self.make(self.items[i])
+
+
+def run_tasks(fn: Callable, tasks: Sequence[tuple], workers: int, desc: str,
+              progress: bool = True) -> Iterator[tuple[int, Any]]:
     """(i, fn(*tasks[i])) as each task finishes, with a progress bar: in this process with one worker, else in a
-    pool of `workers` spawned processes (finalize's shard tasks: independent, so any order gives the same files)."""
-    bar = tqdm(total=len(tasks), desc=desc, unit="task", disable=not tasks)
+    pool of `workers` spawned processes with at most two tasks each in flight (finalize's shard tasks, `check`'s:
+    independent, so any order gives the same files)."""
+    bar = tqdm(total=len(tasks), desc=desc, unit="task", disable=not (progress and len(tasks)))
     try:
         if workers <= 1 or len(tasks) <= 1:
-            for i, task in enumerate(tasks):
-                yield i, fn(*task)
+            for i in range(len(tasks)):
+                yield i, fn(*tasks[i])
                 bar.update(1)
             return
         with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
                                  initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
-            futures = {pool.submit(fn, *task): i for i, task in enumerate(tasks)}
+            pending, queued = {}, iter(range(len(tasks)))
             try:
-                for future in as_completed(futures):
-                    yield futures[future], future.result()
-                    bar.update(1)
+                for i in itertools.islice(queued, 2 * workers):
+                    pending[pool.submit(fn, *tasks[i])] = i
+                while pending:
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        i = pending.pop(future)
+                        yield i, future.result()
+                        bar.update(1)
+                        for j in itertools.islice(queued, 1):
+                            pending[pool.submit(fn, *tasks[j])] = j
             except BaseException:
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from wampipe.preprocess import write
+from wampipe.preprocess.executors import auto_workers, run_tasks
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.pipeline import VAE_OF_MODEL
 from wampipe.preprocess.spec import BuildSpec
-from wampipe.preprocess.executors import run_tasks
 from wampipe.preprocess.validation import HELD_OUT, split_summaries
 from wampipe.shardformat.embodiments import get_embodiment
 from wampipe.shardformat.files import atomic_write_bytes, atomic_writer, sha256_file
@@ -24,17 +24,21 @@ from wampipe.shardformat.samples import member_names
 from wampipe.shardformat.text import write_text_table
 
 
-def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 1) -> dict:
+def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0) -> dict:
     """Shards, text table, statistics and manifest from the finished units; returns the training split's manifest.
     With held-out episodes (`spec.held_out`), their samples go into the validation split OUT/val, a sealed shard
     directory of its own (the same text table and statistics), written before the training split's manifest.
-    `workers` processes write the shards (each shard a task of its own: write.write_planned_shard)."""
+    `workers` processes (0: executors.auto_workers) write the shards, each a task of its own
+    (write.write_planned_shard)."""
     out = Path(spec.out)
     missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
     if missing:
-        raise SystemExit(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not done")
-    summaries = [summary for _, summary in run_tasks(write.summarize_unit, [(out, u) for u in range(len(units))],
-                                                      workers, "units read")]
+        raise SystemExit(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not "
+                         f"done")
+    summaries = [None] * len(units)
+    for u, summary in run_tasks(write.summarize_unit, [(out, u) for u in range(len(units))],
+                                auto_workers(workers, len(units)), "units read"):
+        summaries[u] = summary
     prompts = {pid: text for summary in summaries for pid, text in summary["prompts"].items()}
     failures = [f for summary in summaries for f in summary["failures"]]
     shared = {"text_table": encode_text_table(out, prompts, spec), "statistics": write_statistics(out, spec, failures)}
@@ -89,7 +93,7 @@ def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, se
     tasks = [(out, into, plan, shard, samples_per_shard, names, dataset)
              for shard in range(-(-count // samples_per_shard))]
     entries = [None] * len(tasks)
-    for shard, entry in run_tasks(write.write_planned_shard, tasks, workers, "shards"):
+    for shard, entry in run_tasks(write.write_planned_shard, tasks, auto_workers(workers, len(tasks)), "shards"):
         entries[shard] = entry
     sample_index, member_bytes = write.assemble_index(out, into, plan, entries, samples_per_shard, names)
     return entries, sample_index, member_bytes

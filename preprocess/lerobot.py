@@ -261,19 +261,22 @@ class LeRobotDataset:
         """One episode with the asked parquet columns, its instructions and (unless `cameras=False`, which skips
         reading image cells and checking videos) its cameras. Validates lengths."""
         info = self.episode_info(episode_index)
-        annotation_cols = list(self.modality.annotation.values()) or (["task_index"] if "task_index" in self.features else [])
+        annotation_cols = (list(self.modality.annotation.values())
+                           or (["task_index"] if "task_index" in self.features else []))
         video = self.modality.video if cameras else {}
         image_cols = [key for key in video.values() if self.camera_storage(key) == "image"]
         wanted = list(dict.fromkeys([*columns, *annotation_cols, *image_cols, "timestamp"]))
         table = self._episode_table(info, wanted)
         if table.num_rows != info.length:
-            raise DatasetError(info.data_path, episode_index, f"parquet has {table.num_rows} rows, meta says length {info.length}")
+            raise DatasetError(info.data_path, episode_index,
+                               f"parquet has {table.num_rows} rows, meta says length {info.length}")
 
         cols = {c: _column_to_numpy(table, c, info.data_path, episode_index) for c in columns}
         for c, values in cols.items():
             if values.dtype.kind == "f" and not np.isfinite(values).all():
                 raise DatasetError(info.data_path, episode_index, f"column {c!r} holds NaN or inf")
-        timestamps = table.column("timestamp").to_numpy().astype(np.float64) if "timestamp" in table.column_names else None
+        timestamps = (table.column("timestamp").to_numpy().astype(np.float64) if "timestamp" in table.column_names
+                      else None)
 
         sources: dict[str, FrameSource] = {}
         for short, key in video.items():
@@ -289,14 +292,16 @@ class LeRobotDataset:
                 if key in info.video_to_timestamp:
                     n = round((info.video_to_timestamp[key] - from_ts) * vfps)
                     if n != info.length:
-                        raise DatasetError(path, episode_index, f"video span holds {n} frames, episode has {info.length} rows")
+                        raise DatasetError(path, episode_index,
+                                           f"video span holds {n} frames, episode has {info.length} rows")
                 sources[short] = VideoFrames(path, episode_index, info.length, vfps, from_ts, timestamps)
 
         instructions = {c: self._instructions(table, c, info) for c in annotation_cols}
         return Episode(episode_index, info.length, cols, sources, {c: v for c, (v, _) in instructions.items()},
                        {c: file for c, (_, file) in instructions.items()})
 
-    def episodes(self, columns: Sequence[str] = (), indices: Sequence[int] | None = None, cameras: bool = True) -> Iterator[Episode]:
+    def episodes(self, columns: Sequence[str] = (), indices: Sequence[int] | None = None,
+                 cameras: bool = True) -> Iterator[Episode]:
         for i in self.episode_indices if indices is None else indices:
             yield self.episode(i, columns, cameras)
 
@@ -311,7 +316,8 @@ class LeRobotDataset:
             if isinstance(v, str):
                 out[i] = v
             elif v is None or int(v) not in self.tasks:
-                raise DatasetError(info.data_path, info.index, f"{column}[{i}] = {v!r} is not a task index in meta/tasks")
+                raise DatasetError(info.data_path, info.index,
+                                   f"{column}[{i}] = {v!r} is not a task index in meta/tasks")
             else:
                 out[i] = self.tasks[int(v)]
         return out, info.data_path if all(isinstance(v, str) for v in values) else self.tasks_file
@@ -407,7 +413,8 @@ class LeRobotDataset:
                         if self.camera_storage(k) != "video":
                             continue
                         videos[k] = self.root / self.info["video_path"].format(
-                            video_key=k, chunk_index=row[f"videos/{k}/chunk_index"], file_index=row[f"videos/{k}/file_index"]
+                            video_key=k, chunk_index=row[f"videos/{k}/chunk_index"],
+                            file_index=row[f"videos/{k}/file_index"]
                         )
                         from_ts[k] = float(row[f"videos/{k}/from_timestamp"])
                         to_ts[k] = float(row[f"videos/{k}/to_timestamp"])
@@ -443,7 +450,8 @@ def _read_parquet(path: Path, columns: list[str] | None, episode: int | None) ->
 
 def _column_to_numpy(table: pa.Table, column: str, path: Path, episode: int) -> np.ndarray:
     chunked = table.column(column)
-    if pa.types.is_list(chunked.type) or pa.types.is_fixed_size_list(chunked.type) or pa.types.is_large_list(chunked.type):
+    if (pa.types.is_list(chunked.type) or pa.types.is_fixed_size_list(chunked.type)
+            or pa.types.is_large_list(chunked.type)):
         try:
             return np.stack(chunked.to_numpy(zero_copy_only=False))  # keeps the stored dtype (float32 / float64)
         except ValueError as err:

@@ -9,12 +9,14 @@ deletes the old build (its units only where they differ) first.
 
 A run deletes or replaces only files of a build, never a file someone else put in OUT (`ownership`). The names a
 build writes are inputs.json, manifest.json, wids.json, metadata.json, text/embeddings.safetensors,
-text/prompts.json, shard-NNNNNN.tar/.json, the same names under val/ (the validation split) and
-work/unit-NNNNNN.tar/.json. A directory whose inputs.json is a build's record owns every file at those names.
-Without one, only what a record names is a build's: a sealed manifest.json (an older wampipe's) with wids.json and
-the files it lists, and the units whose JSON records their inputs. Any other file at those names is foreign: the run
-refuses to start, naming it, with or without `--overwrite`, and deletes nothing. Of the hidden files, only the
-temporaries of shardformat.files (marked `.*.wampipe-<pid>-<hex>.tmp`) are ever removed.
+text/prompts.json, samples.npy, shard-NNNNNN.tar/.json, the same names under val/ (the validation split),
+work/unit-NNNNNN.tar/.json/.rows.npy and finalize's work files (work/plan-train.npy, work/plan-val.npy and, under
+work/plan-train/ and work/plan-val/, shard-NNNNNN.tar.rows.npy and bucket-NNNNNN.rows/.ids). A directory whose
+inputs.json is a build's record owns every file at those names. Without one, only what a record names is a build's:
+a sealed manifest.json (an older wampipe's) with wids.json and the files it lists, and the units whose JSON records
+their inputs. Any other file at those names is foreign: the run refuses to start, naming it, with or without
+`--overwrite`, and deletes nothing. Of the hidden files, only the temporaries of shardformat.files (marked
+`.*.wampipe-<pid>-<hex>.tmp`) are ever removed.
 """
 
 from __future__ import annotations
@@ -29,16 +31,19 @@ from typing import Callable, Iterable, Iterator
 
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.shardformat.files import atomic_write_json, fsync_dir, is_temporary, lock_directory, temporary_path
-from wampipe.shardformat.layout import (INPUTS, MANIFEST, SHARD_NAME, STATISTICS, TEXT_PROMPTS, TEXT_TABLE, UNIT_NAME,
-                                VAL_DIR, WIDS_INDEX, WORK_DIR)
+from wampipe.shardformat.layout import (INPUTS, MANIFEST, SAMPLE_INDEX, SHARD_NAME, STATISTICS, TEXT_PROMPTS,
+                                        TEXT_TABLE, UNIT_NAME, VAL_DIR, WIDS_INDEX, WORK_DIR)
 from wampipe.shardformat.manifest import ShardFormatError, parse_sealed_json
 
 LOCK = ".lock"
-SPLIT_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TEXT_TABLE, TEXT_PROMPTS)  # a split's finalize outputs, manifest first
+# a split's finalize outputs, manifest first
+SPLIT_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TEXT_TABLE, TEXT_PROMPTS, SAMPLE_INDEX)
 FIXED_NAMES = SPLIT_NAMES + tuple(f"{VAL_DIR}/{name}" for name in SPLIT_NAMES)  # the training split's, then val/'s
 # the shards (of either split), the units and their JSONs
 NUMBERED = re.compile(rf"({VAL_DIR}/{SHARD_NAME.pattern}|{SHARD_NAME.pattern}|{WORK_DIR}/{UNIT_NAME.pattern})"
-                      .replace(r"\.tar", r"\.(tar|json)"))
+                      .replace(r"\.tar", r"\.(tar|json|rows\.npy)"))
+# finalize's plan of each split, its shards' rows and the buckets of the sample index (preprocess.write)
+PLANS = re.compile(rf"{WORK_DIR}/plan-(train|val)(\.npy|/{SHARD_NAME.pattern}\.rows\.npy|/bucket-\d{{6,}}\.(rows|ids))")
 
 
 # ---------------------------------------------------------------- one run per directory
@@ -70,7 +75,7 @@ def remove_temporaries(out: Path) -> None:
 def ownership(names: Iterable[str], read: Callable[[str], bytes]) -> tuple[list[str], list[str]]:
     """(a build's own, foreign): the files among `names` (paths relative to a shard directory, local or remote)
     at the names a build writes, split by the rule of the module docstring. `read(name)` gives a file's bytes."""
-    written = sorted(n for n in names if n == INPUTS or n in FIXED_NAMES or NUMBERED.fullmatch(n))
+    written = sorted(n for n in names if n == INPUTS or n in FIXED_NAMES or NUMBERED.fullmatch(n) or PLANS.fullmatch(n))
     if INPUTS in written and isinstance(_json(read, INPUTS), dict):
         return written, []
     own = set()
@@ -82,7 +87,7 @@ def ownership(names: Iterable[str], read: Callable[[str], bytes]) -> tuple[list[
         listed = [s.get("shard", "") for s in manifest.get("shards", [])]
         own |= {MANIFEST, WIDS_INDEX, *listed, *(n.replace(".tar", ".json") for n in listed),
                 manifest.get("text_table", {}).get("file"), manifest.get("text_table", {}).get("prompts"),
-                manifest.get("statistics", {}).get("file")}
+                manifest.get("statistics", {}).get("file"), manifest.get("sample_index", {}).get("file")}
     for name in written:
         if name.startswith(f"{WORK_DIR}/") and name.endswith(".json"):
             unit = _json(read, name)
@@ -197,5 +202,10 @@ def delete_build(out: Path, units: bool) -> None:
     own = local_ownership(out)[0]
     first = [n for n in FIXED_NAMES if n in own]
     numbered = [n for n in own if NUMBERED.fullmatch(n) and (units or not n.startswith(f"{WORK_DIR}/"))]
-    for name in first + numbered + [n for n in own if n == INPUTS]:
+    plans = [n for n in own if PLANS.fullmatch(n)]
+    for name in first + numbered + plans + [n for n in own if n == INPUTS]:
         (out / name).unlink()
+    for split in ("train", "val"):  # the plans' folders, once empty
+        folder = out / WORK_DIR / f"plan-{split}"
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()

@@ -114,7 +114,8 @@ def window_prompts(episode: Episode, start: int, embodiment: Embodiment) -> dict
     columns = list(embodiment.annotation_columns) or list(episode.annotations)
     missing = [c for c in columns if c not in episode.annotations]
     if missing:
-        raise DatasetError(None, episode.index, f"annotation columns {missing} are missing (have {sorted(episode.annotations)})")
+        raise DatasetError(None, episode.index,
+                           f"annotation columns {missing} are missing (have {sorted(episode.annotations)})")
     if not columns:
         raise DatasetError(None, episode.index, "no instruction: neither annotation columns nor task_index")
     prompts = {}

@@ -52,9 +52,9 @@ DATASETS = {name: configs.build(DatasetPreset, preset, f"configs/datasets.yaml: 
             for name, preset in configs.read(configs.DATASETS_FILE).items()}
 DatasetName = Literal[tuple(DATASETS)]  # type: ignore[valid-type]
 # Arguments with a lower bound (None, where allowed, means "not given").
-AT_LEAST = {"batch_size": 1, "workers": 0, "finalize_workers": 0, "threads_per_worker": 1, "num_units": 1, "unit_index": 0,
-            "episodes_per_unit": 1, "anchor_stride": 1, "augment_variants": 0, "samples_per_shard": 1, "seed": 0,
-            "max_episodes": 1}
+AT_LEAST = {"batch_size": 1, "workers": 0, "finalize_workers": 0, "threads_per_worker": 1, "num_units": 1,
+            "unit_index": 0, "episodes_per_unit": 1, "anchor_stride": 1, "augment_variants": 0, "samples_per_shard": 1,
+            "seed": 0, "max_episodes": 1}
 
 
 @dataclass
@@ -96,7 +96,7 @@ class Args:
     0 = auto: with stream, every core but three per GPU encoder (one per CPU encoder); with local, 1."""
     finalize_workers: int = 0
     """Processes writing the output shards at finalize (each shard a task of its own; the bytes never depend on it).
-    0 = auto: every core, at most 8 (the copies are bound by the disk)."""
+    0 = auto: one per 32 shards, at most every core and 8 (the copies are bound by the disk)."""
     threads_per_worker: int | None = None
     """Torch threads per unit (default: CPU cores / workers). Float reductions depend on it, so byte-identical
     reruns need the same value; it is recorded with the build's inputs."""
@@ -235,9 +235,9 @@ def check_weights(args: Args) -> None:
     import torch  # here and below, not at the top: `--help` without loading torch
 
     from wampipe.encoders.image_encoder import load_image_encoder
-    from wampipe.preprocess.pipeline import VAE_OF_MODEL
     from wampipe.encoders.text_encoder import load_text_encoder
     from wampipe.encoders.vae import load_vae
+    from wampipe.preprocess.pipeline import VAE_OF_MODEL
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
@@ -309,7 +309,8 @@ def run(args: Args) -> None:
         args.threads_per_worker = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
         hashing = time.perf_counter()
         spec = BuildSpec.from_args(args, embodiment=emb.tag, held_out=held)
-        print(f"start: encoder weights checked in {checked:.1f} s, inputs hashed in {time.perf_counter() - hashing:.1f} s",
+        print(f"start: encoder weights checked in {checked:.1f} s, inputs hashed in "
+              f"{time.perf_counter() - hashing:.1f} s",
               flush=True)
         if url:
             remote.prefetch_remote_state(url, args.out, args.overwrite)
@@ -325,12 +326,13 @@ def run(args: Args) -> None:
         if args.stage == "units" or array_job:
             print("units done; run again with --stage finalize once every unit is finished")
             return
-        manifest = finalize(spec, units, args.finalize_workers or min(8, os.cpu_count() or 1))
+        manifest = finalize(spec, units, args.finalize_workers)
         if url:
             remote.publish(args.out, url, overwrite=args.overwrite)
     t = manifest["totals"]
     print(f"done: {t['samples']} samples in {t['shards']} shards ({t['bytes'] / 2**20:.1f} MiB); episodes: "
-          f"{t['episodes_encoded']} encoded, {t['episodes_skipped']} shorter than a window, {t['episodes_failed']} failed")
+          f"{t['episodes_encoded']} encoded, {t['episodes_skipped']} shorter than a window, "
+          f"{t['episodes_failed']} failed")
     for failure in manifest["failures"]:
         print(f"  FAILED episode {failure['episode']}: {failure['reason']}")
     failed = {failure["episode"] for failure in manifest["failures"]}

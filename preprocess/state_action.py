@@ -24,7 +24,8 @@ def columns_for(entries: Mapping[str, ModalityEntry], keys: Sequence[str]) -> li
     return list(dict.fromkeys(entries[k].original_key for k in keys if k in entries))
 
 
-def slice_keys(episode: Episode, entries: Mapping[str, ModalityEntry], keys: Sequence[str], path=None) -> dict[str, np.ndarray]:
+def slice_keys(episode: Episode, entries: Mapping[str, ModalityEntry], keys: Sequence[str],
+               path=None) -> dict[str, np.ndarray]:
     """Sub-key -> [L, d] array of the whole episode, for the embodiment's `keys` in order."""
     missing = [k for k in keys if k not in entries]
     if missing:
@@ -36,7 +37,8 @@ def slice_keys(episode: Episode, entries: Mapping[str, ModalityEntry], keys: Seq
 
 
 def relative_to_chunk_start(action_td: np.ndarray, state_at_chunk_start_kd: np.ndarray, horizon: int) -> np.ndarray:
-    """Subtract from each chunk of `horizon` action rows the raw state at that chunk's first row (docs/REFERENCE.md#5-state-action-and-normalization)."""
+    """Subtract from each chunk of `horizon` action rows the raw state at that chunk's first row
+    (docs/REFERENCE.md#5-state-action-and-normalization)."""
     k = action_td.shape[0] // horizon
     if action_td.shape[0] != k * horizon or state_at_chunk_start_kd.shape[0] != k:
         raise ValueError(f"{action_td.shape[0]} action rows and {state_at_chunk_start_kd.shape[0]} reference states "

@@ -99,13 +99,16 @@ def dataset_metadata(ds: LeRobotDataset, embodiment: Embodiment, max_relative_ep
     out; episodes whose rows cannot be used are added to it with their reason."""
     skip = {} if skip is None else skip
     modality = ds.modality
-    for kind, keys, entries in (("state", embodiment.state_keys, modality.state), ("action", embodiment.action_keys, modality.action)):
+    for kind, keys, entries in (("state", embodiment.state_keys, modality.state),
+                                ("action", embodiment.action_keys, modality.action)):
         missing = [k for k in keys if k not in entries]
         if missing:
-            raise DatasetError(ds.root / "meta", None, f"{embodiment.tag} needs {kind} sub-keys {missing}; modality has {sorted(entries)}")
+            raise DatasetError(ds.root / "meta", None,
+                               f"{embodiment.tag} needs {kind} sub-keys {missing}; modality has {sorted(entries)}")
     cameras = [c for c in embodiment.cameras if c not in modality.video]
     if cameras:
-        raise DatasetError(ds.root / "meta", None, f"{embodiment.tag} needs cameras {cameras}; dataset has {sorted(modality.video)}")
+        raise DatasetError(ds.root / "meta", None,
+                           f"{embodiment.tag} needs cameras {cameras}; dataset has {sorted(modality.video)}")
 
     columns = list(dict.fromkeys(e.original_key for e in [*modality.state.values(), *modality.action.values()]))
     absolute, rows = _column_statistics(ds, columns, skip)
@@ -183,7 +186,8 @@ def _relative_statistics(ds: LeRobotDataset, embodiment: Embodiment, max_episode
     horizon = embodiment.window.action_horizon
     indices = np.array(ds.episode_indices)
     if 0 < max_episodes < len(indices):
-        indices = indices[np.random.default_rng(RELATIVE_STATS_SEED).choice(len(indices), size=max_episodes, replace=False)]
+        indices = indices[np.random.default_rng(RELATIVE_STATS_SEED).choice(len(indices), size=max_episodes,
+                                                                             replace=False)]
     entries = {k: (ds.modality.state[k], ds.modality.action[k]) for k in keys}
     columns = list(dict.fromkeys(e.original_key for pair in entries.values() for e in pair))
     pooled: dict[str, list[np.ndarray]] = {k: [] for k in keys}
@@ -200,7 +204,8 @@ def _relative_statistics(ds: LeRobotDataset, embodiment: Embodiment, max_episode
             pooled[k].append((windows - state[:n, None, :]).reshape(n * horizon, -1))
     empty = [k for k, v in pooled.items() if not v]
     if empty:
-        raise DatasetError(ds.root, None, f"no episode is longer than the action horizon {horizon}: no relative stats for {empty}")
+        raise DatasetError(ds.root, None,
+                           f"no episode is longer than the action horizon {horizon}: no relative stats for {empty}")
     return {k: summarize(np.concatenate(v)) for k, v in pooled.items()}
 
 
@@ -213,7 +218,8 @@ def merge_metadata(parts: list[dict], weights: np.ndarray, names: list[str]) -> 
     first = parts[0]
     for part, name in zip(parts[1:], names[1:]):
         if part["modalities"] != first["modalities"]:
-            raise DatasetError(name, None, f"modalities differ from {names[0]}; only datasets of one layout can be merged")
+            raise DatasetError(name, None,
+                               f"modalities differ from {names[0]}; only datasets of one layout can be merged")
     statistics = {}
     for kind in ("state", "action"):
         statistics[kind] = {}

@@ -116,7 +116,8 @@ def adjust_hue(x: torch.Tensor, factor: float) -> torch.Tensor:
     return hsv_to_rgb(torch.stack((torch.remainder(h + factor, 1.0), s, v), dim=-3))
 
 
-_ADJUST = {"brightness": adjust_brightness, "contrast": adjust_contrast, "saturation": adjust_saturation, "hue": adjust_hue}
+_ADJUST = {"brightness": adjust_brightness, "contrast": adjust_contrast, "saturation": adjust_saturation,
+           "hue": adjust_hue}
 
 
 def color_jitter(x: torch.Tensor, jitter: dict) -> torch.Tensor:

@@ -178,8 +178,8 @@ def plan_split(out: Path, summaries: list[dict], seed: int, held: Iterable[int],
                            & (cols["variant"][1:] == cols["variant"][:-1]))
     if twice.size:
         i = twice[0]
-        raise ShardFormatError(f"{out}: sample {sample_key(dataset, int(cols['episode'][i]), int(cols['start'][i]), int(cols['variant'][i]))} "
-                               f"is in two units (an episode listed twice?)")
+        key = sample_key(dataset, int(cols["episode"][i]), int(cols["start"][i]), int(cols["variant"][i]))
+        raise ShardFormatError(f"{out}: sample {key} is in two units (an episode listed twice?)")
     perm = np.random.default_rng(seed).permutation(len(order))
     plan = np.empty(len(order), PLAN_ROW)
     plan["unit"], plan["row"], plan["canon"] = cols["unit"][order][perm], cols["row"][order][perm], perm
@@ -213,13 +213,13 @@ def write_planned_shard(out: Path, into: Path, plan_path: Path, shard: int, samp
     done = shard_done(into, shard)
     if done is None or done["keys"] != keys:
         done = _copy_shard(out, into / shard_file(shard), keys, located, names)
+    # written anew even for a kept shard: a file of an earlier run's plan may lie at that name
+    record = ShardRecord.from_dict(done, json_path(shard_file(shard)))
+    rows = shard_index_rows(shard, record.samples, names, len(located[0][1]["member"]) if located else 1)
     rows_path = shard_rows_path(out, plan_path, shard)
-    if not rows_path.is_file():
-        record = ShardRecord.from_dict(done, json_path(shard_file(shard)))
-        rows = shard_index_rows(shard, record.samples, names, len(located[0][1]["member"]) if located else 1)
-        rows_path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_writer(rows_path) as f:
-            np.lib.format.write_array(f, rows, allow_pickle=False)
+    rows_path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_writer(rows_path) as f:
+        np.lib.format.write_array(f, rows, allow_pickle=False)
     return {k: done[k] for k in ("shard", "count", "bytes", "sha256")}
 
 

@@ -65,7 +65,8 @@ def bench_vae(variant: str, shape: tuple[int, int, int], batch: int, args) -> di
 def bench_umt5(args) -> dict:
     from transformers import UMT5Config, UMT5EncoderModel
 
-    cfg = dict(UMT5_XXL, **({"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4} if args.quick else {}))
+    cfg = dict(UMT5_XXL, **({"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4}
+                            if args.quick else {}))
     with torch.device(args.device):
         model = UMT5EncoderModel(UMT5Config(**cfg))
     enc = TextEncoder(model, tokenizer=None, device=args.device, dtype=compute_dtype(args))

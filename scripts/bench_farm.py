@@ -170,7 +170,8 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
                       workers=args.workers, stage="units", executor=args.executor,
                       anchor_stride=args.anchor_stride, decode_backend=args.decode_backend,
                       episodes_per_unit=args.episodes_per_unit, image_features=args.image_features,
-                      vae_compile=args.vae_compile, vae=weights / vae / "vae", image_encoder=weights / "clip" / "image_encoder",
+                      vae_compile=args.vae_compile, vae=weights / vae / "vae",
+                      image_encoder=weights / "clip" / "image_encoder",
                       text_encoder=weights / "umt5" / "text_encoder", tokenizer=weights / "umt5" / "tokenizer")
     gpus = encoder_gpus(args.device)
     devices = len(gpus) or 1  # one encoder process per GPU, or one on the CPU

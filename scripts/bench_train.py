@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
     plan = batch_plan(cfg, args.nproc)
     micro, global_batch, accum = plan.micro, plan.global_batch, plan.accum
     total_steps = args.warmup_steps + args.steps
-    result: dict = {"bench": "train", "preset": args.preset, "mix": args.mix, "model": cfg.model.name, "world_size": args.nproc,
+    result: dict = {"bench": "train", "preset": args.preset, "mix": args.mix, "model": cfg.model.name,
+                    "world_size": args.nproc,
                     "micro_batch": micro, "global_batch": global_batch, "accum": accum,
                     "ac": cfg.parallel.activation_checkpoint, "compile": cfg.parallel.compile,
                     "attention": cfg.model.attention, "reshard_after_forward": cfg.parallel.reshard_after_forward,

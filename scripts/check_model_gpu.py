@@ -160,7 +160,8 @@ def main(args: Args):
         agreement.update(check_attention(dev))
         agreement.update(check_model(dev))
         for k, v in agreement.items():
-            print(f"{'compact vs 512-row text' if k.startswith('compact') else 'flex vs dense'} {k}: max rel err {v:.2e}")
+            print(f"{'compact vs 512-row text' if k.startswith('compact') else 'flex vs dense'} {k}: "
+                  f"max rel err {v:.2e}")
 
         def tol(key):  # fp32 runs (tiny model, fp32 attention) vs bf16 runs
             return 1e-4 if ("float32" in key or key.startswith(("model_tiny", "compact_text_tiny"))) else 3e-2

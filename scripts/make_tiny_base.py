@@ -2,7 +2,7 @@
 `--checkpoint.export-base` in tests, `make demo` and the load benchmark.
 
     python scripts/make_tiny_base.py --out build/demo/base --shards build/demo/droid --also libero_sim  # the demo's
-    python scripts/make_tiny_base.py --out /scratch/base-14b --preset droid-14b               # full-size DiT, 33 GB bf16
+    python scripts/make_tiny_base.py --out /scratch/base-14b --preset droid-14b              # full-size DiT, 33 GB bf16
 
 The layout written is listed in devtools/tiny_base.py.
 """

@@ -166,8 +166,9 @@ class SampleTable:
             bad = np.flatnonzero((((ends > sizes[block["shard"]][:, None]) | (ends < block["offset"])) & used)
                                  .any(1)).tolist()
             if bad:
-                self._refuse(lo + bad[0], f"a member lies outside the {sizes[block['shard'][bad[0]]]} bytes of "
-                                          f"{self.shard_names[block['shard'][bad[0]]]} (crafted or corrupt): rebuild the shards")
+                shard = int(block["shard"][bad[0]])
+                self._refuse(lo + bad[0], f"a member lies outside the {sizes[shard]} bytes of "
+                                          f"{self.shard_names[shard]} (crafted or corrupt): rebuild the shards")
             counts += np.bincount(block["shard"], minlength=len(shards))
             head = block if lo else block[1:]
             bad = np.flatnonzero(~_after(head, before)).tolist()
@@ -233,10 +234,9 @@ class SampleTable:
         if k.dataset != self.dataset:
             return None
         target = (k.episode, k.start, k.variant)
-        rows = self.rows
-        row = bisect.bisect_left(range(len(rows)), target, key=lambda i: (int(rows[i]["episode"]),
-                                                                          int(rows[i]["start"]),
-                                                                          int(rows[i]["variant"])))
-        if row < len(rows) and (int(rows[row]["episode"]), int(rows[row]["start"]), int(rows[row]["variant"])) == target:
-            return row
-        return None
+
+        def at(i: int) -> tuple[int, int, int]:
+            return int(self.rows[i]["episode"]), int(self.rows[i]["start"]), int(self.rows[i]["variant"])
+
+        row = bisect.bisect_left(range(len(self.rows)), target, key=at)
+        return row if row < len(self.rows) and at(row) == target else None

@@ -191,7 +191,7 @@ def small_dit(small_shards) -> DiTConfig:
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-compatible server (moto's standalone server) on localhost, one per test session."""
-    from tests.s3 import S3Server
+    from devtools.s3 import S3Server
 
     server = S3Server(tmp_path_factory.mktemp("s3") / "server.log").start()
     yield server

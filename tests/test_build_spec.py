@@ -11,8 +11,8 @@ from wampipe.preprocess.shards import Args
 from wampipe.preprocess.spec import FINALIZE, UNIT, BuildSpec, arg
 
 # The flags that change no output byte: where and how the run goes, not what it builds.
-RUN_ONLY = {"config", "out", "staging_dir", "workers", "finalize_workers", "executor", "ray_address", "unit_index", "num_units", "stage",
-            "fail_fast", "overwrite", "compile_cache"}
+RUN_ONLY = {"config", "out", "staging_dir", "workers", "finalize_workers", "executor", "ray_address", "unit_index",
+            "num_units", "stage", "fail_fast", "overwrite", "compile_cache"}
 # inputs.json's keys as builds before the spec recorded them: a build made then resumes now
 RECORDED = {"src", "dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend",
             "dtype", "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes",
@@ -47,8 +47,8 @@ def test_every_argument_that_changes_bytes_is_recorded(args):
 
 def test_finalize_only_arguments_leave_the_units_alone(args):
     base, files = spec_of(args).inputs(), args.vae.parent
-    others = {"samples_per_shard": 7, "val_episodes": "1", "text_encoder": files / "other", "tokenizer": files / "other",
-              "metadata": files / "metadata"}
+    others = {"samples_per_shard": 7, "val_episodes": "1", "text_encoder": files / "other",
+              "tokenizer": files / "other", "metadata": files / "metadata"}
     assert {f.name for f in fields(BuildSpec) if f.metadata["stage"] == FINALIZE} == set(others)
     for name, value in others.items():
         changed = spec_of(args, **{name: value}).inputs()

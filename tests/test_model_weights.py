@@ -37,7 +37,8 @@ def test_official_names_and_shapes_load_strictly(preset, keys_file, n_params, n_
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == keys
     model.load_state_dict(sd, strict=True, assign=True)
     assert sum(p.numel() for p in model.parameters()) == n_params
-    # what a Wan base lacks (docs/REFERENCE.md#7-dit-token-layout-rope-and-timesteps): enc/dec for both, plus the CLIP branch for the ti2v 5B
+    # what a Wan base lacks (docs/REFERENCE.md#7-dit-token-layout-rope-and-timesteps): enc/dec for both, plus the CLIP
+    # branch for the ti2v 5B
     assert sum(math.prod(s) for k, s in keys.items() if _allowed_absent(model, k)) == n_new
 
 

@@ -67,7 +67,8 @@ def test_flags_override_the_file_which_overrides_the_preset(tmp_path):
     assert (tiny.preset, tiny.steps, tiny.parallel.global_batch_size, tiny.optim.lr) == ("tiny", 7, 0, 2e-5)
     # a recipe name is its file
     assert parse_args(["--config", "droid-14b", "--data.shards", "s"]) == dataclasses.replace(
-        preset_config("droid-14b"), config="droid-14b", data=dataclasses.replace(preset_config("droid-14b").data, shards="s"))
+        preset_config("droid-14b"), config="droid-14b",
+        data=dataclasses.replace(preset_config("droid-14b").data, shards="s"))
 
 
 def test_preprocess_config_sets_the_defaults_of_its_flags(tmp_path):

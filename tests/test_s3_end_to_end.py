@@ -19,7 +19,7 @@ from wampipe.preprocess.remote import prefetch_remote_state, publish, published,
 from wampipe.shardformat.files import atomic_write_json
 from wampipe.shardformat.shard import ShardRecord
 from wampipe.shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
-from tests.s3 import upload_then_sigkill
+from devtools.s3 import upload_then_sigkill
 from tests.test_train_data import TINY
 from wampipe.train.config import DataConfig
 from wampipe.train.data import ShardLoader

@@ -76,8 +76,9 @@ def test_an_index_sealed_again_over_a_wrong_crc_is_refused_at_the_read(copy):
     edit_index(copy, lambda rows: rows["crc32"].__setitem__((0, 0), rows["crc32"][0, 0] ^ 1))
     index = open_index(copy)
     key, name = index.table.key(0), index.table.record(0).members[0].name
-    with pytest.raises(ShardFormatError, match=f"^{re.escape(str(copy / index.manifest.shards[index.table.shard(0)].shard))}: "
-                                               f"sample {key}: member {re.escape(name)} checksum mismatch"):
+    tar = copy / index.manifest.shards[index.table.shard(0)].shard
+    with pytest.raises(ShardFormatError, match=f"^{re.escape(str(tar))}: sample {key}: member {re.escape(name)} "
+                                               f"checksum mismatch"):
         SampleReader(index, preset("tiny")).raw_row(0)
     assert any(p.startswith("samples.npy: the samples of shard-") and "differ from" in p for p in check(copy))
 

@@ -62,7 +62,8 @@ def test_a_writer_killed_mid_write_leaves_no_visible_file(tmp_path):
     proc.join()
     assert not target.exists()
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "ready"]
-    assert len(leftovers) == 1 and leftovers[0].startswith(f".shard-000000.tar.wampipe-{proc.pid}-")  # hidden, per process
+    # hidden, per process
+    assert len(leftovers) == 1 and leftovers[0].startswith(f".shard-000000.tar.wampipe-{proc.pid}-")
 
 
 def _racer(path: str, byte: int, rounds: int) -> None:

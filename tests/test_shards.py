@@ -153,7 +153,8 @@ def test_check_finds_corruption(droid_shards, tmp_path):
     problems = check(deleted)
     assert any(p.startswith(f"{first}: sample {key}: member clip.npy") and "missing" in p for p in problems), problems
 
-    assert check(tmp_path / "nowhere") == [f"{tmp_path / 'nowhere' / 'manifest.json'}: missing (an unfinished run, or not a shard directory)"]
+    assert check(tmp_path / "nowhere") == [f"{tmp_path / 'nowhere' / 'manifest.json'}: missing "
+                                           f"(an unfinished run, or not a shard directory)"]
 
 
 def test_check_cli_exit_codes(droid_shards, tmp_path, capsys):

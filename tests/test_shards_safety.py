@@ -79,9 +79,9 @@ def test_overwrite_of_finalize_inputs_keeps_the_units(bad_build, tiny_checkpoint
     src, complete, _ = bad_build
     out = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(complete), str(out)], check=True)
-    units = {p.name: p.stat().st_mtime_ns for p in (out / "work").iterdir()}
+    units = {p.name: p.stat().st_mtime_ns for p in (out / "work").glob("unit-*")}
     main(shards_cmd(src, out, "droid", tiny_checkpoints, "--seed", "1", "--overwrite")[3:])
-    assert {p.name: p.stat().st_mtime_ns for p in (out / "work").iterdir()} == units
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "work").glob("unit-*")} == units
     assert check(out) == []
     assert manifest(out)["seed"] == 1 and json.loads((out / INPUTS).read_text())["seed"] == 1
 
@@ -157,7 +157,8 @@ def test_one_run_owns_out_its_workers_die_with_it_and_a_killed_build_is_never_mi
     # --overwrite deletes the old units (their inputs differ) and builds the new ones
     build(droid_root, out, "droid", tiny_checkpoints, "--max-episodes", "1", "--anchor-stride", "96", "--overwrite")
     assert check(out) == []
-    assert sorted(p.name for p in (out / "work").iterdir()) == ["unit-000000.json", "unit-000000.tar"]
+    assert sorted(p.name for p in (out / "work").glob("unit-*")) == ["unit-000000.json", "unit-000000.rows.npy",
+                                                                      "unit-000000.tar"]
     assert json.loads((out / INPUTS).read_text())["max_episodes"] == 1
     assert manifest(out)["totals"]["samples"] == 1  # episode 0: 192 rows, 96 windows, the first of every 96
 
@@ -193,9 +194,9 @@ def test_bad_arguments_and_weights_fail_at_start(droid_root, tiny_checkpoints, t
                             capture_output=True, text=True)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (f"{clip}: this file is a open-clip xlm-roberta ViT-H/14, Wan "
-                                                      f"layout, but the VAE needs a Wan2.1 VAE (16 latent channels, 8x), "
-                                                      f"original layout or Wan2.2 VAE38 (48 latent channels, 16x), "
-                                                      f"original layout or Diffusers AutoencoderKLWan")
+                                                      f"layout, but the VAE needs a Wan2.1 VAE (16 latent channels, "
+                                                      f"8x), original layout or Wan2.2 VAE38 (48 latent channels, "
+                                                      f"16x), original layout or Diffusers AutoencoderKLWan")
 
 
 def test_dataset_error_survives_the_trip_from_a_worker_process():

@@ -51,7 +51,8 @@ def test_droid_window_slices_and_relative_actions(droid_root):
     a0 = window.start
     assert state.shape == (4, 8) and action.shape == (96, 8) and state.dtype == action.dtype == np.float32
     for c in range(4):
-        np.testing.assert_array_equal(state[c], np.r_[raw_state[a0 + 24 * c, 7:14], raw_state[a0 + 24 * c, 6:7]].astype(np.float32))
+        np.testing.assert_array_equal(state[c], np.r_[raw_state[a0 + 24 * c, 7:14],
+                                                      raw_state[a0 + 24 * c, 6:7]].astype(np.float32))
         for k in range(24):
             row = a0 + 24 * c + k
             joints = raw_action[row, 14:21] - raw_state[a0 + 24 * c, 7:14]  # relative to the chunk's first row

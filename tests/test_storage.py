@@ -11,7 +11,7 @@ import pytest
 from wampipe.preprocess.check import check
 from wampipe.shardformat.files import sha256_file
 from wampipe.shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
-from tests.s3 import upload_then_sigkill
+from devtools.s3 import upload_then_sigkill
 
 
 @pytest.fixture(scope="module")

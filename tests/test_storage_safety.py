@@ -27,7 +27,7 @@ from wampipe.preprocess.remote import AT_START, publish, staging_dir
 from wampipe.shardformat.files import atomic_write_json
 from wampipe.shardformat.storage import ShardStore, s3_options_from_env, upload_order
 from tests.conftest import ROOT, shards_cmd
-from tests.s3 import CREDENTIALS, S3Server
+from devtools.s3 import CREDENTIALS, S3Server
 from tests.test_shards_safety import refusal, tree
 
 # Another tool's shard directory: files at the names a build writes, none of them recorded by a build.

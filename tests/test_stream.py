@@ -50,8 +50,8 @@ def test_the_compiled_vae_gives_the_same_bytes_on_every_executor_and_batch_cut(d
     assert check(stream) == [] and check(local) == []
     assert manifest(stream)["shards"] == manifest(local)["shards"]
     assert json.loads((stream / "inputs.json").read_text())["vae_compile"] is True  # recorded like any byte-changer
-    assert re.search(r"^encoders on cpu: ready .*: diffusers import [\d.]+ s, VAE weights [\d.]+ s, compiling [\d.]+ s, "
-                     r"CLIP weights", said, re.M), said
+    assert re.search(r"^encoders on cpu: ready .*: diffusers import [\d.]+ s, VAE weights [\d.]+ s, "
+                     r"compiling [\d.]+ s, CLIP weights", said, re.M), said
     assert any(cache.iterdir())
 
 
@@ -124,5 +124,6 @@ def test_an_encoder_killed_while_importing_stops_the_run_before_any_worker_start
         run.wait()
     assert seen <= {encoder}, f"CPU workers started before the encoder had imported: {seen}"
     assert run.returncode == 1
-    assert stderr.strip().splitlines()[-1] == "encoder-cpu died (killed by SIGKILL): out of host memory? see `dmesg`", stderr
+    assert stderr.strip().splitlines()[-1] == ("encoder-cpu died (killed by SIGKILL): out of host memory? "
+                                               "see `dmesg`"), stderr
     assert "Traceback" not in stderr and not (out / "manifest.json").exists(), stderr

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from devtools import synthetic
 from wampipe.shardformat.members import checksum, npy_bytes
 from wampipe.shardformat.shard import ShardRecord, json_path
-from tests.conftest import tiny_model
+from tests.conftest import reindex, tiny_model
 from tests.test_train_main import ROOT, _command, _env, _rows
 from wampipe.train import checkpoint
 from wampipe.train.builder import model_config
@@ -87,6 +87,7 @@ def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
     window = loader.index.windows[bad]
     shard_index, key = window.variants[0]
     _put_nan(loader.index.shards[shard_index], key)
+    reindex(shards)  # the sample index records the new CRC-32 too
     run_dir = tmp_path / "run"
     cmd = _command(shards, run_dir) + ["--steps", "8", "--checkpoint.interval", "2", "--checkpoint.keep-last", "2"]
 

@@ -109,7 +109,8 @@ reordered = vae.encode(clips.flip(0)).flip(0)
 torch.save(together, sys.argv[2])
 same = torch.equal(together, alone) and torch.equal(together, reordered)
 cache = counters["inductor"]
-print(json.dumps({"same_in_any_company": same, "hits": cache["fxgraph_cache_hit"], "misses": cache["fxgraph_cache_miss"]}))
+print(json.dumps({"same_in_any_company": same, "hits": cache["fxgraph_cache_hit"],
+                  "misses": cache["fxgraph_cache_miss"]}))
 """
 
 

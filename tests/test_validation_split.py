@@ -112,9 +112,9 @@ def test_overwrite_with_other_held_out_episodes_keeps_the_units(held_out_3, tiny
     import shutil
 
     out = shutil.copytree(held_out_3, tmp_path / "droid")
-    units = {p.name: p.stat().st_ino for p in (out / "work").iterdir()}
+    units = {p.name: p.stat().st_ino for p in (out / "work").glob("unit-*")}
     done = run_cli(shards_cmd(droid_root, out, "droid", tiny_checkpoints, "--val-episodes", "2,3", "--overwrite"))
     assert done.returncode == 0, done.stderr
-    assert {p.name: p.stat().st_ino for p in (out / "work").iterdir()} == units  # only the finalize stage ran again
+    assert {p.name: p.stat().st_ino for p in (out / "work").glob("unit-*")} == units  # only finalize ran again
     assert check(out) == [] and episodes(out) == {0} and episodes(out / "val") == {2, 3}
     assert manifest(out)["validation"]["episodes"] == [2, 3]

@@ -34,7 +34,8 @@ def test_droid_canvas_pixel_by_pixel():
     for t in range(2):
         for y in range(5):
             for x in range(7):
-                assert (canvas[t, y, 2 * x] == views[2, t, y, x]).all() and (canvas[t, y, 2 * x + 1] == views[2, t, y, x]).all()
+                assert ((canvas[t, y, 2 * x] == views[2, t, y, x]).all()
+                        and (canvas[t, y, 2 * x + 1] == views[2, t, y, x]).all())
                 assert (canvas[t, 5 + y, x] == views[0, t, y, x]).all()
                 assert (canvas[t, 5 + y, 7 + x] == views[1, t, y, x]).all()
 

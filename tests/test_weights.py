@@ -24,7 +24,8 @@ def test_recognize_every_tiny_file(tiny_checkpoints):
         "wan2.1/Wan2.1_VAE.pth": "wan2.1-vae", "wan2.2/Wan2.2_VAE.pth": "wan2.2-vae",
         "wan2.1/vae": "diffusers-vae", "wan2.2/vae": "diffusers-vae",
         "umt5/models_t5_umt5-xxl-enc-bf16.pth": "wan-umt5", "umt5/text_encoder": "hf-umt5",
-        "clip/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth": "wan-clip", "clip/image_encoder": "hf-clip-vision",
+        "clip/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth": "wan-clip",
+        "clip/image_encoder": "hf-clip-vision",
     }
     for rel, kind in kinds.items():
         assert recognize(read_state_dict(tiny_checkpoints / rel)) == kind, rel

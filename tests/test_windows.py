@@ -81,7 +81,8 @@ def test_droid_rlinf_is_aligned():
         for f in range(length):
             s = rlinf_sample(f, length, pattern)
             if s.num_chunks == 4:
-                assert s.action[0] == s.video[0] and s.state.tolist() == (s.video[0] + np.array([0, 24, 48, 72])).tolist()
+                assert (s.action[0] == s.video[0]
+                        and s.state.tolist() == (s.video[0] + np.array([0, 24, 48, 72])).tolist())
 
 
 def test_libero_misalignment_is_not_reproduced():
@@ -89,12 +90,14 @@ def test_libero_misalignment_is_not_reproduced():
     pattern = get_embodiment("libero_sim").window
     s = rlinf_sample(163, 200, pattern)
     assert (s.video[0], s.action[0], s.state[0]) == (115, 131, 131)
-    misaligned = [f for f in range(200) if (x := rlinf_sample(f, 200, pattern)).num_chunks == 4 and x.action[0] != x.video[0]]
+    misaligned = [f for f in range(200)
+                  if (x := rlinf_sample(f, 200, pattern)).num_chunks == 4 and x.action[0] != x.video[0]]
     assert len(misaligned) == 15
     ours = {w.start: w for w in episode_windows(200, pattern)}[115]
     assert ours.action_rows[0] == ours.state_rows[0] == ours.video_rows[0] == 115
     franka = get_embodiment("franka_pnp").window
-    assert sum(1 for f in range(60) if (x := rlinf_sample(f, 60, franka)).num_chunks == 4 and x.action[0] != x.video[0]) == 2
+    assert sum(1 for f in range(60)
+               if (x := rlinf_sample(f, 60, franka)).num_chunks == 4 and x.action[0] != x.video[0]) == 2
 
 
 def test_anchor_stride_keeps_every_nth_window():

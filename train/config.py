@@ -127,8 +127,9 @@ class ModelConfig:
     attention: Literal["auto", "flex", "dense"] = "auto"
     """Attention kernel: flex on CUDA, dense SDPA elsewhere (auto)."""
     flex_mask: Literal["attrs", "lookup"] = "lookup"
-    """How FlexAttention evaluates the mask in partial tiles: the mask expression on token attributes (docs/REFERENCE.md#8-attention-mask), or a lookup
-    in a precomputed dense [L, L] mask (scripts/bench_attention.py compares them)."""
+    """How FlexAttention evaluates the mask in partial tiles: the mask expression on token attributes
+    (docs/REFERENCE.md#8-attention-mask), or a lookup in a precomputed dense [L, L] mask (scripts/bench_attention.py
+    compares them)."""
     flex_block_size: int = 128
     """FlexAttention tile (BlockMask block size); smaller tiles would skip more masked pairs, but torch 2.11's
     compiled CUDA kernel rejects 64 (its own tiles are 128: "Q and KV block size must be divisible by BLOCK_M"), so
@@ -196,8 +197,8 @@ class OptimConfig:
     """Storage of AdamW's two moments: fp32, or bf16 rounded stochastically (half their memory; loss parity in
     docs/TRAINING.md). auto = fp32 unless the GPUs fit the run only with bf16 moments (the 14B on 80 GB cards)."""
     fused: bool | None = None
-    """Fused AdamW kernel (fp32 moments only); None = on for CUDA and for host-offloaded state (--parallel.cpu-offload: on the CPU it
-    steps ~14x faster than the unfused one)."""
+    """Fused AdamW kernel (fp32 moments only); None = on for CUDA and for host-offloaded state (--parallel.cpu-offload:
+    on the CPU it steps ~14x faster than the unfused one)."""
 
 
 @dataclass
