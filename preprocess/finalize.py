@@ -24,12 +24,13 @@ from wampipe.shardformat.samples import member_names
 from wampipe.shardformat.text import write_text_table
 
 
-def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0) -> dict:
+def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tuple[int, int] | None = None) -> dict:
     """Shards, text table, statistics and manifest from the finished units; returns the training split's manifest.
     With held-out episodes (`spec.held_out`), their samples go into the validation split OUT/val, a sealed shard
     directory of its own (the same text table and statistics), written before the training split's manifest.
     `workers` processes (0: executors.auto_workers) write the shards, each a task of its own
-    (write.write_planned_shard)."""
+    (write.write_planned_shard). `part` (i, n): one job of an array writes only the shards k with k % n == i of each
+    split and returns None; a run without it keeps them and writes the rest."""
     out = Path(spec.out)
     missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
     if missing:
@@ -39,6 +40,13 @@ def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0) -> dict:
     for u, summary in run_tasks(write.summarize_unit, [(out, u) for u in range(len(units))],
                                 auto_workers(workers, len(units)), "units read"):
         summaries[u] = summary
+    if part is not None:
+        for val in (False, True)[:1 + bool(spec.held_out)]:
+            into = out / VAL_DIR if val else out
+            into.mkdir(exist_ok=True)
+            mix(out, into, summaries, spec.samples_per_shard, spec.seed, spec.held_out,
+                {"split": "val"} if val else None, spec.dataset, workers, part)
+        return None
     prompts = {pid: text for summary in summaries for pid, text in summary["prompts"].items()}
     failures = [f for summary in summaries for f in summary["failures"]]
     shared = {"text_table": encode_text_table(out, prompts, spec), "statistics": write_statistics(out, spec, failures)}
@@ -81,20 +89,25 @@ def write_split(into: Path, summaries: list[dict], spec: BuildSpec, units: list[
 
 
 def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, seed: int, held: tuple | list,
-        validation: dict | None, dataset: str, workers: int) -> tuple[list[dict], dict, dict]:
+        validation: dict | None, dataset: str, workers: int,
+        part: tuple[int, int] | None = None) -> tuple[list[dict], dict, dict] | None:
     """Every sample of the units of `out` in one seeded permutation (write.plan_split), cut into shards of `into`
     written by `workers` processes, then the sample index. Returns (shard entries, sample_index block,
-    member_bytes)."""
+    member_bytes); with `part` (i, n), only the shards k with k % n == i, and None."""
     val = bool(validation) and validation.get("split") == "val"
     plan = write.plan_split(out, summaries, seed, held, val, dataset)
     schemas = [s["schema"] for s in summaries if s["count"]]
     names = member_names(schemas[0]) if schemas else []
     count = len(np.load(plan, mmap_mode="r"))
-    tasks = [(out, into, plan, shard, samples_per_shard, names, dataset)
-             for shard in range(-(-count // samples_per_shard))]
+    shards = range(-(-count // samples_per_shard))
+    if part is not None:
+        shards = shards[part[0]::part[1]]
+    tasks = [(out, into, plan, shard, samples_per_shard, names, dataset) for shard in shards]
     entries = [None] * len(tasks)
-    for shard, entry in run_tasks(write.write_planned_shard, tasks, auto_workers(workers, len(tasks)), "shards"):
-        entries[shard] = entry
+    for i, entry in run_tasks(write.write_planned_shard, tasks, auto_workers(workers, len(tasks)), "shards"):
+        entries[i] = entry
+    if part is not None:
+        return None
     sample_index, member_bytes = write.assemble_index(out, into, plan, entries, samples_per_shard, names)
     return entries, sample_index, member_bytes
 

@@ -173,11 +173,16 @@ class Episode:
         """Instruction per annotation column at the episode's first row (constant per episode in DROID/LIBERO)."""
         return {k: str(v[0]) for k, v in self.annotations.items() if len(v)}
 
-    def slice(self, entry: ModalityEntry) -> np.ndarray:
-        """A modality sub-key as a float array [L, end - start]."""
+    def slice(self, entry: ModalityEntry, path: Path | None = None) -> np.ndarray:
+        """A modality sub-key as a float array [L, end - start]; DatasetError (naming `path`, the episode's data file)
+        when the column is not that wide."""
         if entry.original_key not in self.columns:
             raise KeyError(f"column {entry.original_key!r} was not read; pass it in `columns`")
-        return self.columns[entry.original_key][:, entry.start : entry.end]
+        column = self.columns[entry.original_key]
+        if column.ndim != 2 or column.shape[1] < entry.end:
+            raise DatasetError(path, self.index, f"column {entry.original_key!r} has shape {list(column.shape)}, "
+                                                 f"modality.json takes its columns {entry.start}..{entry.end - 1}")
+        return column[:, entry.start : entry.end]
 
 
 class LeRobotDataset:
@@ -273,8 +278,9 @@ class LeRobotDataset:
 
         cols = {c: _column_to_numpy(table, c, info.data_path, episode_index) for c in columns}
         for c, values in cols.items():
-            if values.dtype.kind == "f" and not np.isfinite(values).all():
-                raise DatasetError(info.data_path, episode_index, f"column {c!r} holds NaN or inf")
+            # finite in the dtype the shards store (float32): 1e39 is finite in float64 and inf once stored
+            if values.dtype.kind == "f" and not np.isfinite(values.astype(np.float32, copy=False)).all():
+                raise DatasetError(info.data_path, episode_index, f"column {c!r} holds NaN or inf (as float32)")
         timestamps = (table.column("timestamp").to_numpy().astype(np.float64) if "timestamp" in table.column_names
                       else None)
 

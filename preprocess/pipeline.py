@@ -62,12 +62,17 @@ def episode_samples(spec: BuildSpec, ds: LeRobotDataset, emb: Embodiment, index:
     windows = episode_windows(episode.length, emb.window, spec.anchor_stride)
     if not windows:
         return
-    states = slice_keys(episode, ds.modality.state, emb.state_keys)
-    actions = slice_keys(episode, ds.modality.action, emb.action_keys)
+    data_path = ds.episode_info(index).data_path
+    states = slice_keys(episode, ds.modality.state, emb.state_keys, data_path)
+    actions = slice_keys(episode, ds.modality.action, emb.action_keys, data_path)
     needed = np.unique(np.concatenate([w.video_rows for w in windows]))
     position = np.full(episode.length, -1, np.int64)
     position[needed] = np.arange(len(needed))
-    frames = np.stack([episode.cameras[c].read(needed, backend=spec.decode_backend) for c in emb.cameras])
+    views = [episode.cameras[c].read(needed, backend=spec.decode_backend) for c in emb.cameras]
+    if len({v.shape for v in views}) > 1:  # every camera of an episode at one frame size (the canvas stacks them)
+        sizes = ", ".join(f"{c} {v.shape[1]}x{v.shape[2]}" for c, v in zip(emb.cameras, views))
+        raise DatasetError(episode.cameras[emb.cameras[0]].path, index, f"cameras differ in frame size: {sizes}")
+    frames = np.stack(views)
     height, width = frames.shape[2:4]
     model_video = None
     if not spec.augment_variants:  # one deterministic, per-frame transform: apply it to each frame once per episode
@@ -100,10 +105,12 @@ def unit_samples(spec: BuildSpec, episodes: list[int], report: dict) -> Iterator
     for index in episodes:
         try:
             produced = list(episode_samples(spec, ds, emb, index))  # whole episodes only: a failure leaves no part
-        except DatasetError as err:
+        except Exception as err:  # any fault of one episode is its failure, not the build's end (unless --fail-fast)
             if spec.fail_fast:
                 raise
-            report["failures"].append({"episode": index, "reason": str(err)})
+            reason = str(err) if isinstance(err, DatasetError) else " ".join(
+                f"{ds.root}: episode {index}: {type(err).__name__}: {err}".split())
+            report["failures"].append({"episode": index, "reason": reason})
             continue
         if not produced:
             length = ds.episode_info(index).length

@@ -108,7 +108,9 @@ class Args:
     ray_address: str | None = None
     """Ray cluster address (default: start or join a local instance)."""
     unit_index: int | None = None
-    """Array jobs: process only units u with u % num_units == unit_index (then run once with --stage finalize)."""
+    """Array jobs: process only units u with u % num_units == unit_index (then run once with --stage finalize);
+    with --stage finalize, write only the shards k with k % num_units == unit_index (then run --stage finalize once
+    more without it for the sample index and the manifest)."""
     num_units: int | None = None
     """Array jobs: how many jobs split the units."""
     stage: Literal["all", "units", "finalize"] = "all"
@@ -302,7 +304,7 @@ def run(args: Args) -> None:
     units = plan_units(ds, args.episodes_per_unit, args.max_episodes)
     held = () if args.val_episodes is None else tuple(
         held_out(args.val_episodes, args.dataset, [e for unit in units for e in unit], args.src))
-    array_job = args.num_units is not None and args.stage != "finalize"
+    array_job = args.num_units is not None  # one of several jobs sharing OUT: its units, or at finalize its shards
     args.out.mkdir(parents=True, exist_ok=True)
     with outdir.hold(args.out, shared=array_job):
         args.workers = args.workers or default_workers(args)
@@ -323,8 +325,13 @@ def run(args: Args) -> None:
         print(f"{args.src}: {len(ds)} episodes -> {len(units)} units -> {args.out}")
         if args.stage in ("all", "units"):
             build_units(spec, units, args)
-        if args.stage == "units" or array_job:
+        if args.stage == "units" or (array_job and args.stage == "all"):
             print("units done; run again with --stage finalize once every unit is finished")
+            return
+        if array_job:
+            finalize(spec, units, args.finalize_workers, part=(args.unit_index, args.num_units))
+            print(f"shards k with k % {args.num_units} == {args.unit_index} done; run --stage finalize once without "
+                  f"--unit-index when every job is done (it keeps them and writes the sample index and manifest)")
             return
         manifest = finalize(spec, units, args.finalize_workers)
         if url:

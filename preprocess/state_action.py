@@ -30,7 +30,7 @@ def slice_keys(episode: Episode, entries: Mapping[str, ModalityEntry], keys: Seq
     missing = [k for k in keys if k not in entries]
     if missing:
         raise DatasetError(path, episode.index, f"modality has no sub-keys {missing} (has {sorted(entries)})")
-    return {k: episode.slice(entries[k]) for k in keys}
+    return {k: episode.slice(entries[k], path) for k in keys}
 
 
 # ---------------------------------------------------------------- one window

@@ -70,8 +70,21 @@ def test_rerun_is_byte_identical_and_array_jobs_match(droid_shards, droid_root, 
         out = build(droid_root, split, "droid", tiny_checkpoints, "--unit-index", str(unit), "--num-units", "2")
         assert "--stage finalize" in out.stdout
     assert not (split / "manifest.json").exists()
+    # finalize split over two array jobs running at once (each its shards), then once more for the index and manifest
+    jobs = [subprocess.Popen(shards_cmd(droid_root, split, "droid", tiny_checkpoints, "--stage", "finalize",
+                                        "--unit-index", str(i), "--num-units", "2"), cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in (0, 1)]
+    for job in jobs:
+        stdout, stderr = job.communicate(timeout=600)
+        assert job.returncode == 0 and "without --unit-index" in stdout, stderr[-2000:]
+    assert not (split / "manifest.json").exists()
+    written = {p.name: p.stat().st_mtime_ns for p in split.glob("shard-*")}
+    assert sorted(written) == sorted(n for s in manifest(droid_shards)["shards"]
+                                     for n in (s["shard"], s["shard"].replace(".tar", ".json")))
     build(droid_root, split, "droid", tiny_checkpoints, "--stage", "finalize")
     assert manifest(split)["shards"] == manifest(droid_shards)["shards"]
+    assert {p.name: p.stat().st_mtime_ns for p in split.glob("shard-*")} == written  # the jobs' shards were kept
+    assert (split / "samples.npy").read_bytes() == (droid_shards / "samples.npy").read_bytes()
 
     # Ray (a local instance started by the run): one task per unit, same bytes as the local pool.
     ray_out = tmp_path / "ray"
