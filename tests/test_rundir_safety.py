@@ -133,7 +133,7 @@ def test_a_damaged_checkpoint_is_named_and_the_last_complete_one_resumes(small_s
     refused = _run(small_shards, run_dir)
     assert refused.returncode != 0
     line = (f"{step6}: not a complete checkpoint and none before it: restore its files, or pass "
-            f"--checkpoint.no-resume to start over (overwriting its step directories)")
+            f"--checkpoint.no-resume to start over (deleting its step directories)")
     assert refused.stderr.count(line) == 1, refused.stderr[-3000:]
     assert f"{step_dir(run_dir, 2)} skipped, not a complete checkpoint: missing rank-00000.json of its 2 ranks" \
         in refused.stdout.splitlines()
@@ -149,6 +149,24 @@ def test_a_damaged_checkpoint_is_named_and_the_last_complete_one_resumes(small_s
     assert "rank-00001.json unreadable" in skipped4 and "rank-00000.safetensors unreadable" in skipped4
     assert any(line.startswith(f"resumed from {step_dir(run_dir, 2)} at step 2 ") for line in lines)
     assert _losses(run_dir) == _losses(full_run)  # steps 3 to 8 again, as the uninterrupted run took them
+
+
+def test_a_start_over_never_mixes_with_the_run_before_it(small_shards, full_run, tmp_path):
+    """Run A left steps 4, 6 and 8; run B starts over in the same directory with 4 steps saved every step: A's step
+    directories go before B's first step, so rotation keeps B's own (2, 3, 4) and a plain restart resumes B."""
+    import shutil
+
+    run_dir = Path(shutil.copytree(full_run, tmp_path / "run"))
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [4, 6, 8]
+    again = _run(small_shards, run_dir, "--checkpoint.no-resume", "--steps", "4", "--checkpoint.interval", "1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (f"--checkpoint.no-resume: deleted the 3 step directories of an earlier run in {run_dir} (step-000004, "
+            f"step-000006, step-000008)") in again.stdout.splitlines()
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [2, 3, 4]
+    resumed = _run(small_shards, run_dir, "--steps", "5", "--checkpoint.interval", "1")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = resumed.stdout.splitlines()
+    assert any(line.startswith(f"resumed from {step_dir(run_dir, 4)} at step 4 ") for line in lines)
 
 
 @pytest.fixture

@@ -92,11 +92,24 @@ def claim_run_dir(cfg: CheckpointConfig) -> None:
     if dist.get_rank() == 0:
         try:
             _held_locks.append(_claim(Path(cfg.dir), cfg.export))
+            if not cfg.resume:
+                start_over(Path(cfg.dir))
         except SystemExit as e:  # RunError, or the lock's own one line
             error = str(e.code)
         except OSError as e:
             error = f"{cfg.dir}: cannot claim the run directory ({e}): pass another --checkpoint.dir"
     _stop_if_any(error)
+
+
+def start_over(root: Path) -> None:
+    """--checkpoint.no-resume: the step directories an earlier run left in this (claimed, locked) run directory are
+    deleted before the first step, so no later rotation, resume or evaluation can take one for this run's."""
+    earlier = _step_dirs(root)
+    for _, path in earlier:
+        shutil.rmtree(path)
+    if earlier:
+        print(f"--checkpoint.no-resume: deleted the {len(earlier)} step directories of an earlier run in {root} "
+              f"({', '.join(p.name for _, p in earlier[:5])}{', ...' if len(earlier) > 5 else ''})", flush=True)
 
 
 def _claim(root: Path, export: bool) -> int:
@@ -159,7 +172,7 @@ def resumable(root: Path) -> list[tuple[int, Path]]:
         shared = [complete_checkpoints(root)]
         if damaged and not shared[0]:
             error = (f"{damaged}: not a complete checkpoint and none before it: restore its files, or pass "
-                     f"--checkpoint.no-resume to start over (overwriting its step directories)")
+                     f"--checkpoint.no-resume to start over (deleting its step directories)")
     _stop_if_any(error)
     dist.broadcast_object_list(shared, src=0)
     return shared[0]

@@ -267,7 +267,8 @@ class CheckpointConfig:
     keep_last: int = 3
     """Complete checkpoints to keep (older ones are deleted after a save)."""
     resume: bool = True
-    """Resume from the newest complete checkpoint in dir, if any."""
+    """Resume from the newest complete checkpoint in dir, if any; --checkpoint.no-resume starts over, deleting the
+    step directories an earlier run left in dir (so none of them is ever taken for this run's)."""
     save_final: bool = True
     """Save a checkpoint at the last step."""
     export: bool = True
