@@ -29,13 +29,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None  # e.g. shards' --config
     args = cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
                description=module.__doc__)
-    from wampipe.preprocess.errors import DatasetError
+    from wampipe.preprocess.errors import DatasetError, EncoderOutputError
     from wampipe.preprocess.executors import ChildDied
     from wampipe.encoders.weights import WeightsError  # after parsing: it loads torch, which `--help` does without
 
     try:
         module.run(args)
-    except (DatasetError, WeightsError, ChildDied) as err:  # bad input or a killed process: one line, no traceback
+    except (DatasetError, EncoderOutputError, WeightsError, ChildDied) as err:  # bad input, a broken encoder or a
+        # killed process: one line, no traceback
         raise SystemExit(str(err)) from None
 
 

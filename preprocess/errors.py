@@ -20,3 +20,8 @@ class DatasetError(Exception):
     def __reduce__(self):
         # rebuilt from its parts when raised in a worker process (the default would call it with the message only)
         return DatasetError, (self.path, self.episode, self.reason)
+
+
+class EncoderOutputError(RuntimeError):
+    """The frozen encoders gave a non-finite output: the build stops in one line (every later batch would be the
+    same), instead of storing NaN."""

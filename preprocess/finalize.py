@@ -47,6 +47,8 @@ def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tu
             mix(out, into, summaries, spec.samples_per_shard, spec.seed, spec.held_out,
                 {"split": "val"} if val else None, spec.dataset, workers, part)
         return None
+    if not sum(summary["count"] for summary in summaries):  # before the text encoder loads: nothing to encode
+        raise SystemExit(no_samples(out, summaries))
     prompts = {pid: text for summary in summaries for pid, text in summary["prompts"].items()}
     failures = [f for summary in summaries for f in summary["failures"]]
     shared = {"text_table": encode_text_table(out, prompts, spec), "statistics": write_statistics(out, spec, failures)}
@@ -62,6 +64,15 @@ def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tu
             shutil.copyfileobj(src, dst, 1 << 22)
     write_split(val_dir, val, spec, units, shared, workers, {"split": "val", **held})
     return write_split(out, train, spec, units, shared, workers, {"split": "train", **held, "val_dir": VAL_DIR})
+
+
+def no_samples(out: Path, summaries: list[dict]) -> str:
+    """The one line of a build whose every episode failed or was too short: the counts by reason, the first of each."""
+    failures = [f for s in summaries for f in s["failures"]]
+    skipped = [s for summary in summaries for s in summary["skipped"]]
+    reasons = "; ".join(f"{len(group)} {what}, e.g. {group[0]['reason']}" for what, group in
+                        (("failed", failures), ("shorter than a window", skipped)) if group)
+    return f"cannot finalize {out}: no episode gave a sample ({reasons or 'no episodes'})"
 
 
 def write_split(into: Path, summaries: list[dict], spec: BuildSpec, units: list[list[int]], shared: dict,

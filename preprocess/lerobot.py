@@ -217,6 +217,11 @@ class LeRobotDataset:
         self.tasks = self._read_tasks()
         self._episodes = self._read_episodes()
         self._by_index = {e.index: e for e in self._episodes}
+        if len(self._by_index) != len(self._episodes):  # one episode twice would be encoded twice
+            seen: set[int] = set()
+            twice = next(e.index for e in self._episodes if e.index in seen or seen.add(e.index))
+            listing = self.root / "meta" / ("episodes" if self.is_v3 else "episodes.jsonl")
+            raise DatasetError(listing, twice, "listed twice")
         self._table_cache: OrderedDict[Path, pa.Table] = OrderedDict()
 
     # -- metadata

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from wampipe.preprocess import write
-from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.errors import DatasetError, EncoderOutputError
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.prompts import prompt_id, window_prompts
 from wampipe.preprocess.spec import BuildSpec
@@ -192,6 +192,11 @@ class Encoders:
         if self.needs_y:
             out[Y] = self.vae.encode_first_frame(videos[:, :, 0], videos.shape[2])
         out = {k: v.to(torch.bfloat16).cpu() for k, v in out.items()}
+        for name, value in out.items():  # as stored: a broken encoder must not fill a build with NaN
+            if not torch.isfinite(value).all():
+                raise EncoderOutputError(f"the encoders' {name} of a batch of {len(videos)} clips hold NaN or inf (as "
+                                         f"bf16): check the {'VAE' if name in (LATENTS, Y) else 'image encoder'}'s "
+                                         f"weights and --dtype")
         if self.image_member == CLIP_PIXELS:
             out[CLIP_PIXELS] = inputs["pixels"].cpu()
         return out

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from wampipe.encoders.weights import WeightsError
 from wampipe.preprocess import write
-from wampipe.preprocess.errors import DatasetError
+from wampipe.preprocess.errors import DatasetError, EncoderOutputError
 from wampipe.preprocess.executors import ChildDied, die_with_parent, leave_child
 from wampipe.preprocess.pipeline import Encoders, WindowSample, stack_clips, timed, unit_report, unit_samples
 from wampipe.preprocess.spec import BuildSpec
@@ -136,7 +136,7 @@ def _next_result(results, processes: list) -> tuple[str, Any]:
 
 def _report_failure(results, where: str, err: BaseException) -> None:
     """Bad input travels as itself (the CLI prints its one line); anything else as the child's traceback."""
-    if not isinstance(err, (DatasetError, WeightsError)):
+    if not isinstance(err, (DatasetError, EncoderOutputError, WeightsError)):
         err = RuntimeError(f"{where}: {''.join(traceback.format_exception(err))}")
     results.put(("error", err))
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -79,4 +80,40 @@ def test_fail_fast_stops_at_the_first_odd_episode(odd_droid, tiny_checkpoints, t
                           capture_output=True, text=True, timeout=900)
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode != 0 and any(f": episode {e}: " in last for e in (2, 3, 4, 5)), done.stderr[-2000:]
+    assert not (tmp_path / "shards" / "manifest.json").exists()
+
+
+def run_build(src, out, tiny, *extra):
+    return subprocess.run(shards_cmd(src, out, "droid", tiny, *extra), cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_a_build_without_any_sample_stops_in_one_line_with_the_counts(droid_root, tiny_checkpoints, tmp_path):
+    """Every episode's parquet shorter than meta/ says: one line with the counts and a reason, before the text
+    encoder is loaded for prompts there are none of; no manifest."""
+    src = Path(shutil.copytree(droid_root, tmp_path / "src"))
+    for path in (src / "data/chunk-000").glob("*.parquet"):
+        pq.write_table(pq.read_table(path).slice(0, 10), path)
+    done = run_build(src, tmp_path / "shards", tiny_checkpoints)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert last.startswith(f"cannot finalize {tmp_path / 'shards'}: no episode gave a sample (4 failed, e.g. ")
+    assert "parquet has 10 rows, meta says length" in last
+    assert not (tmp_path / "shards" / "manifest.json").exists()
+
+
+def test_an_encoder_that_outputs_nan_stops_the_build_in_one_line(droid_root, tiny_checkpoints, tmp_path):
+    import torch
+
+    tiny = Path(shutil.copytree(tiny_checkpoints, tmp_path / "tiny"))
+    vae = tiny / "wan2.2" / "Wan2.2_VAE.pth"
+    weights = torch.load(vae, weights_only=True)
+    first = next(k for k, v in weights.items() if v.is_floating_point() and v.ndim > 1)
+    weights[first] = torch.full_like(weights[first], float("nan"))
+    torch.save(weights, vae)
+    done = run_build(droid_root, tmp_path / "shards", tiny, "--max-episodes", "1")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert last.startswith("the encoders' latents of a batch of ") and last.endswith("hold NaN or inf (as bf16): check "
+                                                                                     "the VAE's weights and --dtype")
     assert not (tmp_path / "shards" / "manifest.json").exists()

@@ -164,3 +164,17 @@ def test_sample_dataset_refuses_no_workers(tmp_path):
 
     with pytest.raises(ValueError, match="workers must be at least 1"):
         write_sample_dataset(tmp_path / "x", "libero", workers=0)
+
+
+def test_an_episode_listed_twice_is_refused_when_the_dataset_opens(droid_root, tmp_path):
+    import re
+    from pathlib import Path
+
+    from wampipe.preprocess.lerobot import LeRobotDataset
+
+    src = Path(shutil.copytree(droid_root, tmp_path / "src"))
+    listing = src / "meta" / "episodes.jsonl"
+    lines = listing.read_text().splitlines()
+    listing.write_text("\n".join([*lines, lines[2]]) + "\n")
+    with pytest.raises(DatasetError, match=f"^{re.escape(str(listing))}: episode 2: listed twice$"):
+        LeRobotDataset(src)
