@@ -33,7 +33,7 @@ import numpy as np
 import tyro
 
 from wampipe.preprocess.executors import LazyTasks, auto_workers, run_tasks
-from wampipe.shardformat.files import sha256_file
+from wampipe.shardformat.files import NotRegularFile, open_regular, sha256_regular
 from wampipe.shardformat.keys import parse_key
 from wampipe.shardformat.layout import CLIP_PIXELS, MANIFEST, SAMPLE_INDEX, SHARD_NAME, WIDS_INDEX
 from wampipe.shardformat.manifest import Manifest, ShardEntry, ShardFormatError, check_json_size, check_sha256
@@ -110,6 +110,8 @@ def check_statistics(store: ShardStore, manifest: Manifest, files: set[str], pro
         check_sha256(stats["file"], hashlib.sha256(store.read_bytes(stats["file"])).hexdigest(), stats["sha256"])
     except ShardFormatError as err:
         problems.append(str(err))
+    except NotRegularFile as err:
+        problems.append(f"{stats['file']}: {err.strerror}")
 
 
 def check_text_table(store: ShardStore, manifest: Manifest, files: set[str], problems: list[str]) -> set[str]:
@@ -124,14 +126,21 @@ def check_text_table(store: ShardStore, manifest: Manifest, files: set[str], pro
     # safetensors opens files by name
     text = TextTable(store.local_root(entry["file"], entry["prompts"]), entry)
     try:
-        check_sha256(entry["file"], sha256_file(text.table), entry["sha256"])
+        check_sha256(entry["file"], sha256_regular(text.table), entry["sha256"])
     except ShardFormatError as err:
         problems.append(str(err))
+    except NotRegularFile as err:
+        problems.append(f"{entry['file']}: {err.strerror}")
+        return set()
     try:
-        check_json_size(entry["prompts"], text.prompts.stat().st_size)
-        tokens = {pid: p["tokens"] for pid, p in json.loads(text.prompts.read_text()).items()}
+        with os.fdopen(open_regular(text.prompts), "rb") as f:
+            check_json_size(entry["prompts"], os.fstat(f.fileno()).st_size)
+            tokens = {pid: p["tokens"] for pid, p in json.loads(f.read()).items()}
     except ShardFormatError as err:
         problems.append(str(err))
+        return set()
+    except NotRegularFile as err:
+        problems.append(f"{entry['prompts']}: {err.strerror}")
         return set()
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError, KeyError) as err:
         problems.append(f"{entry['prompts']}: unreadable: {err}")

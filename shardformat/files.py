@@ -8,6 +8,7 @@ own hidden files: cleanups delete only names that `is_temporary` accepts.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -18,6 +19,34 @@ import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
+
+
+class NotRegularFile(OSError):
+    """A path that is a link, pipe, device or folder where a regular file belongs."""
+
+
+def open_regular(path: Path | str) -> int:
+    """A read-only descriptor of the regular file at `path`, opened without following a link and without blocking
+    (a FIFO would block a reader forever, a link to /dev/zero feed it without end); NotRegularFile otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise NotRegularFile(errno.ELOOP, f"{path}: a link, not a regular file: refused") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, f"{path}: not a regular file (a pipe, device or folder): refused")
+    return fd
+
+
+def sha256_regular(path: Path | str, block: int = 1 << 22) -> str:
+    """`sha256_file` of a file of a shard directory, which must be a regular file (`open_regular`)."""
+    digest = hashlib.sha256()
+    with os.fdopen(open_regular(path), "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def sha256_file(path: Path | str, block: int = 1 << 22) -> str:

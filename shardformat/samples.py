@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wampipe.shardformat.files import atomic_writer, sha256_file
+from wampipe.shardformat.files import atomic_writer, sha256_file, sha256_regular
 from wampipe.shardformat.keys import parse_key, sample_key
 from wampipe.shardformat.manifest import ShardEntry, ShardFormatError, check_sha256
 from wampipe.shardformat.layout import META, SAMPLE_INDEX, tensor_suffix
@@ -122,7 +122,7 @@ class SampleTable:
         self.names = list(block["members"])
         self.shard_names = [s.shard for s in shards]
         try:
-            check_sha256(where, sha256_file(path), block["sha256"])
+            check_sha256(where, sha256_regular(path), block["sha256"])
             self.rows = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as err:
             if isinstance(err, ShardFormatError):

@@ -48,7 +48,7 @@ from typing import Callable
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from wampipe.shardformat.files import atomic_writer, sha256_file
+from wampipe.shardformat.files import atomic_writer, open_regular, sha256_file
 from wampipe.shardformat.layout import INPUTS, MANIFEST, WORK_DIR
 from wampipe.shardformat.manifest import (MAX_JSON_BYTES, Manifest, ShardFormatError, check_json_size,
                                   parse_sealed_json, relative_path)
@@ -166,10 +166,10 @@ class ShardStore:
         out = []
         for i in range(0, len(relpaths), READ_MANY):
             chunk = relpaths[i : i + READ_MANY]
-            if self.is_local:  # a local read up to the limit would reserve that much memory for every file
-                for relpath in chunk:
-                    check_json_size(self.where(relpath), self.size(relpath))
-            end = None if self.is_local else MAX_JSON_BYTES + 1
+            if self.is_local:  # regular files only, their size checked before they are read
+                out += [self._read_local(relpath) for relpath in chunk]
+                continue
+            end = MAX_JSON_BYTES + 1
             found = self.fs.cat_ranges([self.path(p) for p in chunk], 0, end, on_error="return")
             for relpath, data in zip(chunk, found):
                 if isinstance(data, FileNotFoundError):
@@ -179,6 +179,16 @@ class ShardStore:
                 check_json_size(self.where(relpath), len(data))
                 out.append(data)
         return out
+
+    def _read_local(self, relpath: str) -> bytes:
+        """A small local file whole: a regular file (files.open_regular) of at most MAX_JSON_BYTES."""
+        try:
+            fd = open_regular(self.path(relpath))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.where(relpath)}: missing") from None
+        with os.fdopen(fd, "rb") as f:
+            check_json_size(self.where(relpath), os.fstat(f.fileno()).st_size)
+            return f.read(MAX_JSON_BYTES + 1)
 
     def read_sealed_json(self, relpath: str, data: bytes | None = None, missing: str = "missing") -> dict:
         """A sealed JSON file of the format (shardformat.manifest), seal checked and removed; ShardFormatError
@@ -212,6 +222,8 @@ class ShardStore:
     def open(self, relpath: str):
         """A binary file object for reading the whole file front to back (buffered on object stores)."""
         try:
+            if self.is_local:
+                return os.fdopen(open_regular(self.path(relpath)), "rb", buffering=COPY_BLOCK)
             return self.fs.open(self.path(relpath), "rb", block_size=COPY_BLOCK)
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.where(relpath)}: missing") from None
@@ -244,7 +256,7 @@ class ShardStore:
             state = self._process()
             fd = state.fds.get(relpath)
             if fd is None:
-                fd = state.fds[relpath] = os.open(local, os.O_RDONLY)
+                fd = state.fds[relpath] = open_regular(local)
             data = os.pread(fd, size, offset)
         if len(data) != size:
             raise EOFError(f"{self.where(relpath)}: {len(data)} bytes at offset {offset}, wanted {size} (truncated?)")

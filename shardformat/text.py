@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wampipe.shardformat.files import atomic_write_json, atomic_writer, sha256_file
+from wampipe.shardformat.files import atomic_write_json, atomic_writer, sha256_file, sha256_regular
 from wampipe.shardformat.layout import MANIFEST, TEXT_PROMPTS, TEXT_TABLE
 from wampipe.shardformat.manifest import SIDE_FILES, ShardFormatError, check_sha256, relative_path
 
@@ -48,7 +48,7 @@ class TextTable:
 
     def verify(self) -> TextTable:
         """Check the embeddings file against the manifest's sha256 (ShardFormatError naming it otherwise)."""
-        check_sha256(self.table, sha256_file(self.table), self.sha256)
+        check_sha256(self.table, sha256_regular(self.table), self.sha256)
         return self
 
     def __getstate__(self) -> dict:

@@ -244,3 +244,29 @@ def test_a_sample_lacking_what_every_sample_holds_is_named_in_one_line(copy):
     reindex(copy)
     with pytest.raises(ShardFormatError, match=f"^{re.escape(f'{tar}: sample {sample.key}: no prompt_ids')}$"):
         SampleReader(ShardIndex(copy), preset("tiny")).raw(0, sample.key)
+
+
+@pytest.mark.e2e  # a reader that blocked would block the test's own process: it runs in a child with a deadline
+@pytest.mark.parametrize("name, kind, trainer", [
+    ("metadata.json", "fifo", "refused"), ("samples.npy", "link to /dev/zero", "refused"),
+    ("shard-000001.json", "fifo", "opened"), ("text/prompts.json", "link to /dev/zero", "opened")])
+def test_a_pipe_or_a_device_in_the_directory_never_blocks_a_reader(copy, name, kind, trainer):
+    """Each file is opened without following a link and without blocking, and must be a regular file: the trainer
+    refuses what it reads in one line (and never opens what it does not read), `check` names the file."""
+    target = copy / name
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.symlink_to("/dev/zero")
+    code = ("import sys\nfrom wampipe.preprocess.check import check\nfrom wampipe.train.data import open_index\n"
+            "try:\n    open_index(sys.argv[1])\n    print('opened')\nexcept SystemExit as e:\n    print(e)\n"
+            "for p in check(sys.argv[1]):\n    print(p)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, *problems = done.stdout.splitlines()
+    if trainer == "opened":
+        assert first == "opened"
+    else:
+        assert first.startswith(f"{target}: unreadable: ") and ("not a regular file" in first or "a link" in first)
+    assert any(p.startswith(f"{name}: ") or f"/{name}: " in p for p in problems), problems
