@@ -116,6 +116,7 @@ class ShardStore:
         self.protocol = fsspec.utils.get_protocol(self.url)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.storage_options = storage_options
+        self.build: str | None = None  # the manifest's sha256 (16 hex digits), once read
         self._state: _ProcessState | None = None
 
     def __getstate__(self) -> dict:
@@ -203,9 +204,19 @@ class ShardStore:
         return parse_sealed_json(data, where)
 
     def manifest(self) -> Manifest:
-        """The directory's manifest, validated; ShardFormatError names the file when it is missing or unusable."""
-        obj = self.read_sealed_json(MANIFEST, missing="missing (an unfinished run, or not a shard directory)")
-        return Manifest.from_dict(obj, self.where(MANIFEST))
+        """The directory's manifest, validated; ShardFormatError names the file when it is missing or unusable. Its
+        sha256 names the build from then on: local copies of remote files are kept per build (`_copy_path`), so a
+        prefix rebuilt with other data never reuses the copies of the old one."""
+        where = self.where(MANIFEST)
+        try:
+            data = self.read_bytes(MANIFEST)
+        except FileNotFoundError:
+            raise ShardFormatError(f"{where}: missing (an unfinished run, or not a shard directory)") from None
+        except STORE_ERRORS as err:
+            raise ShardFormatError(f"{where}: unreadable: {err}") from None
+        obj = self.read_sealed_json(MANIFEST, data)
+        self.build = hashlib.sha256(data).hexdigest()[:16]
+        return Manifest.from_dict(obj, where)
 
     def shard_records(self, names: list[str]) -> list[ShardRecord]:
         """The JSONs of the shards `names` (tar names), read together."""
@@ -242,7 +253,8 @@ class ShardStore:
     def _copy_path(self, base: Path, relpath: str = "") -> Path:
         """Where the copy of the directory, or of its file `relpath`, lies under `base` (the cache or this process's
         temporary directory): `<bucket>/<path>[/<relpath>]`, never outside `base`."""
-        inside = self._process().root.lstrip("/") + (f"/{relpath}" if relpath else "")
+        build = f"/build-{self.build}" if self.build else ""  # one copy per build of the prefix
+        inside = self._process().root.lstrip("/") + build + (f"/{relpath}" if relpath else "")
         return base / relative_path(inside, self.where(relpath) if relpath else self.url, "local copy")
 
     def read_range(self, relpath: str, offset: int, size: int) -> bytes:

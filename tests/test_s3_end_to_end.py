@@ -22,7 +22,7 @@ from wampipe.shardformat.storage import MANIFEST, ShardStore, sync_up, upload_or
 from devtools.s3 import upload_then_sigkill
 from tests.test_train_data import TINY
 from wampipe.train.config import DataConfig
-from wampipe.train.data import ShardLoader
+from wampipe.train.data import SampleReader, ShardIndex, ShardLoader
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -111,7 +111,7 @@ def test_training_from_s3_continues_a_local_run_with_its_losses(tiny_shards, s3_
     assert _losses(tmp_path / "s3") == _losses(tmp_path / "local") and len(_losses(tmp_path / "local")) == STEPS
     # the index and the text table, then whole shards into the cache: no ranged reads of the tars once cached
     tar_gets = [path for method, path, status in s3_server.requests()[requests:] if path.endswith(".tar")]
-    cached = {p.name: p.read_bytes() for p in (cache / bucket / "tiny").glob("shard-*.tar")}
+    cached = {p.name: p.read_bytes() for p in (cache / bucket / "tiny").rglob("shard-*.tar")}
     assert cached and all(data == (tiny_shards / name).read_bytes() for name, data in cached.items())
     assert tar_gets and {Path(p).name for p in tar_gets} == set(cached)
 
@@ -172,3 +172,25 @@ def test_loader_benchmark_reads_from_s3(s3_bucket, tmp_path):
                                                                                              (1, "remote")])
     assert all(r["samples"] == 4 and r["samples_per_s_per_worker"] > 0 for r in result["runs"])
     assert ShardStore(url).read_bytes(MANIFEST) == (tmp_path / "bench" / "shards" / MANIFEST).read_bytes()
+
+
+def test_a_prefix_rebuilt_with_other_data_never_reuses_the_old_copies(tmp_path, s3_bucket):
+    """Two builds of the same sizes (other seeds) published one after the other at one URL, read through one cache
+    directory: the second is read as itself, since copies are kept per build (the manifest's sha256), not by size."""
+    url, cache = f"{s3_bucket}/set", tmp_path / "cache"
+    builds = [tmp_path / "a", tmp_path / "b"]
+    for seed, root in enumerate(builds, 1):
+        synthetic.make_synthetic_shards(root, "tiny", episodes=2, windows_per_episode=2, samples_per_shard=2,
+                                        seed=seed, compress="none")
+    assert [p.stat().st_size for p in sorted(builds[0].glob("shard-*.tar"))] == \
+        [p.stat().st_size for p in sorted(builds[1].glob("shard-*.tar"))]
+
+    def samples(root, cache_dir=None):
+        index = ShardIndex(str(root), cache_dir)
+        reader = SampleReader(index, TINY)
+        return [reader.raw_row(r)[1]["latents"] for r in range(len(index.table))]
+
+    for root in builds:
+        sync_up(root, url)
+        got, expected = samples(url, cache), samples(root)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
