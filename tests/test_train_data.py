@@ -273,3 +273,27 @@ def test_old_or_edited_manifests_are_refused_in_one_line(shards, tmp_path):
     (old / "manifest.json").write_text(json.dumps({**manifest, "seed": manifest["seed"] + 1}))
     with pytest.raises(SystemExit, match="content_sha256 does not match the content"):
         _loader(old)
+
+
+def test_a_resume_over_rebuilt_shards_is_refused_unless_said(tmp_path):
+    """The data state records each set's build (its manifest's sha256): the same counts and shapes rebuilt from other
+    data at the same path are not the run's data; --data.mixture-changed continues with them at the same batch."""
+    import shutil
+
+    root = tmp_path / "shards"
+    synthetic.make_synthetic_shards(root, "tiny", episodes=3, windows_per_episode=2, samples_per_shard=4, seed=1)
+    cfg = DataConfig(shards=root, micro_batch_size=2, num_workers=0)
+    loader = ShardLoader(cfg, TINY, 0, 1, torch.device("cpu"))
+    loader.next_batch = 2
+    state = loader.state_dict()
+    shutil.rmtree(root)
+    synthetic.make_synthetic_shards(root, "tiny", episodes=3, windows_per_episode=2, samples_per_shard=4, seed=2)
+    again = ShardLoader(cfg, TINY, 0, 1, torch.device("cpu"))
+    with pytest.raises(SystemExit, match=f"checkpoint data was read from other builds of {root} \\(manifest "
+                                         f"{state['builds'][0]} -> {again.index.store.build}\\): the shards were "
+                                         f"rebuilt since; pass --data.mixture-changed to continue with them"):
+        again.load_state_dict(state)
+    said = ShardLoader(DataConfig(shards=root, micro_batch_size=2, num_workers=0, mixture_changed=True), TINY, 0, 1,
+                       torch.device("cpu"))
+    said.load_state_dict(state)
+    assert said.next_batch == 2

@@ -69,8 +69,8 @@ class DataConfig:
     (RLinf, the official recipes); size = the weight x the set's visits per epoch, normalised (the official generic
     mixture's length balancing)."""
     mixture_changed: bool = False
-    """Resume a checkpoint written with another mixture (other sets or weights) on purpose: the data position is
-    kept, the draws follow the new mixture."""
+    """Resume a checkpoint written with other data on purpose (another mixture: other sets or weights; or a set
+    rebuilt, its manifest changed): the data position is kept, the draws follow this run's data."""
     cache_dir: Path | None = None
     """Local folder for whole-file copies of remote shards: each shard is downloaded whole on its first read and
     read from disk after, so it needs room for the dataset (and the text table lands here). None = one ranged

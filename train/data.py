@@ -342,12 +342,18 @@ class ShardLoader:
     def state_dict(self) -> dict:
         return {"next_batch": self.next_batch, "world_size": self.world_size, "seed": self.cfg.seed,
                 "micro_batch_size": self.cfg.micro_batch_size, "num_windows": self.num_windows,
-                "sampling": self.cfg.sampling, "epoch_length": self.epoch_length, "mixture": self.mixture()}
+                "sampling": self.cfg.sampling, "epoch_length": self.epoch_length, "mixture": self.mixture(),
+                "builds": [index.store.build for index in self.indexes]}
 
     def load_state_dict(self, state: dict) -> None:
         # states saved before weighted sampling existed were uniform: one visit per window and epoch
         state = {"sampling": "uniform", "epoch_length": state["num_windows"], "mixture": None, **state}
         mine = self.state_dict()
+        changed = [f"{s.shards} (manifest {old} -> {new})" for s, old, new in
+                   zip(self.sets, state.get("builds") or mine["builds"], mine["builds"]) if old != new]
+        if changed and state["mixture"] == mine["mixture"] and not self.cfg.mixture_changed:
+            raise SystemExit(f"checkpoint data was read from other builds of {', '.join(changed)}: the shards were "
+                             f"rebuilt since; pass --data.mixture-changed to continue with them")
         if state["mixture"] != mine["mixture"]:
             if not self.cfg.mixture_changed:
                 raise SystemExit(f"checkpoint data ({_describe_mixture(state['mixture'])}) differs from this run's "
