@@ -118,3 +118,20 @@ def test_overwrite_with_other_held_out_episodes_keeps_the_units(held_out_3, tiny
     assert {p.name: p.stat().st_ino for p in (out / "work").glob("unit-*")} == units  # only finalize ran again
     assert check(out) == [] and episodes(out) == {0} and episodes(out / "val") == {2, 3}
     assert manifest(out)["validation"]["episodes"] == [2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--metrics.val-shards", "--metrics.action-shards"])
+def test_evaluation_sets_of_another_recipe_stop_the_run_at_start(flag, small_shards, droid_shards, tmp_path):
+    """Checked like --data.shards, before the first step: not thousands of steps in at the first evaluation."""
+    from tests.test_train_main import _command, _env
+
+    cmd = [*_command(small_shards, tmp_path / "run"), flag, str(droid_shards), "--metrics.val-interval", "100",
+           "--metrics.action-interval", "100"]
+    done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    role = "a validation split" if "val" in flag else "an action-evaluation set"
+    line = (f"{droid_shards}: built for another DiT recipe than {small_shards}: in_dim 48 vs 4; {role} must be "
+            f"built like the data it evaluates")
+    assert done.stderr.count(line) == 1, done.stderr[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()

@@ -206,8 +206,15 @@ class Run:
 
 def build_run(cfg: Config, rank: int, world: int, device: torch.device) -> Run:
     """Every part of the run on this rank, at the newest complete checkpoint's step with --checkpoint.resume."""
-    image_encoder = frozen_image_encoder(cfg, device)
-    indexes = open_sets(cfg.data)  # once: the model's widths and the loader both read them
+    from wampipe.encoders.weights import WeightsError
+    from wampipe.train.runtime import alike
+
+    with alike(rank):  # every rank reads the same files: a bad one is one line, from rank 0
+        try:
+            image_encoder = frozen_image_encoder(cfg, device)
+        except WeightsError as err:
+            raise SystemExit(f"--model.image-encoder: {err}") from None
+        indexes = open_sets(cfg.data)  # once: the model's widths and the loader both read them
     found = checkpoint.resumable(Path(cfg.checkpoint.dir)) if cfg.checkpoint.resume else []
     holds_all = bool(found) and cfg.lora.rank == 0  # a LoRA checkpoint holds the adapters only: the base is re-read
     if holds_all and cfg.model.init_from is not None and rank == 0:

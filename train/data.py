@@ -149,7 +149,16 @@ def open_sets(cfg: DataConfig) -> list[ShardIndex]:
     return indexes
 
 
-def mixture_dims(indexes: Sequence[ShardIndex]) -> dict:
+def check_alongside(index: ShardIndex, run: Sequence[ShardIndex], role: str) -> None:
+    """A validation or action-evaluation set, checked at start against the run's sets: built for the same DiT recipe
+    (`mixture_dims`) and holding windows; SystemExit naming it and the field otherwise."""
+    if not len(index):
+        raise SystemExit(f"{index.root}: no windows (an empty {role})")
+    mixture_dims([run[0], index], f"{role} must be built like the data it evaluates")
+
+
+def mixture_dims(indexes: Sequence[ShardIndex],
+                 rule: str = "the sets of a mixture share the encoders and the DiT's widths") -> dict:
     """`data_dims` of the run's sets: the first set's, text_len the longest prompt of all. A set built for another DiT
     recipe (encoders, latent channels, text or CLIP width, CLIP features or pixels) stops the run in one line naming
     the set and the field."""
@@ -163,7 +172,7 @@ def mixture_dims(indexes: Sequence[ShardIndex]) -> dict:
         for field, want, got in fields:
             if want != got:
                 raise SystemExit(f"{index.root}: built for another DiT recipe than {first.root}: {field} {got} vs "
-                                 f"{want}; the sets of a mixture share the encoders and the DiT's widths")
+                                 f"{want}; {rule}")
         dims["text_len"] = max(dims["text_len"], own["text_len"])
     return dims
 

@@ -43,7 +43,8 @@ def train(cfg: Config) -> dict:
     model, optimizer, state = run.model, run.optimizer, run.state
     # periodic evaluations after an optimizer step, each (interval in steps, 0 = off; collective hook(step))
     evaluations: list[tuple[int, Callable[[int], None]]] = []
-    probe = ActionProbe.from_config(cfg, model.cfg, rank, world, device, run.loader.indexes, run.image_encoder)
+    with runtime.alike(rank):  # every rank opens and checks the same evaluation sets
+        probe = ActionProbe.from_config(cfg, model.cfg, rank, world, device, run.loader.indexes, run.image_encoder)
     if probe is not None:  # the open-loop action error (train/sample.py)
         evaluations.append((cfg.metrics.action_interval, lambda step: metrics.record(probe(model, step))))
     start, end = state.step, min(cfg.steps, state.step + cfg.stop_after) if cfg.stop_after else cfg.steps
@@ -52,7 +53,8 @@ def train(cfg: Config) -> dict:
         with preemption.shielding_forks():  # the loader forks its workers for the first batch
             pending = next(batches)
         metrics, profiler = open_metrics(cfg, run, pending, device)
-        validation = Validation(cfg, model, run.loader.indexes, run.flow, device, run.image_encoder)
+        with runtime.alike(rank):
+            validation = Validation(cfg, model, run.loader.indexes, run.flow, device, run.image_encoder)
         while state.step < end and not stop:
             micro_batches = []  # (batch, loss terms): kept for the step's checks and the per-set metrics
             for i in range(plan.accum):

@@ -17,7 +17,7 @@ import sys
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -68,15 +68,23 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+@contextmanager
+def alike(rank: int) -> Iterator[None]:
+    """Checks every rank makes alike (the same files, the same flags): a refusal's one line is printed by rank 0
+    alone, the other ranks exit with status 1 in silence."""
+    try:
+        yield
+    except SystemExit as refusal:
+        raise SystemExit(refusal.code if rank == 0 else 1) from None
+
+
 def settle(cfg: Config, device: torch.device, world: int, rank: int) -> tuple[Config, BatchPlan]:
     """`cfg` with its auto settings resolved for these devices, checked again, and its batch plan; a refusal stops
     every rank (they decide alike) with one line from rank 0."""
-    try:
+    with alike(rank):
         cfg, auto = resolve_auto(cfg, device_memory_gib(device), world)
         validate(cfg)  # again: what auto resolved may not go with a given flag
         plan = batch_plan(cfg, world)
-    except SystemExit as refusal:
-        raise SystemExit(refusal.code if rank == 0 else 1) from None
     check_float8(cfg.parallel.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     check_wandb(cfg.metrics)
     if rank == 0 and auto:

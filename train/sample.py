@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from wampipe.shardformat.stats import unnormalize_q99
-from wampipe.train.data import SampleReader, collate, open_index, set_names
+from wampipe.train.data import SampleReader, check_alongside, collate, open_index, set_names
 from wampipe.train.model import CausalWanModel, DiTBatch, DiTConfig
 
 # The reference's DiT step masks by NUM_DIT_STEPS (its default 8): at a False step the last prediction is reused.
@@ -282,11 +282,15 @@ class ActionProbe:
     probed shard directory, split over the ranks, sampled with the model being trained. Collective."""
 
     def __init__(self, dirs: list[str], model_cfg: DiTConfig, samples: int, rank: int, world: int, device,
-                 image_encoder=None, batch_size: int = 4, cache_dir: str | None = None):
+                 image_encoder=None, batch_size: int = 4, cache_dir: str | None = None, run_indexes=None):
+        """`run_indexes`: the training sets' indexes, which each probed directory must be built like (checked
+        here, at start)."""
         from wampipe.train.config import ShardSet
 
         self.names = set_names([ShardSet(d) for d in dirs])
         self.indexes = [open_index(d, cache_dir) for d in dirs]
+        for index in self.indexes:
+            check_alongside(index, run_indexes or self.indexes, "an action-evaluation set")
         self.model_cfg, self.samples, self.batch_size = model_cfg, samples, batch_size
         self.rank, self.world, self.device, self.image_encoder = rank, world, device, image_encoder
 
@@ -301,7 +305,7 @@ class ActionProbe:
             return None
         sets = [str(s.shards) for s in cfg.data.sets()]
         dirs = list(m.action_shards) or [val_dir(s, index) or s for s, index in zip(sets, indexes)]
-        return cls(dirs, model_cfg, m.action_samples, rank, world, device, image_encoder,
+        return cls(dirs, model_cfg, m.action_samples, rank, world, device, image_encoder, run_indexes=indexes,
                    cache_dir=cfg.data.cache_dir)
 
     def _batches(self, index):

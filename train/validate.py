@@ -36,7 +36,7 @@ import torch.distributed as dist
 from wampipe.shardformat.index import ShardIndex
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.train.config import Config, ShardSet
-from wampipe.train.data import SampleReader, collate, open_index, set_names
+from wampipe.train.data import SampleReader, check_alongside, collate, open_index, set_names
 from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
 from wampipe.train.model import CausalWanModel, DiTBatch
 from wampipe.train.text import compact_text_rows
@@ -90,6 +90,7 @@ class Validation:
             if where is not None and cfg.metrics.val_interval:
                 self.names.append(name)
                 self.splits.append(open_index(where, cfg.data.cache_dir))
+                check_alongside(self.splits[-1], indexes, "a validation split")
         if cfg.metrics.val_interval and not self.splits and self.rank == 0:
             print(f"no validation split in {', '.join(str(s.shards) for s in sets)} (preprocess shards "
                   f"--val-episodes): no validation loss", flush=True)
