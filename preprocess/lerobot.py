@@ -8,6 +8,7 @@ annotation column. Frames are decoded by `preprocess.decode` when a source is re
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,9 +201,14 @@ class LeRobotDataset:
         for key in ("data_path", "features", "fps"):
             if key not in self.info:
                 raise DatasetError(info_path, None, f"'{key}' is missing")
-        self.fps = float(self.info["fps"])
+        self.fps = _number(self.info["fps"], info_path, "fps", float)
         self.features: dict = self.info["features"]
-        self.chunks_size = int(self.info.get("chunks_size", 1000))
+        self.chunks_size = _number(self.info.get("chunks_size", 1000), info_path, "chunks_size", int)
+        if not isinstance(self.features, dict):
+            raise DatasetError(info_path, None, "'features' is not a JSON object")
+        for name, feature in self.features.items():
+            if not isinstance(feature, dict) or not isinstance(feature.get("dtype"), str):
+                raise DatasetError(info_path, None, f"feature {name!r} has no dtype")
         modality_path = self.root / "meta" / "modality.json"
         self.modality = (
             _parse_modality(_read_json(modality_path), modality_path)
@@ -285,7 +291,7 @@ class LeRobotDataset:
         for c, values in cols.items():
             # finite in the dtype the shards store (float32): 1e39 is finite in float64 and inf once stored
             if values.dtype.kind == "f" and not np.isfinite(values.astype(np.float32, copy=False)).all():
-                raise DatasetError(info.data_path, episode_index, f"column {c!r} holds NaN or inf (as float32)")
+                raise DatasetError(info.data_path, episode_index, f"column {c!r} holds NaN or inf")
         timestamps = (table.column("timestamp").to_numpy().astype(np.float64) if "timestamp" in table.column_names
                       else None)
 
@@ -390,22 +396,37 @@ class LeRobotDataset:
             raise DatasetError(path, None, "meta/episodes.jsonl is missing")
         discarded = set(self.info.get("discarded_episode_indices", []) or [])
         out = []
-        for row in _read_jsonl(path):
-            ep = int(row["episode_index"])
+        for line, row in enumerate(_read_jsonl(path), 1):
+            try:
+                ep = _whole(row["episode_index"])
+            except (KeyError, TypeError, ValueError):
+                raise DatasetError(path, None, f"line {line}: no whole 'episode_index'") from None
             if ep in discarded:
                 continue
             length = row.get("length", row.get("episode_length", row.get("num_frames")))
             if length is None:
                 raise DatasetError(path, ep, "no 'length' field")
+            try:
+                length = _whole(length)
+            except (TypeError, ValueError):
+                raise DatasetError(path, ep, f"length {length!r} is not a whole number") from None
             chunk = ep // self.chunks_size
-            data = self.root / self.info["data_path"].format(episode_chunk=chunk, episode_index=ep)
-            videos = {
-                k: self.root / self.info["video_path"].format(episode_chunk=chunk, video_key=k, episode_index=ep)
-                for k in self.camera_keys
-                if self.camera_storage(k) == "video"
-            }
-            out.append(EpisodeInfo(ep, int(length), data, videos))
+            data = self.root / self._path("data_path", episode_chunk=chunk, episode_index=ep)
+            videos = {k: self.root / self._path("video_path", episode_chunk=chunk, video_key=k, episode_index=ep)
+                      for k in self.camera_keys if self.camera_storage(k) == "video"}
+            out.append(EpisodeInfo(ep, length, data, videos))
         return out
+
+    def _path(self, field: str, **values) -> str:
+        """info.json's path pattern `field` filled in; DatasetError naming it when it is missing or unusable."""
+        pattern, info = self.info.get(field), self.root / "meta" / "info.json"
+        if not isinstance(pattern, str):
+            raise DatasetError(info, None, f"{field!r} is missing (needed for {', '.join(sorted(values))})")
+        try:
+            return pattern.format(**values)
+        except (KeyError, IndexError, ValueError) as err:
+            raise DatasetError(info, None, f"{field} {pattern!r}: unknown field or bad pattern "
+                                           f"({type(err).__name__}: {err})") from None
 
     def _read_episodes_v3(self) -> list[EpisodeInfo]:
         files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
@@ -416,17 +437,15 @@ class LeRobotDataset:
             for row in pq.read_table(f).to_pylist():
                 ep = int(row["episode_index"])
                 try:
-                    data = self.root / self.info["data_path"].format(
-                        chunk_index=row["data/chunk_index"], file_index=row["data/file_index"]
-                    )
+                    data = self.root / self._path("data_path", chunk_index=row["data/chunk_index"],
+                                                  file_index=row["data/file_index"])
                     videos, from_ts, to_ts = {}, {}, {}
                     for k in self.camera_keys:
                         if self.camera_storage(k) != "video":
                             continue
-                        videos[k] = self.root / self.info["video_path"].format(
-                            video_key=k, chunk_index=row[f"videos/{k}/chunk_index"],
-                            file_index=row[f"videos/{k}/file_index"]
-                        )
+                        videos[k] = self.root / self._path("video_path", video_key=k,
+                                                           chunk_index=row[f"videos/{k}/chunk_index"],
+                                                           file_index=row[f"videos/{k}/file_index"])
                         from_ts[k] = float(row[f"videos/{k}/from_timestamp"])
                         to_ts[k] = float(row[f"videos/{k}/to_timestamp"])
                 except KeyError as err:
@@ -438,18 +457,44 @@ class LeRobotDataset:
 # ---------------------------------------------------------------- helpers
 
 
+def _whole(value) -> int:
+    """A non-negative whole number given as a JSON number (episode index, length); ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0 \
+            or value != int(value):
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(value)
+
+
+def _number(value, path: Path, field: str, kind: type) -> float | int:
+    """`value` as a positive, finite `kind` (fps, chunks_size); DatasetError naming the file and field otherwise."""
+    try:
+        number = kind(value)
+        if isinstance(value, bool) or not math.isfinite(number) or number <= 0 or (kind is int and number != value):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise DatasetError(path, None, f"{field} {value!r} is not a positive {kind.__name__}") from None
+    return number
+
+
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested too deep
-        raise DatasetError(path, None, f"unreadable JSON: {err}") from err
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:  # Recursion: nested too deep
+        raise DatasetError(path, None, f"unreadable JSON: {err}") from None
+    if not isinstance(obj, dict):
+        raise DatasetError(path, None, f"a JSON {type(obj).__name__}, not an object")
+    return obj
 
 
 def _read_jsonl(path: Path) -> list[dict]:
     try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested too deep
-        raise DatasetError(path, None, f"unreadable JSON lines: {err}") from err
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:  # Recursion: nested too deep
+        raise DatasetError(path, None, f"unreadable JSON lines: {err}") from None
+    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise DatasetError(path, None, f"line {bad + 1} is not a JSON object")
+    return rows
 
 
 def _read_parquet(path: Path, columns: list[str] | None, episode: int | None) -> pa.Table:

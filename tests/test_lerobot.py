@@ -178,3 +178,50 @@ def test_an_episode_listed_twice_is_refused_when_the_dataset_opens(droid_root, t
     listing.write_text("\n".join([*lines, lines[2]]) + "\n")
     with pytest.raises(DatasetError, match=f"^{re.escape(str(listing))}: episode 2: listed twice$"):
         LeRobotDataset(src)
+
+
+def _info(key, value):
+    return lambda root: _edit_json(root / "meta/info.json", lambda info: info.__setitem__(key, value))
+
+
+def _edit_json(path, edit):
+    obj = json.loads(path.read_text())
+    edit(obj)
+    path.write_text(json.dumps(obj))
+
+
+def _episode_rows(edit):
+    def apply(root):
+        path = root / "meta/episodes.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        edit(rows[1])
+        path.write_text("\n".join(map(json.dumps, rows)) + "\n")
+    return apply
+
+
+@pytest.mark.parametrize("malform, names, says", [
+    (_info("fps", "ten"), "meta/info.json", "fps 'ten' is not a positive float"),
+    (_info("chunks_size", 0), "meta/info.json", "chunks_size 0 is not a positive int"),
+    (_info("data_path", "data/{nope}.parquet"), "meta/info.json", "data_path 'data/{nope}.parquet': unknown field"),
+    (lambda root: (root / "meta/info.json").write_text("[1, 2]"), "meta/info.json", "a JSON list, not an object"),
+    (_episode_rows(lambda row: row.pop("episode_index")), "meta/episodes.jsonl", "line 2: no whole 'episode_index'"),
+    (_episode_rows(lambda row: row.__setitem__("length", "abc")), "meta/episodes.jsonl",
+     "episode 1: length 'abc' is not a whole number"),
+    (lambda root: _edit_json(root / "meta/info.json", lambda i: i["features"]["action"].pop("dtype")),
+     "meta/info.json", "feature 'action' has no dtype"),
+    (lambda root: (root / "meta/tasks.jsonl").write_bytes(b"\xff\xfe\x00bad"), "meta/tasks.jsonl",
+     "unreadable JSON lines"),
+    (lambda root: _edit_json(root / "meta/info.json", lambda i: i.pop("video_path")), "meta/info.json",
+     "'video_path' is missing"),
+], ids=["fps", "chunks_size", "data_path", "info_list", "no_index", "length", "dtype", "tasks_utf8", "video_path"])
+def test_malformed_metadata_is_one_line_naming_the_file(malform, names, says, droid_root, tmp_path):
+    """Each of these was a traceback; now one DatasetError naming the file (and episode) when the dataset opens."""
+    from pathlib import Path
+
+    from wampipe.preprocess.lerobot import LeRobotDataset
+
+    src = Path(shutil.copytree(droid_root, tmp_path / "src"))
+    malform(src)
+    with pytest.raises(DatasetError) as err:
+        LeRobotDataset(src)
+    assert str(err.value).startswith(f"{src / names}: ") and says in str(err.value), str(err.value)
