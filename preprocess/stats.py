@@ -154,9 +154,11 @@ def summarize(values: np.ndarray) -> dict[str, list[float]]:
 def _column_statistics(ds: LeRobotDataset, columns: list[str],
                        skip: dict[int, str]) -> tuple[dict[str, dict[str, list[float]]], int]:
     """Statistics of whole float32-cast columns over the rows of every usable episode (filled in place: no list of
-    per-episode copies), and the number of those rows. Unusable episodes are added to `skip`."""
+    per-episode copies), and the number of those rows. Unusable episodes are added to `skip`. The arrays grow with the
+    rows read (doubling), never sized by the lengths meta/ claims: a length of 4e10 there fails its episode, not the
+    allocation."""
     dims = {c: int(np.prod(ds.features[c]["shape"])) for c in columns}
-    data = {c: np.empty((ds.total_frames, d), dtype=np.float32) for c, d in dims.items()}
+    data = {c: np.empty((min(ds.total_frames, 1 << 16), d), dtype=np.float32) for c, d in dims.items()}
     row = 0
     for index in tqdm(ds.episode_indices, desc=f"stats {ds.root.name}", unit="episode"):
         if index in skip:
@@ -171,7 +173,11 @@ def _column_statistics(ds: LeRobotDataset, columns: list[str],
             skip[index] = str(err)
             continue
         for c, v in values.items():
-            data[c][row : row + episode.length] = v
+            if row + len(v) > len(data[c]):
+                grown = np.empty((max(2 * len(data[c]), row + len(v)), dims[c]), dtype=np.float32)
+                grown[:row] = data[c][:row]
+                data[c] = grown
+            data[c][row : row + len(v)] = v
         row += episode.length
     if not row:
         raise DatasetError(ds.root, None, f"no usable episode for statistics ({len(skip)} left out)")

@@ -171,3 +171,26 @@ def test_stats_cli_reports_and_leaves_out_bad_episodes(droid_root, tmp_path, cap
                      f"skipped {src / 'data/chunk-000/episode_000003.parquet'}: episode 3: parquet has 123 rows, meta "
                      f"says length 133"]
     assert_good_episode_statistics(json.loads(out.read_text()), src, [1, 2])
+
+
+@pytest.mark.e2e  # in a process of its own, whose address space is capped
+def test_a_length_meta_claims_but_the_rows_lack_fails_its_episode_not_the_allocation(droid_root, tmp_path):
+    """episodes.jsonl says 4e10 rows for episode 2 (97 in its parquet): under an 8 GiB address-space cap the
+    statistics finish without it, since their arrays grow with the rows read."""
+    import resource
+
+    src = Path(shutil.copytree(droid_root, tmp_path / "src"))
+    listing = src / "meta" / "episodes.jsonl"
+    rows = [json.loads(line) for line in listing.read_text().splitlines()]
+    rows[2]["length"] = 4e10
+    listing.write_text("\n".join(map(json.dumps, rows)) + "\n")
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    done = subprocess.run([sys.executable, "-m", "wampipe.preprocess", "stats", "--src", str(src), "--embodiment",
+                           "oxe_droid", "--out", str(tmp_path / "metadata.json")], capture_output=True, text=True,
+                          preexec_fn=cap, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"skipped {src / 'data/chunk-000/episode_000002.parquet'}: episode 2: parquet has 97 rows, meta says " \
+           f"length 40000000000" in done.stdout.splitlines()
