@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from tqdm import tqdm
 
 from wampipe import configs
@@ -37,6 +38,7 @@ from wampipe.preprocess.spec import ENCODERS, BuildSpec
 from wampipe.preprocess.validation import HELD_OUT, canonical, held_out
 from wampipe.shardformat.embodiments import get_embodiment
 from wampipe.shardformat.layout import VAL_DIR
+from wampipe.shardformat.stats import stat_vector
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,13 +224,31 @@ def check_arguments(args: Args) -> None:
         args.val_episodes = canonical(args.val_episodes)
 
 
-def check_metadata(path: Path, tag: str) -> None:
+def check_metadata(path: Path, emb, ds: LeRobotDataset) -> None:
+    """--metadata's statistics, before any unit: the embodiment's tag, and for every state and action sub-key its q01
+    and q99, finite and as wide as the dataset's modality.json makes that sub-key (what the trainer will check)."""
     try:
         statistics = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise SystemExit(f"--metadata {path}: unreadable ({err})") from None
-    if tag not in statistics:
-        raise SystemExit(f"--metadata {path}: no statistics for {tag} (it holds {sorted(statistics)})")
+    if not isinstance(statistics, dict) or emb.tag not in statistics:
+        held = sorted(statistics) if isinstance(statistics, dict) else type(statistics).__name__
+        raise SystemExit(f"--metadata {path}: no statistics for {emb.tag} (it holds {held})")
+    for modality, keys, entries in (("state", emb.state_keys, ds.modality.state),
+                                    ("action", emb.action_keys, ds.modality.action)):
+        for key in keys:
+            width = entries[key].end - entries[key].start if key in entries else None
+            for stat in ("q01", "q99"):
+                try:
+                    values = stat_vector(statistics[emb.tag]["statistics"], modality, [key], stat)
+                except (KeyError, TypeError, ValueError) as err:
+                    reason = err.args[0] if isinstance(err, KeyError) and err.args else err  # KeyError quotes itself
+                    raise SystemExit(f"--metadata {path}: {emb.tag}: {modality}.{key}.{stat} unusable "
+                                     f"({reason})") from None
+                if (width is not None and values.size != width) or not np.isfinite(values).all():
+                    raise SystemExit(f"--metadata {path}: {emb.tag}: {modality}.{key}.{stat} has {values.size} "
+                                     f"values{'' if np.isfinite(values).all() else ' (not all finite)'}, the "
+                                     f"dataset's {key} is {width} wide")
 
 
 def check_weights(args: Args) -> None:
@@ -295,12 +315,12 @@ def run(args: Args) -> None:
         remote.check_access(url)  # a missing bucket or wrong credentials stop the run before any unit
     emb = get_embodiment(DATASETS[args.dataset].embodiment)
     emb.preset(args.model)  # a clear error for a recipe the embodiment does not define
-    if args.metadata is not None:
-        check_metadata(args.metadata, emb.tag)
     checking = time.perf_counter()
     check_weights(args)
     checked = time.perf_counter() - checking
     ds = LeRobotDataset(args.src)
+    if args.metadata is not None:
+        check_metadata(args.metadata, emb, ds)
     units = plan_units(ds, args.episodes_per_unit, args.max_episodes)
     held = () if args.val_episodes is None else tuple(
         held_out(args.val_episodes, args.dataset, [e for unit in units for e in unit], args.src))

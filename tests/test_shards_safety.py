@@ -168,6 +168,11 @@ def test_bad_arguments_and_weights_fail_at_start(droid_root, tiny_checkpoints, t
     out = tmp_path / "out"
     tiny = tiny_checkpoints
     clip = tiny / "clip" / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
+    stats = {"q01": [0.0] * 7, "q99": [1.0] * 7}
+    (tmp_path / "lacking.json").write_text(json.dumps({"oxe_droid": {"statistics": {
+        "state": {"joint_position": stats}, "action": {}}}}))
+    (tmp_path / "narrow.json").write_text(json.dumps({"oxe_droid": {"statistics": {
+        "state": {"joint_position": {"q01": [0.0] * 6, "q99": [1.0] * 6}}, "action": {}}}}))
     cases = {
         ("--samples-per-shard", "0"): "--samples-per-shard must be at least 1, got 0",
         ("--max-episodes", "0"): "--max-episodes must be at least 1, got 0",
@@ -183,6 +188,10 @@ def test_bad_arguments_and_weights_fail_at_start(droid_root, tiny_checkpoints, t
         ("--text-encoder", str(clip)): "but the text encoder needs",
         ("--tokenizer", str(tiny / "clip")): f"{tiny / 'clip'}: not a tokenizer folder",
         ("--metadata", str(tmp_path / "none.json")): f"--metadata {tmp_path / 'none.json'}: unreadable",
+        ("--metadata", str(tmp_path / "lacking.json")): "oxe_droid: state.gripper_position.q01 unusable "
+                                                        "(statistics.state has no sub-keys ['gripper_position'])",
+        ("--metadata", str(tmp_path / "narrow.json")): "oxe_droid: state.joint_position.q01 has 6 values, the "
+                                                       "dataset's joint_position is 7 wide",
         ("--src", str(tmp_path)): f"{tmp_path / 'meta' / 'info.json'}: not a LeRobot dataset",
     }
     for extra, expected in cases.items():
