@@ -81,13 +81,17 @@ class LazyTasks(Sequence):
         return self.make(self.items[i])
 
 
-def run_tasks(fn: Callable, tasks: Sequence[tuple], workers: int, desc: str,
-              progress: bool = True) -> Iterator[tuple[int, Any]]:
+def run_tasks(fn: Callable, tasks: Sequence[tuple], workers: int, desc: str, progress: bool = True,
+              ray_address: str | None = None, on_ray: bool = False) -> Iterator[tuple[int, Any]]:
     """(i, fn(*tasks[i])) as each task finishes, with a progress bar: in this process with one worker, else in a
-    pool of `workers` spawned processes with at most two tasks each in flight (finalize's shard tasks, `check`'s:
-    independent, so any order gives the same files)."""
+    pool of `workers` spawned processes, or with `on_ray` as Ray tasks of the cluster at `ray_address`, at most two
+    tasks per worker in flight (finalize's shard tasks, `check`'s: independent, so any order gives the same
+    files)."""
     bar = tqdm(total=len(tasks), desc=desc, unit="task", disable=not (progress and len(tasks)))
     try:
+        if on_ray and len(tasks) > 1:
+            yield from _on_ray(fn, tasks, workers, ray_address, bar)
+            return
         if workers <= 1 or len(tasks) <= 1:
             for i in range(len(tasks)):
                 yield i, fn(*tasks[i])
@@ -112,6 +116,27 @@ def run_tasks(fn: Callable, tasks: Sequence[tuple], workers: int, desc: str,
                 raise
     finally:
         bar.close()
+
+
+def _on_ray(fn: Callable, tasks: Sequence[tuple], workers: int, address: str | None, bar) -> Iterator[tuple[int, Any]]:
+    import ray
+
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    remote = ray.remote(num_cpus=1)(fn)
+    pending, queued = {}, iter(range(len(tasks)))
+    try:
+        for i in itertools.islice(queued, 2 * max(workers, 1)):
+            pending[remote.remote(*tasks[i])] = i
+        while pending:
+            (ready,), _ = ray.wait(list(pending), num_returns=1)
+            i = pending.pop(ready)
+            yield i, ray.get(ready)
+            bar.update(1)
+            for j in itertools.islice(queued, 1):
+                pending[remote.remote(*tasks[j])] = j
+    finally:
+        for ref in pending:
+            ray.cancel(ref, force=True)
 
 
 class ChildDied(RuntimeError):

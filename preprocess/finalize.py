@@ -24,13 +24,16 @@ from wampipe.shardformat.samples import member_names
 from wampipe.shardformat.text import write_text_table
 
 
-def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tuple[int, int] | None = None) -> dict:
+def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tuple[int, int] | None = None,
+             ray_address: str | None = None, on_ray: bool = False) -> dict:
     """Shards, text table, statistics and manifest from the finished units; returns the training split's manifest.
     With held-out episodes (`spec.held_out`), their samples go into the validation split OUT/val, a sealed shard
     directory of its own (the same text table and statistics), written before the training split's manifest.
     `workers` processes (0: executors.auto_workers) write the shards, each a task of its own
-    (write.write_planned_shard). `part` (i, n): one job of an array writes only the shards k with k % n == i of each
-    split and returns None; a run without it keeps them and writes the rest."""
+    (write.write_planned_shard), or with `on_ray` as Ray tasks of the cluster at `ray_address`. `part` (i, n): one
+    job of an array writes only the shards k with k % n == i of each split and returns None; a run without it keeps
+    them and writes the rest."""
+    ray = {"ray_address": ray_address, "on_ray": on_ray}
     out = Path(spec.out)
     missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
     if missing:
@@ -38,14 +41,14 @@ def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tu
                          f"done")
     summaries = [None] * len(units)
     for u, summary in run_tasks(write.summarize_unit, [(out, u) for u in range(len(units))],
-                                auto_workers(workers, len(units)), "units read"):
+                                auto_workers(workers, len(units)), "units read", **ray):
         summaries[u] = summary
     if part is not None:
         for val in (False, True)[:1 + bool(spec.held_out)]:
             into = out / VAL_DIR if val else out
             into.mkdir(exist_ok=True)
             mix(out, into, summaries, spec.samples_per_shard, spec.seed, spec.held_out,
-                {"split": "val"} if val else None, spec.dataset, workers, part)
+                {"split": "val"} if val else None, spec.dataset, workers, part, ray)
         return None
     if not sum(summary["count"] for summary in summaries):  # before the text encoder loads: nothing to encode
         raise SystemExit(no_samples(out, summaries))
@@ -53,7 +56,7 @@ def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tu
     failures = [f for summary in summaries for f in summary["failures"]]
     shared = {"text_table": encode_text_table(out, prompts, spec), "statistics": write_statistics(out, spec, failures)}
     if not spec.held_out:
-        return write_split(out, summaries, spec, units, shared, workers)
+        return write_split(out, summaries, spec, units, shared, workers, ray=ray)
     train, val = split_summaries(summaries, list(spec.held_out))
     held = {"choice": spec.val_episodes, "episodes": list(spec.held_out)}
     val_dir = out / VAL_DIR
@@ -62,8 +65,8 @@ def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tu
         (val_dir / name).parent.mkdir(parents=True, exist_ok=True)
         with open(out / name, "rb") as src, atomic_writer(val_dir / name) as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
-    write_split(val_dir, val, spec, units, shared, workers, {"split": "val", **held})
-    return write_split(out, train, spec, units, shared, workers, {"split": "train", **held, "val_dir": VAL_DIR})
+    write_split(val_dir, val, spec, units, shared, workers, {"split": "val", **held}, ray)
+    return write_split(out, train, spec, units, shared, workers, {"split": "train", **held, "val_dir": VAL_DIR}, ray)
 
 
 def no_samples(out: Path, summaries: list[dict]) -> str:
@@ -76,7 +79,7 @@ def no_samples(out: Path, summaries: list[dict]) -> str:
 
 
 def write_split(into: Path, summaries: list[dict], spec: BuildSpec, units: list[list[int]], shared: dict,
-                workers: int, validation: dict | None = None) -> dict:
+                workers: int, validation: dict | None = None, ray: dict | None = None) -> dict:
     """The shards of the samples of `summaries` (the units' records of this split) in `into`, then its sample index
     and manifest (`shared`: the text table and statistics blocks, whose files lie in `into`); returns the manifest."""
     emb = get_embodiment(spec.embodiment)
@@ -86,7 +89,7 @@ def write_split(into: Path, summaries: list[dict], spec: BuildSpec, units: list[
                             "target_hw": list(emb.preset(spec.model).target_hw)}
     try:
         shards, sample_index, member_bytes = mix(Path(spec.out), into, summaries, spec.samples_per_shard, spec.seed,
-                                                 spec.held_out, validation, spec.dataset, workers)
+                                                 spec.held_out, validation, spec.dataset, workers, ray=ray)
         manifest = build_manifest(
             summaries, shards, **stated,
             source={"root": spec.src, "fingerprint": spec.digests["src"], "codebase_version": ds.version,
@@ -100,11 +103,12 @@ def write_split(into: Path, summaries: list[dict], spec: BuildSpec, units: list[
 
 
 def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, seed: int, held: tuple | list,
-        validation: dict | None, dataset: str, workers: int,
-        part: tuple[int, int] | None = None) -> tuple[list[dict], dict, dict] | None:
+        validation: dict | None, dataset: str, workers: int, part: tuple[int, int] | None = None,
+        ray: dict | None = None) -> tuple[list[dict], dict, dict] | None:
     """Every sample of the units of `out` in one seeded permutation (write.plan_split), cut into shards of `into`
     written by `workers` processes, then the sample index. Returns (shard entries, sample_index block,
-    member_bytes); with `part` (i, n), only the shards k with k % n == i, and None."""
+    member_bytes); with `part` (i, n), only the shards k with k % n == i, and None. `ray`: run_tasks' Ray
+    arguments."""
     val = bool(validation) and validation.get("split") == "val"
     plan = write.plan_split(out, summaries, seed, held, val, dataset)
     schemas = [s["schema"] for s in summaries if s["count"]]
@@ -115,7 +119,8 @@ def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, se
         shards = shards[part[0]::part[1]]
     tasks = [(out, into, plan, shard, samples_per_shard, names, dataset) for shard in shards]
     entries = [None] * len(tasks)
-    for i, entry in run_tasks(write.write_planned_shard, tasks, auto_workers(workers, len(tasks)), "shards"):
+    for i, entry in run_tasks(write.write_planned_shard, tasks, auto_workers(workers, len(tasks)), "shards",
+                              **(ray or {})):
         entries[i] = entry
     if part is not None:
         return None

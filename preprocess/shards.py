@@ -98,7 +98,8 @@ class Args:
     0 = auto: with stream, every core but three per GPU encoder (one per CPU encoder); with local, 1."""
     finalize_workers: int = 0
     """Processes writing the output shards at finalize (each shard a task of its own; the bytes never depend on it).
-    0 = auto: one per 32 shards, at most every core and 8 (the copies are bound by the disk)."""
+    0 = auto: one per 32 shards, at most every core and 8 (the copies are bound by the disk). With --executor ray
+    the shards are Ray tasks of the cluster, twice this many in flight."""
     threads_per_worker: int | None = None
     """Torch threads per unit (default: CPU cores / workers). Float reductions depend on it, so byte-identical
     reruns need the same value; it is recorded with the build's inputs."""
@@ -349,11 +350,13 @@ def run(args: Args) -> None:
             print("units done; run again with --stage finalize once every unit is finished")
             return
         if array_job:
-            finalize(spec, units, args.finalize_workers, part=(args.unit_index, args.num_units))
+            finalize(spec, units, args.finalize_workers, part=(args.unit_index, args.num_units),
+                     ray_address=args.ray_address, on_ray=args.executor == "ray")
             print(f"shards k with k % {args.num_units} == {args.unit_index} done; run --stage finalize once without "
                   f"--unit-index when every job is done (it keeps them and writes the sample index and manifest)")
             return
-        manifest = finalize(spec, units, args.finalize_workers)
+        manifest = finalize(spec, units, args.finalize_workers, ray_address=args.ray_address,
+                            on_ray=args.executor == "ray")
         if url:
             remote.publish(args.out, url, overwrite=args.overwrite)
     t = manifest["totals"]
