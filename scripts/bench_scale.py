@@ -54,21 +54,28 @@ class Args:
     """Keep the builds under --work."""
 
 
+# Linux counts a process's peak RSS from its fork: a child of this (large) process would report at least this
+# process's size. So a small launcher forks the measured command and reports the rusage wait4 gives it, the peak of
+# the largest process of the command's tree (the command and every descendant it waited for).
+LAUNCH = ("import os, sys\npid = os.fork()\nif pid == 0:\n    os.execvp(sys.argv[2], sys.argv[2:])\n"
+          "_, status, usage = os.wait4(pid, 0)\nopen(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+          "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
 def run_measured(command: list[str], env: dict | None = None) -> dict:
-    """Wall seconds and the peak RSS (MB) of the largest process of `command`'s tree (the child's own rusage, from
-    wait4: the maximum over it and the descendants it waited for)."""
+    """Wall seconds and the peak RSS (MB) of the largest process of `command`'s tree (`LAUNCH`)."""
+    report = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-scale-rss-{os.getpid()}"
     start = time.perf_counter()
-    child = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = b""
-    while chunk := child.stdout.read(1 << 16):
-        out += chunk
-    _, status, usage = os.wait4(child.pid, 0)
+    done = subprocess.run([sys.executable, "-S", "-c", LAUNCH, str(report), *map(str, command)], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
     wall = time.perf_counter() - start
-    text = out.decode(errors="replace")
-    if status:
-        raise SystemExit(f"{' '.join(map(str, command[:6]))} ...: status {status}\n{text[-3000:]}")
-    return {"wall_s": round(wall, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "output": text}
+    text = done.stdout.decode(errors="replace")
+    if done.returncode:
+        raise SystemExit(f"{' '.join(map(str, command[:6]))} ...: exit {done.returncode}\n{text[-3000:]}")
+    peak = int(report.read_text()) / 1024
+    report.unlink()
+    return {"wall_s": round(wall, 2), "peak_rss_mb": round(peak, 1), "output": text}
 
 
 # ---------------------------------------------------------------- builds
