@@ -374,7 +374,7 @@ def run(args: Args) -> None:
         raise SystemExit(1)
     manifest = ShardStore(args.root).manifest()
     print(f"OK: {args.root}: {manifest.totals['samples']} samples in {len(manifest.shards)} shards")
-    if manifest.validation:
+    if manifest.validation.get("val_dir"):  # a training split names its validation split; a split itself does not
         val_dir = f"{str(args.root).rstrip('/')}/{manifest.validation['val_dir']}"
         val = ShardStore(val_dir).manifest()
         print(f"OK: {val_dir}: {val.totals['samples']} samples in {len(val.shards)} shards of the held-out episodes "

@@ -135,3 +135,14 @@ def test_evaluation_sets_of_another_recipe_stop_the_run_at_start(flag, small_sha
             f"built like the data it evaluates")
     assert done.stderr.count(line) == 1, done.stderr[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_a_validation_split_is_checked_on_its_own(held_out_3, capsys):
+    """`check DIR/val`: the split alone, its samples all of the held-out episodes, one OK line."""
+    from wampipe.preprocess.__main__ import main as preprocess_main
+
+    assert check(held_out_3 / "val") == []
+    preprocess_main(["check", str(held_out_3 / "val")])
+    assert capsys.readouterr().out.splitlines() == [f"OK: {held_out_3 / 'val'}: "
+                                                    f"{manifest(held_out_3 / 'val')['totals']['samples']} samples in "
+                                                    f"{len(manifest(held_out_3 / 'val')['shards'])} shards"]
