@@ -38,7 +38,6 @@ from wampipe.preprocess.spec import ENCODERS, BuildSpec
 from wampipe.preprocess.validation import HELD_OUT, canonical, held_out
 from wampipe.shardformat.embodiments import get_embodiment
 from wampipe.shardformat.layout import VAL_DIR
-from wampipe.shardformat.stats import stat_vector
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -228,6 +227,8 @@ def check_arguments(args: Args) -> None:
 def check_metadata(path: Path, emb, ds: LeRobotDataset) -> None:
     """--metadata's statistics, before any unit: the embodiment's tag, and for every state and action sub-key its q01
     and q99, finite and as wide as the dataset's modality.json makes that sub-key (what the trainer will check)."""
+    from wampipe.shardformat.stats import stat_vector  # here: it loads torch, which `--help` does without
+
     try:
         statistics = json.loads(path.read_text())
     except (OSError, ValueError) as err:
