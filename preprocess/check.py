@@ -38,7 +38,6 @@ from wampipe.shardformat.keys import parse_key
 from wampipe.shardformat.layout import CLIP_PIXELS, MANIFEST, SAMPLE_INDEX, SHARD_NAME, WIDS_INDEX
 from wampipe.shardformat.manifest import Manifest, ShardEntry, ShardFormatError, check_json_size, check_sha256
 from wampipe.shardformat.members import split_member_name
-from wampipe.shardformat.samples import SampleTable
 from wampipe.shardformat.shard import ShardRecord, json_path, read_sample, verify_members
 from wampipe.shardformat.storage import COPY_BLOCK, STORE_ERRORS, ShardStore
 from wampipe.shardformat.text import TextTable
@@ -306,11 +305,11 @@ def check_split(root: str | os.PathLike, decode: bool, held: set[int], held_in: 
 def check_sample_index(store: ShardStore, manifest: Manifest, problems: list[str]):
     """(the verified sample index, the order of its rows by (shard, offset of the first member), where each shard's
     rows begin in that order), or (None, None, None) with the problem noted."""
-    block = manifest.sample_index
+    from wampipe.shardformat.index import open_sample_table  # here: it loads torch, which `--help` does without
+
     try:
-        table = SampleTable(store.local_root(block["file"]) / block["file"], block["file"], block, manifest.shards,
-                            manifest.dataset)
-    except (ShardFormatError, *STORE_ERRORS) as err:
+        table = open_sample_table(store, manifest, where=manifest.sample_index["file"])
+    except ShardFormatError as err:
         problems.append(str(err))
         return None, None, None
     shard, first = np.asarray(table.rows["shard"]), np.asarray(table.rows["offset"][:, 0])

@@ -22,7 +22,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from wampipe.shardformat.files import atomic_write_json, atomic_writer, sha256_file
-from wampipe.shardformat.keys import parse_key, sample_key
+from wampipe.shardformat.keys import sample_key
 from wampipe.shardformat.layout import META, SAMPLE_INDEX, WORK_DIR, shard_file, unit_file
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.members import checksum, split_member_name
@@ -138,16 +138,12 @@ def summarize_unit(out: Path, unit: int) -> dict:
     index = record.pop("index")
     path = unit_rows_path(out, unit)
     if record["count"] and not path.is_file():
-        names = {name: i for i, name in enumerate(member_names(record["schema"]))}
-        rows = np.zeros(len(index), row_dtype(1 + len(record["schema"])))
-        rows["member"], rows["shard"] = FREE, unit
-        for r, (key, members) in enumerate(sorted(index.items())):
-            k = parse_key(key)
-            rows[r]["episode"], rows[r]["start"], rows[r]["variant"] = k.episode, k.start, k.variant
-            n = len(members)
-            rows[r]["member"][:n] = [names[split_member_name(name)[1]] for name, _, _ in members]
-            rows[r]["offset"][:n] = [offset for _, offset, _ in members]
-            rows[r]["size"][:n] = [size for _, _, size in members]
+        # the rows of the sample index, the unit in place of the shard; no CRC-32 or multiplicity yet (finalize reads
+        # them as it copies)
+        samples = [SampleRecord(key, 0, tuple(MemberRef(split_member_name(name)[1], offset, size, 0)
+                                              for name, offset, size in members))
+                   for key, members in sorted(index.items())]
+        rows = shard_index_rows(unit, samples, member_names(record["schema"]), 1 + len(record["schema"]))
         with atomic_writer(path) as f:
             np.lib.format.write_array(f, rows, allow_pickle=False)
     return record

@@ -8,12 +8,12 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from wampipe.shardformat.keys import window_name
-from wampipe.shardformat.manifest import ShardFormatError, check_sha256
+from wampipe.shardformat.manifest import Manifest, ShardFormatError, check_sha256
 from wampipe.shardformat.layout import ACTION, STATE
 from wampipe.shardformat.samples import SampleTable
 from wampipe.shardformat.shard import read_members, read_sample
@@ -25,12 +25,17 @@ from wampipe.shardformat.text import TextTable
 @dataclass(frozen=True)
 class Window:
     """One training window, how often the reference's sampler draws it, and its augmentation variants: the rows of
-    the sample index (`rows`) and, for messages and tests, ((shard index, key), ...) (`variants`)."""
+    the sample index (`rows`) and, for messages and tests, ((shard index, key), ...) (`variants`, made when asked:
+    the loader reads by row)."""
 
     name: str
     anchor_multiplicity: int
     rows: tuple[int, ...]
-    variants: tuple[tuple[int, str], ...]
+    table: SampleTable = field(repr=False, compare=False)
+
+    @property
+    def variants(self) -> tuple[tuple[int, str], ...]:
+        return tuple((self.table.shard(r), self.table.key(r)) for r in self.rows)
 
 
 class Windows(Sequence):
@@ -48,9 +53,20 @@ class Windows(Sequence):
             return [self[i] for i in range(*w.indices(len(self)))]
         w = range(len(self))[w]
         rows = tuple(self.table.window_rows(w))
-        keys = [self.table.key(r) for r in rows]
-        return Window(window_name(keys[0]), int(self.table.rows[rows[0]]["multiplicity"]), rows,
-                      tuple((self.table.shard(r), k) for r, k in zip(rows, keys)))
+        return Window(window_name(self.table.key(rows[0])), int(self.table.rows[rows[0]]["multiplicity"]), rows,
+                      self.table)
+
+
+def open_sample_table(store: ShardStore, manifest: Manifest, where: str | None = None) -> SampleTable:
+    """The verified sample index of `manifest`'s directory: the file itself when local, else one copy (in the cache,
+    shared by a node's ranks). `where` names it in messages (default: its URL); ShardFormatError otherwise."""
+    block = manifest.sample_index
+    where = where or store.where(block["file"])
+    try:
+        local = store.local_root(block["file"]) / block["file"]
+    except STORE_ERRORS as err:
+        raise ShardFormatError(f"{where}: unreadable: {err}") from None
+    return SampleTable(local, where, block, manifest.shards, manifest.dataset)
 
 
 class ShardIndex:
@@ -68,7 +84,7 @@ class ShardIndex:
         self.manifest = self.store.manifest()
         self.shards = [self.store.where(entry.shard) for entry in self.manifest.shards]  # for messages
         self._check_sizes()
-        self.table = self._read_table()
+        self.table = open_sample_table(self.store, self.manifest)
         self.windows = Windows(self.table)
         self.q01, self.q99 = self._read_statistics()
         text = self.manifest.text_table  # a local copy, opened by name (safetensors)
@@ -89,16 +105,6 @@ class ShardIndex:
             if sizes[entry.shard] != entry.bytes:  # members are bounded by entry.bytes: it must be the tar's size
                 raise ShardFormatError(f"{self.store.where(entry.shard)}: {sizes[entry.shard]} bytes, the manifest "
                                        f"says {entry.bytes}")
-
-    def _read_table(self) -> SampleTable:
-        """The sample index: the file itself when local, else one copy (in the cache, shared by a node's ranks)."""
-        block = self.manifest.sample_index
-        where = self.store.where(block["file"])
-        try:
-            local = self.store.local_root(block["file"]) / block["file"]
-        except STORE_ERRORS as err:
-            raise ShardFormatError(f"{where}: unreadable: {err}") from None
-        return SampleTable(local, where, block, self.manifest.shards, self.manifest.dataset)
 
     def _read_statistics(self) -> tuple[dict, dict]:
         """q01 and q99 of the state and action columns, from the statistics file of the manifest's embodiment."""

@@ -201,8 +201,9 @@ class SampleReader(ShardReader):
         if variant >= 0 and variant >= len(window.rows):
             raise ValueError(f"window {window.name} has {len(window.rows)} variants, --data.variant {variant}")
         pick = rng.integers(len(window.rows)) if variant < 0 else variant
-        shard, key = window.variants[pick]
-        meta, t = self.raw_row(window.rows[pick])
+        row = window.rows[pick]
+        shard, key = self.index.table.shard(row), self.index.table.key(row)
+        meta, t = self.raw_row(row)
         prompt_ids = meta["prompt_ids"]
         if column and column not in prompt_ids:
             raise ShardFormatError(f"{self.index.shards[shard]}: sample {key} has no prompt column {column!r} "
