@@ -43,6 +43,12 @@ from wampipe.shardformat.members import encode_sample
 IN_FLIGHT = 2  # batches a worker submits before it waits for the oldest one's codes
 POLL_S = 1.0
 IMPORT_WAIT_S = 120.0  # the longest the CPU workers wait for the encoder processes' imports
+# The queues of every run, referenced until the process exits (a few pipes per run). Why: a queue freed before the
+# exit leaves its feeder thread holding the last references to its semaphores; the thread then frees them itself,
+# and when the interpreter exits meanwhile (a failed run, a last unit) it can be frozen between unlinking one and
+# telling the resource tracker, which then warns about a leaked semaphore after the run's last line. Kept alive,
+# the queues' semaphores are freed by the exit handler in the main thread.
+_RUN_QUEUES: list = []
 
 
 def encoder_devices(device: str) -> list[str]:
@@ -117,6 +123,7 @@ def run_stream(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> It
             if p.is_alive():
                 p.kill()
                 p.join()
+        _RUN_QUEUES.extend([todo, requests, results, *replies])
 
 
 def _next_result(results, processes: list) -> tuple[str, Any]:
