@@ -39,9 +39,6 @@ from wampipe.preprocess.validation import HELD_OUT, canonical, held_out
 from wampipe.shardformat.embodiments import get_embodiment
 from wampipe.shardformat.layout import VAL_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 @dataclass(frozen=True)
 class DatasetPreset:
     embodiment: str  # tag of the embodiment schema (shardformat/embodiments)
@@ -69,8 +66,8 @@ class Args:
     src: Path | None = None
     """LeRobot dataset root (required; sample data to try it on: make demo-data)."""
     out: str | None = None
-    """Output shard directory (default shards/<dataset>), or a URL (s3://bucket/prefix): built in --staging-dir, then
-    uploaded, manifest.json last (docs/FORMAT.md, Object storage)."""
+    """Output shard directory (default shards/<dataset> in the current directory), or a URL (s3://bucket/prefix):
+    built in --staging-dir, then uploaded, manifest.json last (docs/FORMAT.md, Object storage)."""
     staging_dir: Path | None = None
     """With a URL --out: the local folder the build is made in and resumed from (default: one named after the URL
     in this user's private folder of the system temporary directory, wampipe-staging-<uid>)."""
@@ -183,7 +180,7 @@ def prepare_defaults(args: Args) -> Args:
         raise SystemExit("--src is required: the LeRobot dataset root (sample data and tiny encoders to try it on: "
                          "make demo-data, or scripts/make_sample_dataset.py and scripts/make_tiny_checkpoints.py)")
     if args.out is None:
-        args.out = ROOT / "shards" / args.dataset
+        args.out = Path("shards") / args.dataset  # beside the user, never inside an installed package
     if args.model is None:
         args.model = preset.model
     cuda = args.device.startswith("cuda")

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +84,64 @@ def test_an_installed_name_is_not_shadowed_by_a_users_train_module(tmp_path):
     done = subprocess.run([sys.executable, "-c", "import wampipe.train.config, wampipe.train.launch"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_each_product_folder_is_linked_into_the_wampipe_folder():
+    """Tools that follow files (pyright, go-to-definition) resolve `wampipe.train.x` through these links."""
+    for name in FORBIDDEN:
+        link = ROOT / "wampipe" / name
+        assert link.is_symlink() and link.resolve() == (ROOT / name).resolve(), link
+
+
+ONE_MODULE_PER_FILE = """
+import collections, importlib, json, pathlib, pkgutil, sys
+for top in ("preprocess", "train"):  # what `python -m preprocess ...` and `python -m train.evaluate` import first
+    importlib.import_module(top)
+for top in ("configs", "encoders", "preprocess", "shardformat", "train"):
+    package = importlib.import_module("wampipe." + top)
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+root, files = pathlib.Path.cwd().resolve(), collections.defaultdict(set)
+for name, module in list(sys.modules.items()):
+    path = pathlib.Path(getattr(module, "__file__", None) or "/").resolve()
+    if path.is_relative_to(root):
+        files[str(path.relative_to(root))].add(id(module))
+print(json.dumps({path: len(ids) for path, ids in files.items()}))
+"""
+
+
+@pytest.mark.e2e
+def test_every_source_file_loads_as_exactly_one_module():
+    done = subprocess.run([sys.executable, "-c", ONE_MODULE_PER_FILE], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.splitlines()[-1])
+    assert "train/main.py" in counts and "preprocess/__init__.py" in counts
+    assert {path: n for path, n in counts.items() if n != 1} == {}
+
+
+@pytest.mark.e2e
+def test_the_documented_commands_run_from_a_checkout_with_nothing_installed(tmp_path):
+    """An interpreter that has the dependencies but no wampipe (the checkout's editable install is not on its path):
+    `torchrun train/main.py` (which runs `python train/main.py`), `python -m preprocess` and `python -m train.evaluate`
+    work from the checkout's root."""
+    import sysconfig
+    import venv
+
+    venv.create(tmp_path / "venv", with_pip=False)
+    python = tmp_path / "venv" / "bin" / "python"
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    # a path line, not a site directory: the .pth files there (the editable install's finder) are not run
+    paths = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+    (Path(purelib) / "dependencies.pth").write_text("\n".join(sorted(paths)) + "\n")
+    nowhere = subprocess.run([python, "-c", "import torch, tyro, wampipe"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)
+    assert "No module named 'wampipe'" in nowhere.stderr, nowhere.stderr[-2000:]
+    for command in (["train/main.py", "--help"], ["-m", "preprocess", "shards", "--help"],
+                    ["-m", "train.evaluate", "--help"]):
+        done = subprocess.run([python, *command], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "usage:" in done.stdout, (command, done.stderr[-2000:])
 
 
 def _imported_names(path):

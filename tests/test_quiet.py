@@ -85,7 +85,7 @@ def test_a_build_prints_only_its_progress_on_stderr(droid_shards):
 @pytest.mark.parametrize("command", ["shards", "check", "stats", "inspect", "preview"])
 def test_preprocess_help_does_not_load_torch(command):
     """`--help` stays quick: torch (a second of imports) is loaded by the commands' work, not by their flags."""
-    code = ("import sys\nfrom preprocess.__main__ import main\ntry:\n    main([sys.argv[1], '--help'])\n"
+    code = ("import sys\nfrom wampipe.preprocess.__main__ import main\ntry:\n    main([sys.argv[1], '--help'])\n"
             "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch loaded'")
     done = subprocess.run([sys.executable, "-c", code, command], cwd=ROOT, env=HELP_ENV, capture_output=True,
                           text=True, timeout=300)

@@ -48,7 +48,8 @@ def test_help_gives_every_flag_flowing_help():
 
 
 def test_help_does_without_torch():
-    code = "import sys\nfrom train.main import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n" \
+    code = "import sys\nfrom wampipe.train.main import main\n" \
+           "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n" \
            "assert 'torch' not in sys.modules, 'torch imported'"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -223,8 +223,8 @@ def test_model_config_takes_widths_from_the_shards_and_overrides_depth(shards):
 
 @pytest.mark.e2e
 def test_trainer_data_imports_no_preprocessing_code():
-    probe = ("import train.data, sys; bad = sorted(m for m in sys.modules if m.startswith('preprocess') or "
-             "m == 'pyarrow'); assert not bad, bad")
+    probe = ("import wampipe.train.data, sys; bad = sorted(m for m in sys.modules if m.startswith("
+             "('preprocess', 'wampipe.preprocess')) or m == 'pyarrow'); assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
 

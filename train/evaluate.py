@@ -219,7 +219,7 @@ def evaluate(args: Args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = tyro.cli(Args, args=argv, description=__doc__)
+    args = tyro.cli(Args, args=argv, prog="python -m train.evaluate", description=__doc__)
     report = evaluate(args)
     print(f"{report['samples']} samples: action MSE {report['chunk']['mean']:.6g} (normalised), "
           f"{report['chunk_raw']['mean']:.6g} (raw); first action {report['first']['mean']:.6g} / "

@@ -14,13 +14,17 @@ docs/TRAINING.md lists the guarantees.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+if not __package__:  # `torchrun train/main.py` from a checkout: its root leads the path, not train/ (docs/IMPORTS.md)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 # torch and all that builds on it load once the flags parse (in `train`, `main`): --help and a bad flag do without
-from wampipe.train.config import Config, parse_args
+from wampipe.train.config import Config, parse_args  # noqa: E402
 
 if TYPE_CHECKING:
     from wampipe.train.builder import Run
