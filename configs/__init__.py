@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
+from yaml.composer import ComposerError
 
 DIR = Path(__file__).resolve().parent
 DATASETS_FILE = DIR / "datasets.yaml"
@@ -49,12 +50,12 @@ class _BoundedLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             node = super().compose_node(parent, index)
             if id(node) not in self.sizes:  # not composed yet: the alias sits inside its own anchor
-                raise yaml.composer.ComposerError(None, None, "an alias inside its own anchor", mark)
+                raise ComposerError(None, None, "an alias inside its own anchor", mark)
             self._count(self.sizes[id(node)], mark)
             return node
         self.depth += 1
         if self.depth > MAX_DEPTH:
-            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", mark)
+            raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", mark)
         before = self.nodes
         self._count(1, mark)
         node = super().compose_node(parent, index)
@@ -65,7 +66,7 @@ class _BoundedLoader(yaml.SafeLoader):
     def _count(self, nodes: int, mark) -> None:
         self.nodes += nodes
         if self.nodes > MAX_NODES:
-            raise yaml.composer.ComposerError(None, None, f"more than {MAX_NODES} values with aliases expanded", mark)
+            raise ComposerError(None, None, f"more than {MAX_NODES} values with aliases expanded", mark)
 
     def construct_object(self, node, deep=False):
         try:
@@ -74,7 +75,7 @@ class _BoundedLoader(yaml.SafeLoader):
             raise yaml.constructor.ConstructorError(None, None, str(err), node.start_mark) from None
 
 
-def read(path: Path, error: type[Exception] = SystemExit) -> dict:
+def read(path: Path, error: type[BaseException] = SystemExit) -> dict:
     """The YAML mapping in `path`, read within the bounds above; anything else raises `error` with one line naming
     the file (and the line) and what is wrong."""
     try:
@@ -196,7 +197,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         if len(items) == len(value):
             return origin(_convert(t, v, f"{where}[{i}]") for i, (t, v) in enumerate(zip(items, value)))
     elif dataclasses.is_dataclass(tp) and isinstance(value, dict):  # e.g. a mixture's {shards, weight}
-        return build(tp, value, where)
+        return build(typing.cast(type, tp), value, where)  # a type hint, so the class and not an instance
     elif tp is Path and isinstance(value, str):
         return Path(value)
     elif tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
@@ -230,7 +231,7 @@ def nonfinite(instance: Any, prefix: str = "--") -> list[str]:
 
 def plain(instance: Any) -> dict:
     """A dataclass as YAML-safe plain values (paths as strings, tuples as lists): what `apply` reads back."""
-    def convert(value):
+    def convert(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: convert(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):

@@ -29,6 +29,7 @@ def flowing(text: str | None) -> str | None:
 
 
 def _flowing_field_docstring(*args: Any) -> str | None:
+    assert _field_docstring is not None  # cli installs this function only when tyro has its own
     return flowing(_field_docstring(*args))
 
 

@@ -73,7 +73,8 @@ class TokenLayout:
                            torch.arange(n_act) // self.num_action_per_block,
                            torch.arange(n_state) // self.num_state_per_block])
         frames = torch.cat([frame, frame, torch.full((n_act + n_state,), -1)])
-        return tuple(t.to(device=device, dtype=torch.int32) for t in (stream, block, frames))
+        stream, block, frames = (t.to(device=device, dtype=torch.int32) for t in (stream, block, frames))
+        return stream, block, frames
 
 
 def allowed(sq, bq, fq, sk, bk, fk, nfpb: int, window: int, state_sees_block: bool = False):
@@ -133,13 +134,13 @@ def flex_block_mask(layout: TokenLayout, device, compile: bool | None = None, lo
     if lookup:
         dense = dense_mask(layout, device)
 
-        def mask_mod(batch, head, q_idx, kv_idx):
+        def mask_mod(batch, head, q_idx, kv_idx) -> torch.Tensor:
             return dense[q_idx, kv_idx]
     else:
         attrs = torch.stack(layout.token_attributes(device))  # [3, L]: one captured buffer
         nfpb, window, state = layout.num_frame_per_block, layout.local_attn_size, layout.state_sees_block
 
-        def mask_mod(batch, head, q_idx, kv_idx):
+        def mask_mod(batch, head, q_idx, kv_idx) -> torch.Tensor:
             return allowed(attrs[0, q_idx], attrs[1, q_idx], attrs[2, q_idx],
                            attrs[0, kv_idx], attrs[1, kv_idx], attrs[2, kv_idx], nfpb, window, state)
 

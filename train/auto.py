@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -20,15 +21,16 @@ from wampipe.train.config import AUTO_MICRO, Config
 class Throughput:
     """The parts of a configuration that `auto` resolves."""
 
-    ac: str
+    # typed as the flags they fill (train/config.py), though a resolved one is never auto
+    ac: Literal["auto", "none", "full", "selective"]
     micro: int
     reshard: bool
     ac_blocks: int = -1  # with them: --parallel.ac-blocks / --parallel.ac-others
-    ac_others: str = "none"
+    ac_others: Literal["none", "selective"] = "none"
     reduce_every: bool = False  # --parallel.reduce-every-micro-batch
     gather_once: bool = False  # --parallel.gather-once-per-step (only without resharding after forward)
-    moments: str = "fp32"  # --optim.moments
-    reduce_dtype: str = "float32"  # --parallel.reduce-dtype
+    moments: Literal["auto", "fp32", "bf16"] = "fp32"  # --optim.moments
+    reduce_dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # --parallel.reduce-dtype
 
     def describe(self) -> str:
         recompute = "no recompute" if self.ac == "none" else f"{self.ac} recompute"
@@ -109,7 +111,8 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
                and moments in ("auto", m.setting.moments, "bf16" if m.setting.moments == "fp32" else "")]
     # an offloaded setting fits only offloaded runs; an offloaded run fits any, its own kind first
     size = functools.cache(lambda: memory.run_size(cfg))  # a meta-device build of the DiT: once, and only if needed
-    fits = [m for m in on_gpus if m.cpu_offload == p.cpu_offload
+    # on_gpus is empty without a GPU size: the first test only tells the type checker so
+    fits = [m for m in on_gpus if gpu_mem_gib is not None and m.cpu_offload == p.cpu_offload
             and (m.setting.moments == "fp32" or moments == "bf16"
                  or not memory.fits_fp32_moments(size(), cfg, m.setting, gpu_mem_gib, world_size))]
     # an offloaded run takes only settings measured offloaded: the others' small micro-batches each copy every
@@ -121,9 +124,9 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
     why = (f"measured {fits[0].evidence}" if fits else
            "the preset's recipe" if gpu_mem_gib is None else "nothing measured fits these GPUs: the preset's recipe")
-    if not fits and gpu_mem_gib is not None and size() is not None:
+    if not fits and gpu_mem_gib is not None and (run_size := size()) is not None:
         # sized by the memory model instead: a setting estimated to fit, or a refusal now
-        chosen, estimated = memory.fitting_setting(cfg, size(), chosen, auto, gpu_mem_gib, world_size)
+        chosen, estimated = memory.fitting_setting(cfg, run_size, chosen, auto, gpu_mem_gib, world_size)
         why = f"nothing measured fits these GPUs: {estimated}"
     offloaded = [m for m in on_gpus if m.cpu_offload]
     if not fits and not p.cpu_offload and offloaded and p.float8 == "none":  # never with float8
@@ -148,10 +151,11 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
         out.optim.moments = chosen.moments
     if p.reduce_dtype == "auto":
         out.parallel.reduce_dtype = chosen.reduce_dtype
+    # only described: the three switches are resolved to bools above (bool() keeps their truth for the checker)
     result = Throughput(out.parallel.activation_checkpoint, out.data.micro_batch_size,
-                        out.parallel.reshard_after_forward, out.parallel.ac_blocks, out.parallel.ac_others,
-                        out.parallel.reduce_every_micro_batch, out.parallel.gather_once_per_step, out.optim.moments,
-                        out.parallel.reduce_dtype)
+                        bool(out.parallel.reshard_after_forward), out.parallel.ac_blocks, out.parallel.ac_others,
+                        bool(out.parallel.reduce_every_micro_batch), bool(out.parallel.gather_once_per_step),
+                        out.optim.moments, out.parallel.reduce_dtype)
     given = [{"ac": "recompute", "micro": "micro-batch", "reshard": "resharding", "reduce": "gradient reduction",
               "once": "gathering"}[k] for k, a in auto.items() if not a]
     batch = f", global batch {p.global_batch_size}" if p.global_batch_size else ""

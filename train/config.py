@@ -15,7 +15,7 @@ import functools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import tyro
 
@@ -23,7 +23,10 @@ from wampipe import configs
 from wampipe.configs.cli import cli
 from wampipe.shardformat.layout import MANIFEST
 
-RecipeName = Literal[tuple(configs.names())]  # type: ignore[valid-type]
+if TYPE_CHECKING:  # the recipe names are files, known only at run time
+    RecipeName = str
+else:
+    RecipeName = Literal[tuple(configs.names())]
 
 
 @dataclass(frozen=True)
@@ -505,6 +508,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     default = file_config(file, preset) if file else preset_config(preset or "tiny")
     cfg = cli(Config, default=default, args=argv, description=__doc__)
     if cfg.data.shards is None and not cfg.data.mixture:
-        cfg.data.shards = default_shards()
+        # a Path where a flag gives a str: its readers take either (str(), Path(), sets())
+        cfg.data.shards = default_shards()  # pyright: ignore[reportAttributeAccessIssue]
     validate(cfg)
     return cfg

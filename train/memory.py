@@ -78,10 +78,10 @@ class Estimate:
     gradients: int
     gathered: int
     activations: int
-    overhead: int
+    overhead: float  # OVERHEAD, a float
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         return self.state + self.gradients + self.gathered + self.activations + self.overhead
 
     @property
@@ -207,6 +207,7 @@ def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, w
     options = []
     if not cfg.lora.rank:
         lora = recipe_size(cfg.model.name, LoRAConfig(rank=16), cfg.model.num_layers)
+        assert lora is not None  # the recipe has a sample shape: `size` was sized from it
         as_given = _plan(setting, cfg, world, p.cpu_offload)
         if fits(lora, as_given, gpu_gib):
             options.append(f"--lora.rank 16 ({_gib(lora, as_given)})")
