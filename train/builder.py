@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,11 @@ from wampipe.train.parallel import (HostGradientSum, check_host_memory, computes
                             recomputed_blocks)
 from wampipe.train.state import TrainState
 from wampipe.train.weights import WeightsError, load_weights
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+    from wampipe.encoders.image_encoder import ImageEncoder
 
 NEEDS_CLIP = ("{shards} holds CLIP's input pixels, not its features (preprocess --image-features pixels): pass the "
               "CLIP weights it was built with ({path}) as --model.image-encoder")
@@ -146,7 +152,8 @@ def offloaded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
     sources = dict(on_device.named_parameters())
     with torch.no_grad():
         for name, host in model.named_parameters():
-            host.to_local().copy_(sources[name].to_local())
+            # both models are sharded by parallelize: every parameter a DTensor
+            cast("DTensor", host).to_local().copy_(cast("DTensor", sources[name]).to_local())
     del on_device, sources
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the device copy's memory back to the GPU's other users
@@ -177,11 +184,11 @@ class Run:
     lr_schedule: torch.optim.lr_scheduler.LRScheduler
     loader: ShardLoader
     flow: FlowMatchScheduler
-    image_encoder: object | None  # encoders/image_encoder.py ImageEncoder, for shards of CLIP's input pixels
+    image_encoder: ImageEncoder | None  # for shards of CLIP's input pixels
     state: TrainState
     host_sums: HostGradientSum | None = None  # offloaded gradients summed over micro-batches (`host_sums_gradients`)
 
-    def forward_backward(self, cfg: Config, batch: dict, index: int, plan: BatchPlan) -> dict:
+    def forward_backward(self, cfg: Config, batch: dict, index: int, plan: BatchPlan) -> dict[str, torch.Tensor]:
         """Micro-batch `index` of the step: its loss, whose gradient adds to the step's (reduce-scattered on the last
         micro-batch, train/parallel.py `prepare_micro_batch`); returns its detached loss terms."""
         if self.image_encoder is not None:  # the features the shards would have held, as bf16 like those
@@ -196,7 +203,7 @@ class Run:
 
     def optimizer_step(self, cfg: Config) -> float:
         """The optimizer step at the schedule's lr (returned), float8 scales refreshed, the gradients freed."""
-        lr = self.lr_schedule.get_last_lr()[0]
+        lr = cast(float, self.lr_schedule.get_last_lr()[0])  # a float: build_optimizer's lr is one
         self.optimizer.step()
         float8_after_step(self.model, cfg.parallel.float8)
         self.lr_schedule.step()

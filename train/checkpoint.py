@@ -34,22 +34,28 @@ from dataclasses import asdict
 from fnmatch import fnmatch
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save as safetensors_bytes
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
 from wampipe.shardformat.files import atomic_write_bytes, lock_directory
 from wampipe.train.config import CheckpointConfig
 from wampipe.train.lora import lora_fields
+
+if TYPE_CHECKING:
+    from wampipe.train.model import DiTConfig
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MARKER = ".wampipe-run"
@@ -159,7 +165,8 @@ def resumable(root: Path) -> list[tuple[int, Path]]:
     """Collective: `complete_checkpoints` as rank 0 finds them, on every rank. Rank 0 names each step directory newer
     than the newest complete one and what it lacks; a damaged one (it has .metadata) with no complete one before it
     stops the run."""
-    shared, error = [None], None
+    shared: list[list[tuple[int, Path]] | None] = [None]
+    error = None
     if dist.get_rank() == 0:
         damaged = None
         for step, path in reversed(_step_dirs(root)):
@@ -175,7 +182,7 @@ def resumable(root: Path) -> list[tuple[int, Path]]:
                      f"--checkpoint.no-resume to start over (deleting its step directories)")
     _stop_if_any(error)
     dist.broadcast_object_list(shared, src=0)
-    return shared[0]
+    return cast("list[tuple[int, Path]]", shared[0])  # rank 0's list, on every rank now
 
 
 def step_problems(path: Path, step: int) -> list[str]:
@@ -248,7 +255,8 @@ def require_finite(model: nn.Module, action: str) -> None:
 
 def model_fields(model: nn.Module) -> dict:
     """The model config and its LoRA settings as JSON data (what a checkpoint records and a resume must match)."""
-    return json.loads(json.dumps(asdict(model.cfg) | lora_fields(model), default=str))
+    cfg = cast("DiTConfig", model.cfg)  # the trainer's models (train/model.py CausalWanModel) carry their config
+    return json.loads(json.dumps(asdict(cfg) | lora_fields(model), default=str))
 
 
 def save(cfg: CheckpointConfig, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
@@ -272,7 +280,7 @@ def save(cfg: CheckpointConfig, step: int, model: nn.Module, optimizer: torch.op
     _stop_if_any(error, remove=path, describe=failed)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))  # .metadata last, after a gather
+        dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))  # .metadata last, after a gather
     except CheckpointException as e:  # raised on every rank, whichever failed
         causes = [cause for cause, _ in e.failures.values()] or [e]
         # a full disk can surface as torch's own write error ("unexpected pos") on one rank, an OSError on another
@@ -329,7 +337,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
     sd = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp.load(sd, storage_reader=_DataOnlyReader(path), planner=_DataOnlyPlanner())
+        dcp_load(sd, storage_reader=_DataOnlyReader(path), planner=_DataOnlyPlanner())
     except CheckpointException as e:  # a rank's failure, e.g. a non-data pickle refused by _DataOnlyPlanner
         cause = next(iter(e.failures.values()), (e,))[0]
         raise RunError(f"{path}: refusing to load: {_first_line(cause)}") from None
@@ -389,7 +397,7 @@ class _DataOnlyPlanner(DefaultLoadPlanner):
 
 
 def export(cfg: CheckpointConfig, model: nn.Module, out: Path | None = None, metadata: dict | None = None,
-           shards: Path | None = None) -> Path:
+           shards: str | Path | list[str] | None = None) -> Path:
     """Collective: the final weights in `out` (default <dir>/export): with `cfg.export_base`, an eval-ready DreamZero
     checkpoint folder carrying the statistics of `shards`; else plain safetensors, official key names. A LoRA model
     exports merged weights, or with `cfg.export_lora` lora-only its trained tensors under PEFT names."""
@@ -400,5 +408,6 @@ def export(cfg: CheckpointConfig, model: nn.Module, out: Path | None = None, met
     if cfg.export_lora == "lora-only":
         return export_lora_only(model, out, cfg.export_base, shards, dtype=dtype, metadata=metadata)
     if cfg.export_base is not None:
+        assert shards is not None, "an export with a base carries the shards' statistics: pass shards"
         return export_official(model, out, cfg.export_base, shards, dtype=dtype, metadata=metadata)
     return export_weights(model, out, prefix=cfg.export_prefix, dtype=dtype, metadata=metadata)

@@ -35,9 +35,11 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,7 @@ from safetensors import SafetensorError
 
 from wampipe import configs
 from wampipe.train.checkpoint import RunError, free_space
+from wampipe.train.config import LoRAConfig
 from wampipe.train.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
 from wampipe.train.weights import (DREAMZERO_PREFIX, WeightsError, _allowed_absent, model_tensors, shard_file_names,
                            shard_groups, write_index)
@@ -233,7 +236,7 @@ def window_fields(tags: list[str]) -> dict:
     return {k: v.pop() for k, v in fields.items() if len(v) == 1}
 
 
-def eval_config(config: dict, cfg, tags: list[str] = ()) -> dict:
+def eval_config(config: dict, cfg, tags: Sequence[str] = ()) -> dict:
     """`config` (a base's config.json) describing the trained DiT `cfg` and the embodiments `tags` it trained on
     (`window_fields`), weights loaded in full from the folder."""
     out = json.loads(json.dumps(config))
@@ -301,9 +304,9 @@ def _write_from_base(tensors: dict, stage: "_Staging", base: Base, metadata: dic
                if k.startswith(DREAMZERO_PREFIX)]
         trained = _gather(tensors, dit, stage.folder is not None)
         stage.write(replaced, name, keys, trained)
-    if base.index is not None:
-        extra = {k: v for k, v in (base.index.get("metadata") or {}).items() if k != "total_size"}
-        stage.write(lambda folder: write_index(folder, base.index["weight_map"], total, extra))
+    if (index := base.index) is not None:
+        extra = {k: v for k, v in (index.get("metadata") or {}).items() if k != "total_size"}
+        stage.write(lambda folder: write_index(folder, index["weight_map"], total, extra))
 
 
 def foreign_files(out: Path) -> list[str]:
@@ -395,7 +398,7 @@ def export_weights(model: nn.Module, out: str | Path, prefix: str = "", dtype: t
 
 
 @torch.no_grad()
-def export_official(model: nn.Module, out: str | Path, base: str | Path, shards: str | Path,
+def export_official(model: nn.Module, out: str | Path, base: str | Path, shards: str | Path | list[str],
                     dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None,
                     max_shard_bytes: int = 5 << 30) -> Path:
     """Collective: the eval-ready folder (module docstring). `dtype` and `max_shard_bytes` apply only to a base
@@ -426,7 +429,7 @@ def export_official(model: nn.Module, out: str | Path, base: str | Path, shards:
     return out
 
 
-def _write_statistics(shards, metadata_json: dict, out: Path) -> None:
+def _write_statistics(shards: str | Path | list[str], metadata_json: dict, out: Path) -> None:
     """One set's statistics file as it is; a mixture's embodiments in one file (`mixture_statistics`)."""
     if isinstance(shards, (list, tuple)) and len(shards) > 1:
         out.write_text(json.dumps(metadata_json, indent=2) + "\n")
@@ -438,7 +441,7 @@ def lora_config(config: dict, model: nn.Module) -> dict:
     """`config` (a base's config.json) for a lora-only folder: the trained DiT's fields, wrapped by PEFT with the
     run's adapters at load time, the base DiT read from its `diffusion_model_pretrained_path` first."""
     out = eval_config(config, model.cfg)
-    lora = model.lora
+    lora = cast(LoRAConfig, model.lora)  # set by apply_lora, as on every model with adapters
     out["action_head_cfg"]["config"].update(
         skip_component_loading=False, defer_lora_injection=False, train_architecture="lora", lora_rank=lora.rank,
         lora_alpha=lora.alpha, lora_target_modules=",".join(lora.suffixes()), init_lora_weights="kaiming")
@@ -447,7 +450,7 @@ def lora_config(config: dict, model: nn.Module) -> dict:
 
 @torch.no_grad()
 def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None = None,
-                     shards: str | Path | None = None, dtype: torch.dtype = torch.bfloat16,
+                     shards: str | Path | list[str] | None = None, dtype: torch.dtype = torch.bfloat16,
                      metadata: dict | None = None) -> Path:
     """Collective: a LoRA run's trained tensors as an official save_lora_only checkpoint holds them, PEFT names
     (`PEFT_PREFIX` + name, adapters as `.lora_A.default.weight` / `.lora_B.default.weight`) in `out/model.safetensors`:
@@ -457,6 +460,7 @@ def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None 
     out = Path(out)
     layout = metadata_json = None
     if base is not None:
+        assert shards is not None, "an export with a base carries the shards' statistics: pass shards"
         metadata_json = mixture_statistics(shards)
         layout = check_base(base, model, list(metadata_json))
     stage = _Staging(out)
@@ -466,6 +470,9 @@ def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None 
 
     def load_lora_files(folder: Path) -> None:
         import yaml
+
+        # written only with a base (below), which sets all three
+        assert layout is not None and metadata_json is not None and shards is not None
 
         (folder / "config.json").write_text(json.dumps(lora_config(layout.config, model), indent=2) + "\n")
         (folder / "experiment_cfg").mkdir()

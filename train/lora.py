@@ -65,7 +65,8 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> int:
     for name, linear in targets:
         parent, _, leaf = name.rpartition(".")
         model.get_submodule(parent).register_module(leaf, LoRALinear(linear, cfg.rank, cfg.alpha))
-    model.lora = cfg  # what checkpoints record (`lora_fields`)
+    # what checkpoints record (`lora_fields`); torch types a module's attributes as tensors and modules only
+    model.lora = cfg  # pyright: ignore[reportArgumentType]
     return len(targets)
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if not __package__:  # `torchrun train/main.py` from a checkout: its root leads the path, not train/ (docs/IMPORTS.md)
     sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -49,14 +49,14 @@ def train(cfg: Config) -> dict:
     evaluations: list[tuple[int, Callable[[int], None]]] = []
     with runtime.alike(rank):  # every rank opens and checks the same evaluation sets
         probe = ActionProbe.from_config(cfg, model.cfg, rank, world, device, run.loader.indexes, run.image_encoder)
-    if probe is not None:  # the open-loop action error (train/sample.py)
-        evaluations.append((cfg.metrics.action_interval, lambda step: metrics.record(probe(model, step))))
     start, end = state.step, min(cfg.steps, state.step + cfg.stop_after) if cfg.stop_after else cfg.steps
     batches, metrics, stop = iter(run.loader), None, False
     try:
         with preemption.shielding_forks():  # the loader forks its workers for the first batch
             pending = next(batches)
         metrics, profiler = open_metrics(cfg, run, pending, device)
+        if probe is not None:  # the open-loop action error (train/sample.py)
+            evaluations.append((cfg.metrics.action_interval, lambda step: metrics.record(probe(model, step))))
         with runtime.alike(rank):
             validation = Validation(cfg, model, run.loader.indexes, run.flow, device, run.image_encoder)
         while state.step < end and not stop:
@@ -76,7 +76,9 @@ def train(cfg: Config) -> dict:
                 lr = run.optimizer_step(cfg)
                 state.step += 1
                 per_set = [(int(batch["set"]), terms) for batch, terms in micro_batches]
-                mean = {k: sum(terms[k] for _, terms in per_set) / plan.accum for k in per_set[0][1]}
+                # each a tensor: the terms are, and sum's start, 0, only adds to them
+                mean = {k: cast(torch.Tensor, sum(terms[k] for _, terms in per_set)) / plan.accum
+                        for k in per_set[0][1]}
                 # the host's share of an offloaded step: the gradient norm, the step's checks and AdamW (with several
                 # ranks the norm's and the checks' collectives also wait for the slowest rank)
                 if cfg.parallel.cpu_offload:
