@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,16 +43,18 @@ def compute_dtype(args) -> torch.dtype:
 
 
 def bench_vae(variant: str, shape: tuple[int, int, int], batch: int, args) -> dict:
-    from diffusers import AutoencoderKLWan
+    # the import diffusers documents; its __init__ imports the class without the re-export marking pyright asks for
+    from diffusers import AutoencoderKLWan  # pyright: ignore[reportPrivateImportUsage]
 
-    config = dict(VARIANTS[variant])
+    config: dict[str, Any] = dict(VARIANTS[variant])  # keyword arguments of AutoencoderKLWan, of mixed types
     if args.quick:
         config.update(base_dim=8, **({"decoder_base_dim": 8} if variant == "wan2.2" else {}))
     with torch.device(args.device):  # random init where the model runs: full-size models init slowly on a CPU
         model = AutoencoderKLWan(**config)
     vae = WanVAE(model, VaeInfo(variant, config["z_dim"], 16 if variant == "wan2.2" else 8, 4,
                                                      "random"), args.device, dtype=compute_dtype(args))
-    vae.model.decoder = None
+    # torch's Module.__setattr__ annotation leaves out None, which unsets a submodule: encoding never decodes
+    vae.model.decoder = None  # pyright: ignore[reportArgumentType]
     t, h, w = shape
     x = torch.rand(batch, 3, t, h, w, device=args.device) * 2 - 1
     sec = timed(lambda: vae.encode(x), args.device, args.warmup, args.iters)
@@ -65,8 +68,8 @@ def bench_vae(variant: str, shape: tuple[int, int, int], batch: int, args) -> di
 def bench_umt5(args) -> dict:
     from transformers import UMT5Config, UMT5EncoderModel
 
-    cfg = dict(UMT5_XXL, **({"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4}
-                            if args.quick else {}))
+    cfg: dict[str, Any] = dict(UMT5_XXL, **({"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
+                                             "num_heads": 4} if args.quick else {}))
     with torch.device(args.device):
         model = UMT5EncoderModel(UMT5Config(**cfg))
     enc = TextEncoder(model, tokenizer=None, device=args.device, dtype=compute_dtype(args))
@@ -79,8 +82,8 @@ def bench_umt5(args) -> dict:
 def bench_clip(args) -> dict:
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
-    cfg = dict(VIT_H_14, **({"hidden_size": 160, "intermediate_size": 320, "num_hidden_layers": 3,
-                             "num_attention_heads": 2} if args.quick else {}))
+    cfg: dict[str, Any] = dict(VIT_H_14, **({"hidden_size": 160, "intermediate_size": 320, "num_hidden_layers": 3,
+                                             "num_attention_heads": 2} if args.quick else {}))
     with torch.device(args.device):
         model = CLIPVisionModelWithProjection(CLIPVisionConfig(**cfg))
     enc = ImageEncoder(model, args.device, dtype=compute_dtype(args))

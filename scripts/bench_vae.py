@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -35,14 +35,16 @@ LEVERS = ("channels_last", "cudnn_benchmark", "compile")
 
 
 def build_vae(variant: str, device: str, quick: bool) -> WanVAE:
-    from diffusers import AutoencoderKLWan
+    # the import diffusers documents; its __init__ imports the class without the re-export marking pyright asks for
+    from diffusers import AutoencoderKLWan  # pyright: ignore[reportPrivateImportUsage]
 
-    config = dict(VARIANTS[variant])
+    config: dict[str, Any] = dict(VARIANTS[variant])  # keyword arguments of AutoencoderKLWan, of mixed types
     if quick:
         config.update(base_dim=8, **({"decoder_base_dim": 8} if variant == "wan2.2" else {}))
     with torch.device(device):
         model = AutoencoderKLWan(**config)
-    model.decoder = None  # offline encoding never decodes
+    # offline encoding never decodes; diffusers annotates the decoder as always present
+    model.decoder = None  # pyright: ignore[reportAttributeAccessIssue]
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     return WanVAE(model, VaeInfo(variant, config["z_dim"], 16 if variant == "wan2.2" else 8, 4, "random"),
                   device, dtype=dtype)
@@ -74,12 +76,12 @@ def encode_flops(vae: WanVAE, x: torch.Tensor) -> int:
 
 def top_kernels(vae: WanVAE, x: torch.Tensor, n: int = 8) -> list[dict]:
     """The `n` CUDA kernels with the most GPU time in one encode, with their share of the total."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import DeviceType, ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         vae.encode(x)
         sync(str(x.device))
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in kernels) or 1
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     return [{"kernel": e.key[:90], "share": round(e.self_device_time_total / total, 3), "calls": e.count}
