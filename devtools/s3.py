@@ -20,6 +20,7 @@ def upload_then_sigkill(call: str, source: Path, url: str) -> list[list[str]]:
         [sys.executable, "-c", f"import sys; from pathlib import Path; from {module} import {function}; "
          f"{function}(Path(sys.argv[1]), sys.argv[2], lambda p, a: (print(a, p, flush=True), sys.stdin.readline()))",
          str(source), url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None  # both are pipes (PIPE above)
     done = [child.stdout.readline().split()]
     child.stdin.write("\n")
     child.stdin.flush()

@@ -71,7 +71,7 @@ class Args:
 
 def dit_config(args: Args) -> DiTConfig:
     if args.shards is not None:
-        return model_config(Config(data=DataConfig(shards=args.shards),
+        return model_config(Config(data=DataConfig(shards=str(args.shards)),  # the string --data.shards gives
                                    model=ModelConfig(name=args.preset, num_layers=args.num_layers)))
     cfg = preset(args.preset)
     return replace(cfg, num_layers=args.num_layers) if args.num_layers else cfg

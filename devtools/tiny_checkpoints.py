@@ -96,7 +96,8 @@ def write_umt5(out: Path, seed: int) -> None:
                            "num_layers": 2, "num_heads": 4})
     model = UMT5EncoderModel(config)
     randomize(model, seed)
-    model = model.to(torch.bfloat16)  # Wan ships the encoder in bf16
+    # Wan ships the encoder in bf16; functools.wraps on transformers' .to hides from pyright that it is a method
+    model = model.to(torch.bfloat16)  # pyright: ignore[reportArgumentType]
     model.save_pretrained(folder / "text_encoder", safe_serialization=True, max_shard_size="20KB")
     state = {wan_umt5_key(k): v.contiguous() for k, v in model.state_dict().items() if k not in TIED}
     torch.save(state, folder / "models_t5_umt5-xxl-enc-bf16.pth")

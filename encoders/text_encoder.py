@@ -16,6 +16,7 @@ from __future__ import annotations
 import html
 import re
 from pathlib import Path
+from typing import cast
 
 import ftfy
 import torch
@@ -142,7 +143,8 @@ def load_text_encoder(path: str | Path, tokenizer: str | Path, device: str | tor
         if "token_embedding.weight" not in state:
             raise WeightsError(path, "a transformers-layout umT5 file needs its config.json: pass the folder")
         model = on_meta(lambda: UMT5EncoderModel(_config_from_wan_state(state)))
-        table = {wan_umt5_key(k): k for k in model.state_dict() if k not in TIED}
+        # Wan name -> transformers key: _WAN_TO_HF names every key of the model but the tied one
+        table = cast(dict[str, str], {wan_umt5_key(k): k for k in model.state_dict() if k not in TIED})
         check_keys(path, state, {wk: model.state_dict()[hk].shape for wk, hk in table.items()})
         converted = {hk: state[wk] for wk, hk in table.items()}
         load_strict(model, path, converted, aliases=TIED)

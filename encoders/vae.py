@@ -15,11 +15,17 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from wampipe.encoders.weights import (WeightsError, assign_loaded, check_keys, expect_kind, folder_config, load_strict,
                                       on_meta, read_state_dict)
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+    from diffusers.models.autoencoders.vae import DecoderOutput
+    from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
 # Per-channel latent statistics of the released VAEs (the reference's WanVideoVAE / WanVideoVAE38 constants).
 WAN21_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
@@ -159,15 +165,18 @@ class VaeInfo:
 class WanVAE:
     """Frozen Wan VAE encoder. `encode(videos_bcthw)` -> normalized posterior mean, bf16 [B, C, 1+(T-1)/4, H/s, W/s]."""
 
-    def __init__(self, model, info: VaeInfo, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
-        # plain Module.to: diffusers' own .to() warns about fp32-pinned modules, which AutoencoderKLWan has none of
-        self.model = torch.nn.Module.to(model, device=device, dtype=dtype).eval().requires_grad_(False)
+    def __init__(self, model: AutoencoderKLWan, info: VaeInfo, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.bfloat16):
+        # plain Module.to: diffusers' own .to() warns about fp32-pinned modules, which AutoencoderKLWan has none of.
+        # It works in place and returns the module it was given, so `model` itself is kept, with its own type.
+        torch.nn.Module.to(model, device=device, dtype=dtype)
+        self.model = model.eval().requires_grad_(False)
         self.model.disable_tiling()  # reference: tiled=False
         self.info = info
         self.device = torch.device(device)
         self.dtype = dtype
-        mean = torch.tensor(model.config.latents_mean, dtype=torch.float32)
-        inv_std = 1.0 / torch.tensor(model.config.latents_std, dtype=torch.float32)
+        mean = torch.tensor(model.config["latents_mean"], dtype=torch.float32)
+        inv_std = 1.0 / torch.tensor(model.config["latents_std"], dtype=torch.float32)
         # the reference casts mean and 1/std (computed in fp32) to the latent dtype before normalizing
         self.mean = mean.to(device=self.device, dtype=dtype).view(1, -1, 1, 1, 1)
         self.inv_std = inv_std.to(device=self.device, dtype=dtype).view(1, -1, 1, 1, 1)
@@ -201,16 +210,17 @@ class WanVAE:
         if self.model.decoder is None:
             raise ValueError("this VAE was loaded without its decoder: load_vae(..., keep_decoder=True)")
         z = latents_bcthw.to(device=self.device, dtype=self.dtype)
-        mean = torch.tensor(self.model.config.latents_mean, dtype=torch.float32)
-        inv_std = 1.0 / torch.tensor(self.model.config.latents_std, dtype=torch.float32)
+        mean = torch.tensor(self.model.config["latents_mean"], dtype=torch.float32)
+        inv_std = 1.0 / torch.tensor(self.model.config["latents_std"], dtype=torch.float32)
         shape = (1, -1, 1, 1, 1)
         z = z / inv_std.to(z).view(shape) + mean.to(z).view(shape)
-        return self.model.decode(z).sample.float().clamp_(-1, 1)
+        # decode gives its output object: diffusers' type also allows return_dict=False's tuple
+        return cast("DecoderOutput", self.model.decode(z)).sample.float().clamp_(-1, 1)
 
     def _posterior_mean(self, x: torch.Tensor) -> torch.Tensor:
         graph = self.graphs.get(tuple(x.shape))
-        if graph is None:
-            return self.model.encode(x).latent_dist.mean
+        if graph is None:  # encode gives its output object: diffusers' type also allows return_dict=False's tuple
+            return cast("AutoencoderKLOutput", self.model.encode(x)).latent_dist.mean
         replay, static_in, static_out = graph
         static_in.copy_(x)
         replay.replay()
@@ -231,8 +241,10 @@ class WanVAE:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         if not fuse_norms:
             normalize_eagerly(self.model.encoder)
-        self.model.encoder = torch.compile(self.model.encoder, dynamic=False,
-                                           options=compile_options() if options is None else dict(options))
+        compiled = torch.compile(self.model.encoder, dynamic=False,
+                                 options=compile_options() if options is None else dict(options))
+        # the compiled module stands in for the encoder and calls it; torch.compile's type is a plain callable
+        self.model.encoder = compiled  # pyright: ignore[reportAttributeAccessIssue]
         self.padded_batch = batch_size
 
     @torch.no_grad()
@@ -257,7 +269,7 @@ class WanVAE:
             torch.cuda.current_stream(self.device).wait_stream(side)
             replay = torch.cuda.CUDAGraph()
             with torch.cuda.graph(replay, stream=side):
-                static_out = self.model.encode(static_in).latent_dist.mean
+                static_out = cast("AutoencoderKLOutput", self.model.encode(static_in)).latent_dist.mean
         self.graphs[shape] = (replay, static_in, static_out)
 
     def warm_up(self, frames: int, height: int, width: int) -> None:
@@ -283,7 +295,7 @@ class WanVAE:
         return torch.cat([mask, y], dim=1)
 
 
-def diffusers_vae_class():
+def diffusers_vae_class() -> type[AutoencoderKLWan]:
     """diffusers' AutoencoderKLWan, imported with torchao and peft out of sight. Why: diffusers imports both whenever
     they are installed, and the VAE uses neither. A torchao built for another torch prints library-load failures and
     deprecation warnings in every process that loads a VAE (the farm never quantizes); peft's import alone took 2.4 s
@@ -292,9 +304,12 @@ def diffusers_vae_class():
     stay off in a process that loaded a VAE this way, as the encoder processes and the trainer's preview need."""
     hidden = [name for name in ("torchao", "peft") if name not in sys.modules]
     for name in hidden:
-        sys.modules[name] = None  # importlib.util.find_spec reports it missing
+        # importlib.util.find_spec reports it missing (typeshed's sys.modules holds modules only)
+        sys.modules[name] = None  # pyright: ignore[reportArgumentType]
     try:
-        from diffusers import AutoencoderKLWan
+        # the module defining it: `from diffusers import AutoencoderKLWan` loads the same modules, but the package
+        # exports its names lazily, which pyright cannot see
+        from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
     finally:
         for name in hidden:
             if name in sys.modules and sys.modules[name] is None:
@@ -307,7 +322,7 @@ def load_vae(path: str | Path, variant: str | None = None, device: str | torch.d
     """Load `Wan2.1_VAE.pth` / `Wan2.2_VAE.pth` (or `.safetensors`) or a Diffusers `vae/` folder, strictly.
     `variant` ("wan2.1" | "wan2.2") is checked against the file when given. The decoder is checked, then dropped
     unless `keep_decoder` (offline encoding never decodes)."""
-    AutoencoderKLWan = diffusers_vae_class()  # noqa: N806
+    vae_class = diffusers_vae_class()
 
     path = Path(path)
     if variant not in (None, "wan2.1", "wan2.2"):
@@ -318,7 +333,8 @@ def load_vae(path: str | Path, variant: str | None = None, device: str | torch.d
         found = variant_of_config(config)
         state = read_state_dict(path)
         expect_kind(path, state, ("diffusers-vae",), "VAE")
-        model = on_meta(lambda: AutoencoderKLWan.from_config(config))
+        # from_config gives (model, unused kwargs) only when asked to (return_unused_kwargs)
+        model = on_meta(lambda: cast("AutoencoderKLWan", vae_class.from_config(config)))
         if variant and found != variant:
             raise WeightsError(path, f"this is a {_describe(found)}, but a {_describe(variant)} was asked for")
         load_strict(model, path, state)
@@ -330,18 +346,18 @@ def load_vae(path: str | Path, variant: str | None = None, device: str | torch.d
         found = "wan2.2" if kind == "wan2.2-vae" else "wan2.1"
         if variant and found != variant:
             raise WeightsError(path, f"this is a {_describe(found)}, but a {_describe(variant)} was asked for")
-        model = on_meta(lambda: AutoencoderKLWan(**_config_from_wan_state(state, found)))
+        model = on_meta(lambda: vae_class(**_config_from_wan_state(state, found)))
         table = {wan_vae_key(k, found): k for k in model.state_dict()}
         check_keys(path, state, {wk: model.state_dict()[dk].shape for wk, dk in table.items()})
         assign_loaded(model, path, {dk: state[wk] for wk, dk in table.items()})
-    if model.config.z_dim != VARIANTS[found]["z_dim"]:
-        raise WeightsError(path, f"{model.config.z_dim} latent channels; "
+    if model.config["z_dim"] != VARIANTS[found]["z_dim"]:
+        raise WeightsError(path, f"{model.config['z_dim']} latent channels; "
                                  f"a {_describe(found)} has {VARIANTS[found]['z_dim']}")
-    if not keep_decoder:
-        model.decoder = None
-        model.post_quant_conv = None
+    if not keep_decoder:  # None drops a submodule (Module.__setattr__); diffusers types these as always present
+        model.decoder = None  # pyright: ignore[reportAttributeAccessIssue]
+        model.post_quant_conv = None  # pyright: ignore[reportAttributeAccessIssue]
     spatial = 16 if found == "wan2.2" else 8
-    return WanVAE(model, VaeInfo(found, model.config.z_dim, spatial, 4, str(path)), device, dtype)
+    return WanVAE(model, VaeInfo(found, model.config["z_dim"], spatial, 4, str(path)), device, dtype)
 
 
 def _describe(variant: str) -> str:

@@ -13,7 +13,7 @@ import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Collection, TypeVar
 
 import torch
 
@@ -117,7 +117,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def check_keys(path: str | Path, state: dict[str, torch.Tensor], expected: dict[str, torch.Size],
-               optional: set[str] | dict[str, str] = frozenset()) -> None:
+               optional: Collection[str] = frozenset()) -> None:
     """Raise `WeightsError` naming every missing, unexpected and mis-shaped key. `optional` keys may be absent
     (e.g. a tied embedding saved under a second name)."""
     missing = sorted(set(expected) - set(state) - set(optional))

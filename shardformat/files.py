@@ -49,7 +49,7 @@ def sha256_regular(path: Path | str, block: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def sha256_file(path: Path | str, block: int = 1 << 22) -> str:
+def sha256_file(path: str | os.PathLike, block: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(block):

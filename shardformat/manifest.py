@@ -103,7 +103,7 @@ def parse_sealed_json(data: bytes, where: Path | str) -> dict:
     return obj
 
 
-def check_version(path: Path, version) -> None:
+def check_version(path: Path | str, version) -> None:
     if version != FORMAT_VERSION:
         raise ShardFormatError(f"{path}: format {version!r}, this code reads {FORMAT_VERSION!r}: rebuild the shards "
                                f"with this version (python -m preprocess shards)")

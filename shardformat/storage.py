@@ -43,10 +43,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable, cast
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.utils import get_protocol
 
 from wampipe.shardformat.files import atomic_writer, open_regular, sha256_file
 from wampipe.shardformat.layout import INPUTS, MANIFEST, WORK_DIR
@@ -113,7 +114,7 @@ class ShardStore:
 
     def __init__(self, url: str | os.PathLike, cache_dir: str | os.PathLike | None = None, **storage_options):
         self.url = str(url).rstrip("/")
-        self.protocol = fsspec.utils.get_protocol(self.url)
+        self.protocol = get_protocol(self.url)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.storage_options = storage_options
         self.build: str | None = None  # the manifest's sha256 (16 hex digits), once read
@@ -230,12 +231,13 @@ class ShardStore:
         return [ShardRecord.from_dict(self.read_sealed_json(path, data), self.where(path))
                 for path, data in zip(relpaths, datas)]
 
-    def open(self, relpath: str):
+    def open(self, relpath: str) -> BinaryIO:
         """A binary file object for reading the whole file front to back (buffered on object stores)."""
         try:
             if self.is_local:
                 return os.fdopen(open_regular(self.path(relpath)), "rb", buffering=COPY_BLOCK)
-            return self.fs.open(self.path(relpath), "rb", block_size=COPY_BLOCK)
+            # fsspec's open is typed for text modes too; in "rb" it gives a binary file object
+            return cast(BinaryIO, self.fs.open(self.path(relpath), "rb", block_size=COPY_BLOCK))
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.where(relpath)}: missing") from None
 
@@ -263,7 +265,8 @@ class ShardStore:
             return b""
         local = self._local_file(relpath)
         if local is None:
-            data = self.fs.cat_file(self.path(relpath), start=offset, end=offset + size)
+            # fsspec's inferred type for cat_file allows str (its open's text modes); it reads bytes
+            data = cast(bytes, self.fs.cat_file(self.path(relpath), start=offset, end=offset + size))
         else:
             state = self._process()
             fd = state.fds.get(relpath)
@@ -282,11 +285,11 @@ class ShardStore:
             return None
         state = self._process()
         if relpath not in state.cached:
-            state.cached[relpath] = self._fetch_to_cache(relpath)
+            state.cached[relpath] = self._fetch_to_cache(relpath, self.cache_dir)
         return state.cached[relpath]
 
-    def _fetch_to_cache(self, relpath: str, base: Path | None = None) -> Path:
-        target = self._copy_path(base or self.cache_dir, relpath)
+    def _fetch_to_cache(self, relpath: str, base: Path) -> Path:
+        target = self._copy_path(base, relpath)
         size = self.size(relpath)
         if target.is_file() and target.stat().st_size == size:
             return target
@@ -311,7 +314,8 @@ class ShardStore:
 
     def size(self, relpath: str) -> int:
         try:
-            return self.fs.size(self.path(relpath))
+            # fsspec types the size Optional (an info that lacks one); a file's listing has it
+            return cast(int, self.fs.size(self.path(relpath)))
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.where(relpath)}: missing") from None
 
@@ -322,16 +326,19 @@ class ShardStore:
     def sizes(self) -> dict[str, int]:
         """Every file under the directory, as its path relative to it -> its size in bytes (one listing)."""
         root = self._process().root
-        return {p[len(root) + 1 :]: info["size"] for p, info in self.fs.find(root, detail=True).items()}
+        found = cast(dict[str, dict], self.fs.find(root, detail=True))  # detail=True: path -> info, not a list
+        return {p[len(root) + 1 :]: info["size"] for p, info in found.items()}
 
     def sha256(self, relpath: str) -> str:
         """The file's sha256: the one recorded at upload on S3, else read through."""
         if self.protocol in S3_PROTOCOLS:
-            recorded = self.fs.metadata(self.path(relpath)).get("sha256")
+            # s3fs's S3FileSystem has metadata(); fsspec's base class, the type of `fs`, does not
+            recorded = self.fs.metadata(self.path(relpath)).get("sha256")  # pyright: ignore[reportAttributeAccessIssue]
             if recorded:
                 return recorded
         with self.fs.open(self.path(relpath), "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+            # fsspec's open is typed for text modes too; in "rb" it gives a binary file, with the readinto needed
+            return hashlib.file_digest(f, "sha256").hexdigest()  # pyright: ignore[reportArgumentType]
 
     # ------------------------------------------------------------ writes
 
