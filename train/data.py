@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -77,7 +77,7 @@ class SetDraws:
 
     BLOCK = 4096
 
-    def __init__(self, probs: Sequence[float], seed: int, rank: int):
+    def __init__(self, probs: Sequence[float] | np.ndarray, seed: int, rank: int):
         self.probs, self.seed, self.rank = np.asarray(probs, np.float64), seed, rank
         self.block = lru_cache(maxsize=4)(self._draw)
         # a whole block's counts, kept: counting up to a late batch (metrics, a resume) draws each block once
@@ -282,7 +282,8 @@ class BatchStream(IterableDataset):
                     orders[s] = (epoch, epoch_order(weights[s], cfg.seed, epoch, s))
                 windows = orders[s][1][positions]
                 try:
-                    samples = [readers[s].sample(self.indexes[s].windows[w],
+                    # one window per int (Windows returns a list only for a slice)
+                    samples = [readers[s].sample(cast(Window, self.indexes[s].windows[w]),
                                                  np.random.default_rng(_seed(cfg.seed, epoch, int(p), 1, s)),
                                                  cfg.variant, cfg.text_column) for w, p in zip(windows, positions)]
                 except ShardFormatError as err:
@@ -386,7 +387,7 @@ class ShardLoader:
         cfg = self.cfg
         stream = BatchStream(self.indexes, self.probs, self.model, cfg, self.rank, self.world_size, self.next_batch)
         pin = cfg.pin_memory and self.device.type == "cuda"
-        kwargs = {"prefetch_factor": cfg.prefetch_factor} if cfg.num_workers else {}
+        kwargs: dict[str, Any] = {"prefetch_factor": cfg.prefetch_factor} if cfg.num_workers else {}
         return DataLoader(stream, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin, **kwargs)
 
     def _to_device(self, batch: dict, stream) -> dict:

@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     launcher, trainer = split_arguments(sys.argv[1:] if argv is None else argv)
     # torchrun's own default for several processes a node, without its warning box; the environment's value wins
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torchrun([*launcher, importlib.util.find_spec("wampipe.train.main").origin, *trainer])
+    spec = importlib.util.find_spec("wampipe.train.main")
+    assert spec is not None and spec.origin is not None  # a file of this package, which is running
+    torchrun([*launcher, spec.origin, *trainer])
 
 
 if __name__ == "__main__":

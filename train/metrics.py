@@ -16,12 +16,16 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from wampipe.train.config import MetricsConfig
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 SET_TERMS = ("loss", "loss_dynamics", "loss_action")  # logged per set of a mixture
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}  # dense bf16
@@ -141,6 +145,7 @@ class MetricsLogger:
             self.retries0 = stats["num_alloc_retries"]
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.rank == 0:
+            assert self.jsonl is not None  # rank 0 opens it
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
             if self.tb is not None:
@@ -162,6 +167,7 @@ class MetricsLogger:
     def record(self, row: dict) -> None:
         """A row of values computed elsewhere (already reduced over ranks): rank 0 writes it like `log`'s."""
         if self.rank == 0:
+            assert self.jsonl is not None  # rank 0 opens it
             self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()
             for k, v in row.items():
@@ -252,14 +258,14 @@ class StepProfiler:
                 torch.cuda.synchronize(self.device)
             self.prof.__exit__(None, None, None)
             if self.rank == 0:
-                self._write()
+                self._write(self.prof)
             self.prof = None
 
-    def _write(self) -> None:
+    def _write(self, prof: profile) -> None:
         sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        report = self.prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+        report = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
         trace = self.run_dir / "trace-rank0.json.gz"
-        self.prof.export_chrome_trace(str(trace))  # gzipped by the ".gz" suffix
+        prof.export_chrome_trace(str(trace))  # gzipped by the ".gz" suffix
         if self.device.type == "cuda":
             with gzip.open(trace, "rt") as f:
                 report += "\n\n" + format_device_idle(device_idle(json.load(f)["traceEvents"]))

@@ -388,14 +388,15 @@ class CausalWanModel(nn.Module):
                 nn.init.zeros_(m.bias)
             elif isinstance(m, (nn.LayerNorm, RMSNorm)) and m.weight is not None:
                 nn.init.ones_(m.weight)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
+                if (bias := getattr(m, "bias", None)) is not None:
+                    nn.init.zeros_(bias)
             elif isinstance(m, CategoryLinear):
                 m.W.normal_(0, 0.02)
                 m.b.zero_()
             elif isinstance(m, (Block, Head)):
                 m.modulation.normal_().div_(self.cfg.dim**0.5)
         nn.init.xavier_uniform_(self.patch_embedding.weight.view(self.cfg.dim, -1))
+        assert self.patch_embedding.bias is not None  # built with one (nn.Conv3d's default)
         nn.init.zeros_(self.patch_embedding.bias)
         for seq in (self.text_embedding, self.time_embedding):
             for m in seq:
@@ -436,6 +437,7 @@ class CausalWanModel(nn.Module):
         xn, grid = self._patchify(noisy_latents, y)
         text_log_weight = None
         if compact:
+            assert text_lengths is not None  # compact only with them
             text_log_weight = text_key_log_weight(text_lengths, text.shape[1], cfg.text_len,
                                                   torch.float64 if xn.dtype == torch.float64 else torch.float32)
         xc, _ = self._patchify(clean_latents, y)

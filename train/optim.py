@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -130,7 +131,7 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # sums the squared shard norms over ranks
     if not isinstance(grads[0], DTensor):
         return host_norm(grads)
-    squares = host_norm([g.to_local() for g in grads]) ** 2
+    squares = host_norm([cast(DTensor, g).to_local() for g in grads]) ** 2  # one model's: all sharded alike
     dist.all_reduce(squares, group=grads[0].device_mesh.get_group())
     return squares.sqrt()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from wampipe.train.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -68,15 +72,16 @@ def apply_ac(model: nn.Module, mode: str, ac_blocks: int = -1, others: str = "no
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    chosen = set(ac_block_indices(len(model.blocks), ac_blocks))
-    for i in range(len(model.blocks)):
+    blocks = cast(nn.ModuleList, model.blocks)  # the DiT's (train/model.py)
+    chosen = set(ac_block_indices(len(blocks), ac_blocks))
+    for i in range(len(blocks)):
         block_mode = mode if i in chosen else others
         if block_mode == "none":
             continue
-        kwargs = {"preserve_rng_state": False}
+        kwargs: dict[str, Any] = {"preserve_rng_state": False}
         if block_mode == "selective":
             kwargs["context_fn"] = _selective_context
-        model.blocks.register_module(str(i), checkpoint_wrapper(model.blocks[i], **kwargs))
+        blocks.register_module(str(i), checkpoint_wrapper(blocks[i], **kwargs))
 
 
 def computes_on_cuda(cfg: ParallelConfig) -> bool:
@@ -112,8 +117,10 @@ def use_expandable_segments(device: torch.device) -> bool:
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """torch.compile each block separately (all blocks share one graph: same shapes, same code)."""
-    for i, block in enumerate(model.blocks):
-        model.blocks.register_module(str(i), torch.compile(block, backend=backend, fullgraph=True))
+    blocks = cast(nn.ModuleList, model.blocks)  # the DiT's (train/model.py)
+    for i, block in enumerate(blocks):
+        # a compiled module is a module (OptimizedModule), though torch.compile is typed as returning a callable
+        blocks.register_module(str(i), cast(nn.Module, torch.compile(block, backend=backend, fullgraph=True)))
 
 
 def reduce_dtype(cfg: ParallelConfig) -> str:
@@ -135,7 +142,7 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
                               cast_forward_inputs=False)
     # pinned host memory: asynchronous copies to and from a computing GPU
     offload = CPUOffloadPolicy(pin_memory=computes_on_cuda(cfg)) if cfg.cpu_offload else OffloadPolicy()
-    blocks = list(model.blocks)
+    blocks = list(cast(nn.ModuleList, model.blocks))  # the DiT's (train/model.py)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again first in backward: keep them gathered
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
@@ -207,9 +214,11 @@ def prepare_micro_batch(model: nn.Module, cfg: ParallelConfig, index: int, count
     --parallel.gather-once-per-step, keep the gathered parameters after backward on all but the last, so the next
     micro-batch's forward finds them gathered."""
     last = index == count - 1
-    model.set_requires_gradient_sync(last or cfg.reduce_every_micro_batch)
+    sharded = cast("FSDPModule", model)  # fully_shard made it one (apply_fsdp)
+    every = cast(bool, cfg.reduce_every_micro_batch)  # None (auto) is resolved before the first step
+    sharded.set_requires_gradient_sync(last or every)
     if cfg.gather_once_per_step:
-        model.set_reshard_after_backward(last)
+        sharded.set_reshard_after_backward(last)
 
 
 class HostGradientSum:

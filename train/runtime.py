@@ -17,7 +17,7 @@ import sys
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, NoReturn
+from typing import TYPE_CHECKING, Iterator, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from wampipe.train.metrics import check_wandb
 from wampipe.train.model import MODEL_INPUTS
 from wampipe.train.parallel import check_float8, computes_on_cuda, use_expandable_segments
 from wampipe.train.state import TrainState
+
+if TYPE_CHECKING:
+    from wampipe.shardformat.index import Window
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -161,7 +164,7 @@ def describe_samples(batch: dict, indexes: list[ShardIndex]) -> list[str]:
     index = indexes[int(batch["set"])]
     described = []
     for j, w in enumerate(batch["window"].tolist()):
-        window = index.windows[w]
+        window = cast("Window", index.windows[w])  # one window per int (Windows returns a list only for a slice)
         shards = ", ".join(sorted({str(index.shards[index.table.shard(r)]) for r in window.rows}))
         bad = [k for k in MODEL_INPUTS
                if k in batch and batch[k].is_floating_point() and not torch.isfinite(batch[k][j]).all()]

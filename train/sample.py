@@ -179,6 +179,7 @@ def sample_actions(model: CausalWanModel, batch: DiTBatch, cfg: SamplerConfig = 
         if run:  # else the reference steps again with the last prediction
             v, a = predict(float(t), first.text, first.text_lengths)
             if guided:
+                assert negative_text is not None  # guided only with one
                 v_neg, _ = predict(float(t), negative_text.expand(B, -1, -1), None)
                 v = v_neg + cfg.cfg_scale * (v - v_neg)
         video = video_solver.step(v, video, i)

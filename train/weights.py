@@ -28,10 +28,16 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
+
+    from wampipe.train.model import DiTConfig
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +96,7 @@ def _resolve(path: Path) -> list[Path]:
     return [path]
 
 
-def _open(path: Path):
+def _open(path: Path) -> safe_open | dict:
     """A safetensors handle (header read, data memory-mapped) or a memory-mapped torch.save dict."""
     if path.suffix == ".safetensors":
         from safetensors import safe_open
@@ -112,9 +118,10 @@ class Checkpoint:
                 if key in self.file_of:
                     raise WeightsError(f"{f}: key {key} appears in more than one shard")
                 self.file_of[key] = f
-                self.shapes[key] = (tuple(handle.get_slice(key).get_shape()) if f.suffix == ".safetensors"
-                                    else tuple(handle[key].shape))
-        self._current: tuple[Path, object] | None = None
+                # a dict exactly where the file is no .safetensors (`_open`)
+                self.shapes[key] = (tuple(handle[key].shape) if isinstance(handle, dict)
+                                    else tuple(handle.get_slice(key).get_shape()))
+        self._current: tuple[Path, safe_open | dict] | None = None
 
     def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Tensor `key`, or its rows [start, stop)."""
@@ -122,7 +129,7 @@ class Checkpoint:
         if self._current is None or self._current[0] != f:
             self._current = (f, _open(f))
         handle = self._current[1]
-        if f.suffix == ".safetensors":
+        if not isinstance(handle, dict):  # a .safetensors file
             return handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0]:rows[1]]
         return handle[key] if rows is None else handle[key][rows[0]:rows[1]]
 
@@ -140,7 +147,7 @@ def model_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, nn.Module]]
     """Official name -> (parameter or persistent buffer, its owner module), wrapper prefixes stripped."""
     out = {}
     for mod_name, mod in model.named_modules():
-        local = dict(mod.named_parameters(recurse=False))
+        local: dict[str, torch.Tensor] = dict(mod.named_parameters(recurse=False))
         local.update((n, b) for n, b in mod.named_buffers(recurse=False) if n not in mod._non_persistent_buffers_set)
         for leaf, t in local.items():
             if leaf in ("lora_A", "lora_B"):  # LoRA adapters (train/lora.py): no tensors of the official layout
@@ -182,7 +189,8 @@ def reference_init(owner: nn.Module, leaf: str, tensor: torch.Tensor, generator:
 def _allowed_absent(model: nn.Module, key: str) -> bool:
     if _NEW_IN_DREAMZERO.match(key):
         return True
-    return model.cfg.model_type == "ti2v" and bool(_NEW_IN_TI2V.match(key))
+    cfg = cast("DiTConfig", model.cfg)  # the trainer's models (train/model.py CausalWanModel) carry their config
+    return cfg.model_type == "ti2v" and bool(_NEW_IN_TI2V.match(key))
 
 
 def _key_error(path, source: str, missing: list[str], unexpected: list[str]) -> WeightsError:
