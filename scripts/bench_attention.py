@@ -25,7 +25,8 @@ from wampipe.train.attention import count_allowed_pairs, dense_mask, flex_block_
 from wampipe.train.model import preset
 
 # (model preset, latent frames, tokens per frame, micro-batch): 5B LIBERO 9x10x20, 14B DROID 9x44x80
-LAYOUTS = {"5b": ("libero-5b", 9, 50, 8), "14b": ("droid-14b", 9, 880, 1)}
+Layout = Literal["5b", "14b"]
+LAYOUTS: dict[Layout, tuple[str, int, int, int]] = {"5b": ("libero-5b", 9, 50, 8), "14b": ("droid-14b", 9, 880, 1)}
 
 
 def timed(fn, iters: int, warmup: int) -> float:
@@ -56,7 +57,7 @@ def variants(layout, device):
     return out, dense
 
 
-def bench_layout(key: str, args) -> list[dict]:
+def bench_layout(key: Layout, args) -> list[dict]:
     name, frames, frame_seqlen, batch = LAYOUTS[key]
     cfg = preset(name)
     layout = cfg.layout(frames, frame_seqlen)
@@ -101,7 +102,7 @@ def bench_layout(key: str, args) -> list[dict]:
 
 @dataclass
 class Args:
-    layouts: tuple[Literal["5b", "14b"], ...] = tuple(LAYOUTS)
+    layouts: tuple[Layout, ...] = tuple(LAYOUTS)
     """Token layouts to measure: 5b (LIBERO 9x10x20) and 14b (DROID 9x44x80)."""
     iters: int = 10
     """Timed fwd+bwd calls."""

@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, cast
 from types import SimpleNamespace
 
 import torch
@@ -45,6 +45,9 @@ from devtools.sample_data import write_sample_dataset
 from devtools.tiny_checkpoints import write_tiny_checkpoints
 from wampipe.preprocess.shards import DATASETS
 from wampipe.shardformat.layout import WORK_DIR
+
+if TYPE_CHECKING:
+    from wampipe.preprocess.spec import BuildSpec
 
 # the recipes whose preprocess section names a model (configs/<name>.yaml): name -> (dataset, model, sample layout)
 RECIPES = {name: (pre["dataset"], pre["model"], DATASETS[pre["dataset"]].sample_layout)
@@ -137,11 +140,13 @@ def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
 
     device = "cuda:0" if cli.device == "cuda" else cli.device
     emb = get_embodiment(DATASETS[cli.dataset].embodiment)
-    encoders = Encoders(SimpleNamespace(vae=str(cli.vae), image_encoder=str(cli.image_encoder), model=cli.model,
-                                        embodiment=emb.tag,
-                                        device=device, dtype=cli.dtype, image_features=cli.image_features,
-                                        vae_compile=cli.vae_compile == "on", batch_size=cli.batch_size,
-                                        compile_cache=str(cli.compile_cache or "")))
+    # a stand-in for the run's BuildSpec: the fields Encoders reads, resolved as preprocess shards resolves them
+    spec = SimpleNamespace(vae=str(cli.vae), image_encoder=str(cli.image_encoder), model=cli.model,
+                           embodiment=emb.tag,
+                           device=device, dtype=cli.dtype, image_features=cli.image_features,
+                           vae_compile=cli.vae_compile == "on", batch_size=cli.batch_size,
+                           compile_cache=str(cli.compile_cache or ""))
+    encoders = Encoders(cast("BuildSpec", spec))
     (h, w), t = emb.preset(cli.model).target_hw, emb.window.num_frames
     # the batch as a worker sends it (the workers stack and cast in the farm: not part of the encoders' time)
     batch = stack_clips(list(torch.rand(cli.batch_size, 3, t, h, w) * 2 - 1), encoders.dtype)
@@ -166,8 +171,8 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
         write_sample_dataset(src, layout, args.episodes, seed=0, workers=max(1, (os.cpu_count() or 2) // 2))
     out = work / f"shards-{recipe}"
     vae = "wan2.1" if model == "14b" else "wan2.2"
-    cli = shards.Args(dataset=dataset, src=src, out=out, model=model, device=args.device, batch_size=args.batch_size,
-                      workers=args.workers, stage="units", executor=args.executor,
+    cli = shards.Args(dataset=dataset, src=src, out=str(out), model=model, device=args.device,
+                      batch_size=args.batch_size, workers=args.workers, stage="units", executor=args.executor,
                       anchor_stride=args.anchor_stride, decode_backend=args.decode_backend,
                       episodes_per_unit=args.episodes_per_unit, image_features=args.image_features,
                       vae_compile=args.vae_compile, vae=weights / vae / "vae",
@@ -252,8 +257,11 @@ class Args:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = cli(Args, args=argv, description=__doc__)
-    tmp = None if args.work else tempfile.TemporaryDirectory(prefix="bench_farm-")
-    work = args.work or Path(tmp.name)
+    if args.work:
+        tmp, work = None, args.work
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="bench_farm-")
+        work = Path(tmp.name)
     try:
         weights = work / f"encoders-{args.size}"
         if not (weights / "README.json").is_file():
