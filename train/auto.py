@@ -111,7 +111,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
                and moments in ("auto", m.setting.moments, "bf16" if m.setting.moments == "fp32" else "")]
     # an offloaded setting fits only offloaded runs; an offloaded run fits any, its own kind first
     size = functools.cache(lambda: memory.run_size(cfg))  # a meta-device build of the DiT: once, and only if needed
-    # on_gpus is empty without a GPU size: the first test only tells the type checker so
+    # on_gpus is empty without a GPU size, so the first test drops nothing: it tells the type checker
     fits = [m for m in on_gpus if gpu_mem_gib is not None and m.cpu_offload == p.cpu_offload
             and (m.setting.moments == "fp32" or moments == "bf16"
                  or not memory.fits_fp32_moments(size(), cfg, m.setting, gpu_mem_gib, world_size))]
@@ -151,7 +151,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
         out.optim.moments = chosen.moments
     if p.reduce_dtype == "auto":
         out.parallel.reduce_dtype = chosen.reduce_dtype
-    # only described: the three switches are resolved to bools above (bool() keeps their truth for the checker)
+    # only described; the three switches are bools by now (resolved above or given), as bool() tells the checker
     result = Throughput(out.parallel.activation_checkpoint, out.data.micro_batch_size,
                         bool(out.parallel.reshard_after_forward), out.parallel.ac_blocks, out.parallel.ac_others,
                         bool(out.parallel.reduce_every_micro_batch), bool(out.parallel.gather_once_per_step),

@@ -76,7 +76,7 @@ def train(cfg: Config) -> dict:
                 lr = run.optimizer_step(cfg)
                 state.step += 1
                 per_set = [(int(batch["set"]), terms) for batch, terms in micro_batches]
-                # each a tensor: the terms are, and sum's start, 0, only adds to them
+                # each a tensor: sum starts at 0 but adds the terms' tensors to it
                 mean = {k: cast(torch.Tensor, sum(terms[k] for _, terms in per_set)) / plan.accum
                         for k in per_set[0][1]}
                 # the host's share of an offloaded step: the gradient norm, the step's checks and AdamW (with several
