@@ -43,8 +43,9 @@ def compute_dtype(args) -> torch.dtype:
 
 
 def bench_vae(variant: str, shape: tuple[int, int, int], batch: int, args) -> dict:
-    # the import diffusers documents; its __init__ imports the class without the re-export marking pyright asks for
-    from diffusers import AutoencoderKLWan  # pyright: ignore[reportPrivateImportUsage]
+    # the module defining it, as encoders/vae.py imports it: `from diffusers import AutoencoderKLWan` loads the same
+    # modules, but the package exports its names lazily, which pyright cannot see
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 
     config: dict[str, Any] = dict(VARIANTS[variant])  # keyword arguments of AutoencoderKLWan, of mixed types
     if args.quick:
@@ -53,8 +54,8 @@ def bench_vae(variant: str, shape: tuple[int, int, int], batch: int, args) -> di
         model = AutoencoderKLWan(**config)
     vae = WanVAE(model, VaeInfo(variant, config["z_dim"], 16 if variant == "wan2.2" else 8, 4,
                                                      "random"), args.device, dtype=compute_dtype(args))
-    # torch's Module.__setattr__ annotation leaves out None, which unsets a submodule: encoding never decodes
-    vae.model.decoder = None  # pyright: ignore[reportArgumentType]
+    # encoding never decodes; None drops the submodule (Module.__setattr__), which diffusers types as always present
+    vae.model.decoder = None  # pyright: ignore[reportAttributeAccessIssue]
     t, h, w = shape
     x = torch.rand(batch, 3, t, h, w, device=args.device) * 2 - 1
     sec = timed(lambda: vae.encode(x), args.device, args.warmup, args.iters)

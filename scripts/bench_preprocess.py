@@ -65,6 +65,8 @@ def measure(root: Path, recipe: str) -> dict:
         for last in episode_samples(spec, ds, emb, index):
             samples += 1
     elapsed = time.perf_counter() - start
+    if last is None:  # every episode shorter than a window (generated ones are longer): no sample to size
+        raise SystemExit(f"{recipe}: the dataset at {root} gave no sample")
     key, video, tensors, meta = last.key, last.video, last.tensors, last.meta
     raw = {name: int(np.prod(shape)) * 2 + 128 for name, shape in encoded_shapes(recipe).items()}  # bf16 + header
     stored = {split_member_name(m)[1]: len(d) for m, d in encode_sample(key, tensors, meta, "auto")}

@@ -133,8 +133,9 @@ def finalize_units(out: Path, workers: int, samples_per_shard: int) -> None:
     units = json.loads((out / "bench-units.json").read_text())["units"]
     template = Manifest.read(out.parent / "template").to_dict()
     summaries = [write.summarize_unit(out, u) for u in range(units)]
-    shards, sample_index, member_bytes = mix(out, out, summaries, samples_per_shard, 0, (), None, template["dataset"],
-                                             workers)
+    mixed = mix(out, out, summaries, samples_per_shard, 0, (), None, template["dataset"], workers)
+    assert mixed is not None  # mix returns None only for one part of an array job (`part`), not passed here
+    shards, sample_index, member_bytes = mixed
     keep = ("source", "dataset", "embodiment", "model", "modality_keys", "transform", "encoders", "compress",
             "text_table", "statistics")
     manifest = build_manifest(summaries, shards, **{k: template[k] for k in keep}, samples_per_shard=samples_per_shard,

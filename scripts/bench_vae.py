@@ -35,15 +35,16 @@ LEVERS = ("channels_last", "cudnn_benchmark", "compile")
 
 
 def build_vae(variant: str, device: str, quick: bool) -> WanVAE:
-    # the import diffusers documents; its __init__ imports the class without the re-export marking pyright asks for
-    from diffusers import AutoencoderKLWan  # pyright: ignore[reportPrivateImportUsage]
+    # the module defining it, as encoders/vae.py imports it: `from diffusers import AutoencoderKLWan` loads the same
+    # modules, but the package exports its names lazily, which pyright cannot see
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 
     config: dict[str, Any] = dict(VARIANTS[variant])  # keyword arguments of AutoencoderKLWan, of mixed types
     if quick:
         config.update(base_dim=8, **({"decoder_base_dim": 8} if variant == "wan2.2" else {}))
     with torch.device(device):
         model = AutoencoderKLWan(**config)
-    # offline encoding never decodes; diffusers annotates the decoder as always present
+    # offline encoding never decodes; None drops the submodule, which diffusers types as always present
     model.decoder = None  # pyright: ignore[reportAttributeAccessIssue]
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     return WanVAE(model, VaeInfo(variant, config["z_dim"], 16 if variant == "wan2.2" else 8, 4, "random"),

@@ -46,7 +46,7 @@ def _(x):
 def _keep_eager_silu(encoder: torch.nn.Module) -> None:
     for m in encoder.modules():
         if type(m) is torch.nn.SiLU:
-            m.forward = lambda x: eager_silu(x)
+            m.forward = lambda input: eager_silu(input)  # its argument named as in SiLU.forward, which it replaces
 
 
 def _keep_eager_avg_down(encoder: torch.nn.Module) -> None:
@@ -120,7 +120,9 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
     cuda = args.device.startswith("cuda")
     batch, base = args.batch_sizes[0], f"eager_b{args.batch_sizes[0]}"  # the baseline of every comparison
     dtype = torch.bfloat16 if cuda else torch.float32
-    vae.model.to(device=args.device, dtype=dtype)  # ... then on the device in the encoder's dtype
+    # ... then on the device in the encoder's dtype. diffusers' .to is typed through functools.wraps of the unbound
+    # Module.to, so pyright misses its `self`
+    vae.model.to(device=args.device, dtype=dtype)  # pyright: ignore[reportCallIssue]
     vae.device, vae.dtype = torch.device(args.device), dtype
     vae.mean, vae.inv_std = vae.mean.to(vae.device, dtype), vae.inv_std.to(vae.device, dtype)
     x = clips(args.clips, t, h, w)

@@ -27,9 +27,10 @@ class Args:
 
 def main(argv: list[str] | None = None) -> None:
     args = cli(Args, args=argv, description=__doc__)
-    import torchvision
-    from torchvision.transforms import InterpolationMode
-    from torchvision.transforms.v2 import functional as TF
+    # torchvision is this comparison's optional dependency: not installed beside the CPU torch of development machines
+    import torchvision  # pyright: ignore[reportMissingImports]
+    from torchvision.transforms import InterpolationMode  # pyright: ignore[reportMissingImports]
+    from torchvision.transforms.v2 import functional as TF  # pyright: ignore[reportMissingImports]
 
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(6, 3, 180, 320, generator=gen)
