@@ -4,6 +4,7 @@ The console scripts wampipe-<command> (pyproject.toml) are the same commands."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
 COMMANDS = {

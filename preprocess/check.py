@@ -27,7 +27,7 @@ import os
 import sys
 import tarfile
 from dataclasses import dataclass
-from typing import Annotated, BinaryIO, Iterator
+from typing import TYPE_CHECKING, Annotated, BinaryIO, Iterator
 
 import numpy as np
 import tyro
@@ -41,6 +41,9 @@ from wampipe.shardformat.members import split_member_name
 from wampipe.shardformat.shard import ShardRecord, json_path, read_sample, verify_members
 from wampipe.shardformat.storage import COPY_BLOCK, STORE_ERRORS, ShardStore
 from wampipe.shardformat.text import TextTable
+
+if TYPE_CHECKING:
+    from wampipe.shardformat.samples import SampleTable
 
 
 @dataclass
@@ -81,11 +84,15 @@ class HashingReader:
             pass
 
 
-def tar_samples(f: BinaryIO, headers: dict[str, list] | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
+def tar_samples(f: BinaryIO | HashingReader,
+                headers: dict[str, list] | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
     """(key, {suffix: bytes}) per sample of a tar read front to back, members grouped by key in file order;
     `headers` collects key -> [[member name, data offset, size], ...] as read."""
-    key, group, headers = None, {}, {} if headers is None else headers
-    with tarfile.open(fileobj=f, mode="r|") as tar:
+    # `key` counts only once `group` holds a member, and then it is that member's key
+    key, group, headers = "", {}, {} if headers is None else headers
+    # a stream ("r|") only reads: typeshed's file type for tarfile asks for write, tell, seek and close too, which
+    # HashingReader does without
+    with tarfile.open(fileobj=f, mode="r|") as tar:  # pyright: ignore[reportCallIssue, reportArgumentType]
         for info in tar:
             k, suffix = split_member_name(info.name)
             headers.setdefault(k, []).append([info.name, info.offset_data, info.size])
@@ -95,7 +102,9 @@ def tar_samples(f: BinaryIO, headers: dict[str, list] | None = None) -> Iterator
                 yield key, group
                 group = {}
             key = k
-            group[suffix] = tar.extractfile(info).read()
+            member = tar.extractfile(info)
+            assert member is not None  # None only for a member that is no file, skipped above
+            group[suffix] = member.read()
     if group:
         yield key, group
 
@@ -284,12 +293,15 @@ def check_split(root: str | os.PathLike, decode: bool, held: set[int], held_in: 
     listed = {s.shard for s in manifest.shards}
     for extra in sorted({f for f in files if SHARD_NAME.fullmatch(f)} - listed):
         problems.append(f"{extra}: not listed in {MANIFEST}")
-    table, order, bounds = check_sample_index(store, manifest, problems)
+    index = check_sample_index(store, manifest, problems)
     present = [i for i, entry in enumerate(manifest.shards) if entry.shard in files]
 
     def task(i: int) -> tuple:
         entry = manifest.shards[i]
-        indexed = None if table is None else [table.record(int(r)) for r in order[bounds[i]:bounds[i + 1]]]
+        indexed = None
+        if index is not None:
+            table, order, bounds = index
+            indexed = [table.record(int(r)) for r in order[bounds[i]:bounds[i + 1]]]
         return (store, entry, json_path(entry.shard).as_posix() in files, indexed, prompt_ids, decode,
                 manifest.schema, held, held_in)
 
@@ -302,16 +314,17 @@ def check_split(root: str | os.PathLike, decode: bool, held: set[int], held_in: 
     return problems, manifest
 
 
-def check_sample_index(store: ShardStore, manifest: Manifest, problems: list[str]):
+def check_sample_index(store: ShardStore, manifest: Manifest,
+                       problems: list[str]) -> tuple[SampleTable, np.ndarray, np.ndarray] | None:
     """(the verified sample index, the order of its rows by (shard, offset of the first member), where each shard's
-    rows begin in that order), or (None, None, None) with the problem noted."""
+    rows begin in that order), or None with the problem noted."""
     from wampipe.shardformat.index import open_sample_table  # here: it loads torch, which `--help` does without
 
     try:
         table = open_sample_table(store, manifest, where=manifest.sample_index["file"])
     except ShardFormatError as err:
         problems.append(str(err))
-        return None, None, None
+        return None
     shard, first = np.asarray(table.rows["shard"]), np.asarray(table.rows["offset"][:, 0])
     order = np.lexsort((first, shard)).astype(np.uint32)
     return table, order, np.searchsorted(shard[order], np.arange(len(manifest.shards) + 1))

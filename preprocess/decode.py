@@ -9,8 +9,9 @@ row says it should be.
 from __future__ import annotations
 
 import io
+from fractions import Fraction
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 
@@ -21,11 +22,11 @@ BACKENDS = ("torchcodec", "pyav")
 
 def decode_video(
     path: str | Path,
-    frame_indices: Sequence[int],
+    frame_indices: Sequence[int] | np.ndarray,
     *,
     backend: str = "torchcodec",
     episode: int | None = None,
-    expected_pts: Sequence[float] | None = None,
+    expected_pts: Sequence[float] | np.ndarray | None = None,
     fps: float | None = None,
     required_frames: int | None = None,
     tolerance_s: float | None = None,
@@ -78,7 +79,8 @@ class _Short(Exception):
 
 
 def _decode_torchcodec(path: Path, unique: np.ndarray, required: int | None):
-    from torchcodec.decoders import VideoDecoder
+    # torchcodec's public path: the package imports it from a private module without re-exporting it by name
+    from torchcodec.decoders import VideoDecoder  # pyright: ignore[reportPrivateImportUsage]
 
     decoder = VideoDecoder(str(path), dimension_order="NHWC", seek_mode="exact")
     total = decoder.metadata.num_frames
@@ -96,22 +98,26 @@ def _decode_pyav(path: Path, unique: np.ndarray, fps: float | None, required: in
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
-        rate = fps or float(stream.average_rate or stream.guessed_rate)
+        # PyAV types the rates, a frame's pts and the time base Optional. A stream with neither rate, or a frame
+        # without pts, fails in the arithmetic below and is reported as a decode error; a demuxed stream always
+        # has its time base.
+        time_base = cast(Fraction, stream.time_base)
+        rate = fps or float(stream.average_rate or stream.guessed_rate)  # pyright: ignore[reportArgumentType]
         total = stream.frames or None
         if total is not None and required is not None and total < required:
             raise _Short(f"{total} frames in the file, the episode needs {required}")
         start = stream.start_time or 0
         first = int(unique[0])
         if first > 0:  # jump to the keyframe before the first wanted frame, then decode forward
-            container.seek(start + int(first / rate / stream.time_base), stream=stream, backward=True, any_frame=False)
+            container.seek(start + int(first / rate / time_base), stream=stream, backward=True, any_frame=False)
         wanted = set(unique.tolist())
         frames, pts, last, index = [], [], int(unique[-1]), -1
         for frame in container.decode(stream):
-            t = float((frame.pts - start) * stream.time_base)
+            t = float((frame.pts - start) * time_base)  # pyright: ignore[reportOptionalOperand]
             index = int(round(t * rate))
             if index in wanted:
                 frames.append(frame.to_ndarray(format="rgb24"))
-                pts.append(float(frame.pts * stream.time_base))
+                pts.append(float(frame.pts * time_base))  # pyright: ignore[reportOptionalOperand]
                 wanted.discard(index)
             if index >= last:
                 break

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import cast, overload
 
 import numpy as np
 import torch
@@ -24,8 +25,15 @@ from wampipe.shardformat.samples import member_names
 from wampipe.shardformat.text import write_text_table
 
 
+# Without `part` the training split's manifest; with it, one array job's shards and None.
+@overload
+def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: None = None,
+             ray_address: str | None = None, on_ray: bool = False) -> dict: ...
+@overload
+def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, *, part: tuple[int, int],
+             ray_address: str | None = None, on_ray: bool = False) -> None: ...
 def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tuple[int, int] | None = None,
-             ray_address: str | None = None, on_ray: bool = False) -> dict:
+             ray_address: str | None = None, on_ray: bool = False) -> dict | None:
     """Shards, text table, statistics and manifest from the finished units; returns the training split's manifest.
     With held-out episodes (`spec.held_out`), their samples go into the validation split OUT/val, a sealed shard
     directory of its own (the same text table and statistics), written before the training split's manifest.
@@ -39,10 +47,11 @@ def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tu
     if missing:
         raise SystemExit(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not "
                          f"done")
-    summaries = [None] * len(units)
+    read: list[dict | None] = [None] * len(units)
     for u, summary in run_tasks(write.summarize_unit, [(out, u) for u in range(len(units))],
                                 auto_workers(workers, len(units)), "units read", **ray):
-        summaries[u] = summary
+        read[u] = summary
+    summaries = cast(list[dict], read)  # run_tasks gives every task's result: no None is left
     if part is not None:
         for val in (False, True)[:1 + bool(spec.held_out)]:
             into = out / VAL_DIR if val else out
@@ -102,6 +111,15 @@ def write_split(into: Path, summaries: list[dict], spec: BuildSpec, units: list[
     return manifest.to_dict()
 
 
+# Without `part` the shard entries and index blocks; with it, one array job's shards and None.
+@overload
+def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, seed: int, held: tuple | list,
+        validation: dict | None, dataset: str, workers: int, part: None = None,
+        ray: dict | None = None) -> tuple[list[dict], dict, dict]: ...
+@overload
+def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, seed: int, held: tuple | list,
+        validation: dict | None, dataset: str, workers: int, part: tuple[int, int],
+        ray: dict | None = None) -> None: ...
 def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, seed: int, held: tuple | list,
         validation: dict | None, dataset: str, workers: int, part: tuple[int, int] | None = None,
         ray: dict | None = None) -> tuple[list[dict], dict, dict] | None:
@@ -118,12 +136,13 @@ def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, se
     if part is not None:
         shards = shards[part[0]::part[1]]
     tasks = [(out, into, plan, shard, samples_per_shard, names, dataset) for shard in shards]
-    entries = [None] * len(tasks)
+    written: list[dict | None] = [None] * len(tasks)
     for i, entry in run_tasks(write.write_planned_shard, tasks, auto_workers(workers, len(tasks)), "shards",
                               **(ray or {})):
-        entries[i] = entry
+        written[i] = entry
     if part is not None:
         return None
+    entries = cast(list[dict], written)  # run_tasks gives every task's result: no None is left
     sample_index, member_bytes = write.assemble_index(out, into, plan, entries, samples_per_shard, names)
     return entries, sample_index, member_bytes
 

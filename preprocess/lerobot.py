@@ -106,17 +106,18 @@ class VideoFrames:
     def first_frame(self) -> int:
         return int(round(self.from_timestamp * self.fps))
 
-    def read(self, rows: Sequence[int] | None = None, backend: str = "torchcodec") -> np.ndarray:
+    def read(self, rows: Sequence[int] | np.ndarray | None = None, backend: str = "torchcodec") -> np.ndarray:
         """uint8 [N, H, W, 3] for episode rows (all rows by default), decoded front to back in one pass."""
-        rows = np.arange(self.length) if rows is None else np.asarray(rows, dtype=np.int64)
-        if rows.size and (rows.min() < 0 or rows.max() >= self.length):
-            raise DatasetError(self.path, self.episode, f"rows {rows.min()}..{rows.max()} outside 0..{self.length - 1}")
+        index = np.arange(self.length) if rows is None else np.asarray(rows, dtype=np.int64)
+        if index.size and (index.min() < 0 or index.max() >= self.length):
+            raise DatasetError(self.path, self.episode,
+                               f"rows {index.min()}..{index.max()} outside 0..{self.length - 1}")
         expected = None
         if self.row_timestamps is not None:
-            expected = self.from_timestamp + self.row_timestamps[rows]
+            expected = self.from_timestamp + self.row_timestamps[index]
         return decode_video(
             self.path,
-            self.first_frame + rows,
+            self.first_frame + index,
             backend=backend,
             episode=self.episode,
             expected_pts=expected,
@@ -138,7 +139,7 @@ class ParquetImageFrames:
     def length(self) -> int:
         return len(self.cells)
 
-    def read(self, rows: Sequence[int] | None = None, backend: str = "torchcodec") -> np.ndarray:
+    def read(self, rows: Sequence[int] | np.ndarray | None = None, backend: str = "torchcodec") -> np.ndarray:
         del backend  # images are not videos; the argument keeps one signature for both sources
         rows = range(self.length) if rows is None else rows
         return decode_image_cells([self.cells[r] for r in rows], self.path, self.episode, self.column)
@@ -167,7 +168,8 @@ class Episode:
     columns: dict[str, np.ndarray]  # parquet column -> row-aligned array ([L] or [L, d])
     cameras: dict[str, FrameSource]  # short camera name (modality.json) -> frame source
     annotations: dict[str, np.ndarray]  # annotation column -> instruction string per row (object array)
-    annotation_files: dict[str, Path] = field(default_factory=dict)  # annotation column -> file its strings are in
+    # annotation column -> file its strings are in: its parquet, or meta/tasks.* (the dataset's tasks_file)
+    annotation_files: dict[str, Path | None] = field(default_factory=dict)
 
     @property
     def instructions(self) -> dict[str, str]:
@@ -349,9 +351,12 @@ class LeRobotDataset:
         if not self.is_v3:
             return _read_parquet(info.data_path, present, info.index)
         table = self._cached_file(info.data_path)
-        rows = table.filter(pc.equal(table.column("episode_index"), info.index))
+        # pyarrow.compute makes its functions at import, out of a checker's sight
+        in_episode = pc.equal(table.column("episode_index"), info.index)  # pyright: ignore[reportAttributeAccessIssue]
+        rows = table.filter(in_episode)
         if rows.num_rows and "frame_index" in rows.column_names:
-            rows = rows.take(pc.sort_indices(rows.column("frame_index")))
+            order = pc.sort_indices(rows.column("frame_index"))  # pyright: ignore[reportAttributeAccessIssue]
+            rows = rows.take(order)
         return rows.select(present)
 
     def _cached_file(self, path: Path) -> pa.Table:

@@ -50,6 +50,7 @@ def _literal(text: str):
         match = _TOKEN.match(text, pos)
         if not match:
             raise ValueError(f"not a literal at character {pos}")
+        assert match.lastgroup is not None  # every alternative of _TOKEN is a named group
         tokens.append((match.lastgroup, match.group(match.lastgroup)))
         pos = match.end()
     if not tokens:

@@ -100,7 +100,9 @@ def check_access(url: str) -> None:
     if store.protocol in S3_PROTOCOLS:
         bucket, _, prefix = url.split("://", 1)[1].partition("/")
         with failures(url, f"list bucket {bucket}", AT_START):
-            store.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
+            # s3fs's S3FileSystem has call_s3(); fsspec's base class, the type of `fs`, does not
+            store.fs.call_s3(  # pyright: ignore[reportAttributeAccessIssue]
+                "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
     probe = f"{PROBE}-{os.getpid()}-{secrets.token_hex(4)}"
     with failures(url, f"write and delete {probe}", AT_START):
         store.fs.pipe_file(store.path(probe), b"")

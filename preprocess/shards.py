@@ -26,7 +26,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from tqdm import tqdm
@@ -48,7 +48,10 @@ class DatasetPreset:
 
 DATASETS = {name: configs.build(DatasetPreset, preset, f"configs/datasets.yaml: {name}")
             for name, preset in configs.read(configs.DATASETS_FILE).items()}
-DatasetName = Literal[tuple(DATASETS)]  # type: ignore[valid-type]
+if TYPE_CHECKING:  # the names are read from configs/datasets.yaml at import: a checker sees strings
+    DatasetName = str
+else:
+    DatasetName = Literal[tuple(DATASETS)]  # type: ignore[valid-type]
 # Arguments with a lower bound (None, where allowed, means "not given").
 AT_LEAST = {"batch_size": 1, "workers": 0, "finalize_workers": 0, "threads_per_worker": 1, "num_units": 1,
             "unit_index": 0, "episodes_per_unit": 1, "anchor_stride": 1, "augment_variants": 0, "samples_per_shard": 1,
@@ -180,7 +183,7 @@ def prepare_defaults(args: Args) -> Args:
         raise SystemExit("--src is required: the LeRobot dataset root (sample data and tiny encoders to try it on: "
                          "make demo-data, or scripts/make_sample_dataset.py and scripts/make_tiny_checkpoints.py)")
     if args.out is None:
-        args.out = Path("shards") / args.dataset  # beside the user, never inside an installed package
+        args.out = str(Path("shards") / args.dataset)  # beside the user, never inside an installed package
     if args.model is None:
         args.model = preset.model
     cuda = args.device.startswith("cuda")
@@ -213,7 +216,7 @@ def check_arguments(args: Args) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if (args.unit_index is None) != (args.num_units is None):
         raise SystemExit("--unit-index and --num-units go together")
-    if args.num_units is not None and args.unit_index >= args.num_units:
+    if args.num_units is not None and args.unit_index is not None and args.unit_index >= args.num_units:
         raise SystemExit(f"--unit-index must be in [0, {args.num_units})")
     if args.num_units is not None and args.overwrite:
         raise SystemExit("--overwrite cannot be used by array jobs (they share OUT); run it once without --unit-index")
@@ -260,6 +263,9 @@ def check_weights(args: Args) -> None:
     from wampipe.encoders.vae import load_vae
     from wampipe.preprocess.pipeline import VAE_OF_MODEL
 
+    # prepare_defaults refused a run without these and filled --model
+    assert args.vae is not None and args.image_encoder is not None and args.model is not None
+    assert args.text_encoder is not None and args.tokenizer is not None
     with torch.device("meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
         load_vae(args.vae, variant=VAE_OF_MODEL[args.model], device="meta")
@@ -308,8 +314,11 @@ def run(args: Args) -> None:
 
     check_arguments(args)
     args = prepare_defaults(args)
+    # prepare_defaults refused a run without --src and filled --out and --model
+    assert args.src is not None and args.out is not None and args.model is not None
     url = remote.remote_url(str(args.out))
-    args.out = remote.staging_dir(url, args.staging_dir) if url else Path(args.out)
+    out = remote.staging_dir(url, args.staging_dir) if url else Path(args.out)
+    args.out = str(out)  # the spec records the folder the build is made in, as a string
     if url:
         remote.check_access(url)  # a missing bucket or wrong credentials stop the run before any unit
     emb = get_embodiment(DATASETS[args.dataset].embodiment)
@@ -324,30 +333,33 @@ def run(args: Args) -> None:
     held = () if args.val_episodes is None else tuple(
         held_out(args.val_episodes, args.dataset, [e for unit in units for e in unit], args.src))
     array_job = args.num_units is not None  # one of several jobs sharing OUT: its units, or at finalize its shards
-    args.out.mkdir(parents=True, exist_ok=True)
-    with outdir.hold(args.out, shared=array_job):
+    out.mkdir(parents=True, exist_ok=True)
+    with outdir.hold(out, shared=array_job):
         args.workers = args.workers or default_workers(args)
         args.threads_per_worker = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
         hashing = time.perf_counter()
-        spec = BuildSpec.from_args(args, embodiment=emb.tag, held_out=held)
+        # pyright takes this file for preprocess.shards, a module apart from the wampipe.preprocess.shards (the
+        # same file through wampipe/'s link) whose Args the spec names
+        spec = BuildSpec.from_args(args, embodiment=emb.tag, held_out=held)  # pyright: ignore[reportArgumentType]
         print(f"start: encoder weights checked in {checked:.1f} s, inputs hashed in "
               f"{time.perf_counter() - hashing:.1f} s",
               flush=True)
         if url:
-            remote.prefetch_remote_state(url, args.out, args.overwrite)
-        outdir.claim(args.out, spec.inputs(), args.overwrite)
-        if url and remote.published(url, args.out):
+            remote.prefetch_remote_state(url, out, args.overwrite)
+        outdir.claim(out, spec.inputs(), args.overwrite)
+        if url and remote.published(url, out):
             print(f"{url} already holds this build")
             return
         if not array_job:  # no other run writes here: what a killed run left half-written can go
-            outdir.remove_temporaries(args.out)
-        print(f"{args.src}: {len(ds)} episodes -> {len(units)} units -> {args.out}")
+            outdir.remove_temporaries(out)
+        print(f"{args.src}: {len(ds)} episodes -> {len(units)} units -> {out}")
         if args.stage in ("all", "units"):
             build_units(spec, units, args)
         if args.stage == "units" or (array_job and args.stage == "all"):
             print("units done; run again with --stage finalize once every unit is finished")
             return
         if array_job:
+            assert args.unit_index is not None and args.num_units is not None  # check_arguments: they go together
             finalize(spec, units, args.finalize_workers, part=(args.unit_index, args.num_units),
                      ray_address=args.ray_address, on_ray=args.executor == "ray")
             print(f"shards k with k % {args.num_units} == {args.unit_index} done; run --stage finalize once without "
@@ -356,7 +368,7 @@ def run(args: Args) -> None:
         manifest = finalize(spec, units, args.finalize_workers, ray_address=args.ray_address,
                             on_ray=args.executor == "ray")
         if url:
-            remote.publish(args.out, url, overwrite=args.overwrite)
+            remote.publish(out, url, overwrite=args.overwrite)
     t = manifest["totals"]
     print(f"done: {t['samples']} samples in {t['shards']} shards ({t['bytes'] / 2**20:.1f} MiB); episodes: "
           f"{t['episodes_encoded']} encoded, {t['episodes_skipped']} shorter than a window, "
@@ -365,7 +377,7 @@ def run(args: Args) -> None:
         print(f"  FAILED episode {failure['episode']}: {failure['reason']}")
     failed = {failure["episode"] for failure in manifest["failures"]}
     if manifest.get("validation"):
-        print(f"  validation split {url or args.out}/{VAL_DIR}: episodes {manifest['validation']['episodes']} held out")
+        print(f"  validation split {url or out}/{VAL_DIR}: episodes {manifest['validation']['episodes']} held out")
     for excluded in manifest["statistics"]["excluded"]:
         if excluded["episode"] not in failed and excluded["reason"] != HELD_OUT:
             print(f"  statistics leave out episode {excluded['episode']}: {excluded['reason']}")

@@ -84,6 +84,7 @@ class BuildSpec:
         from wampipe.preprocess.outdir import fingerprint
         from wampipe.shardformat.files import sha256_file
 
+        assert args.src is not None  # completed: prepare_defaults refused a run without --src
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         given["vae_compile"] = {"on": True, "off": False}[args.vae_compile]  # run() resolved auto for the device
         encoders = weights_sha256(*(Path(given[name]) for name in ENCODERS))

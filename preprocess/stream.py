@@ -166,7 +166,8 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
                              f"it (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s: "
                              f"{split})"))
         prepared: queue.Queue = queue.Queue(maxsize=1)
-        spent = dict.fromkeys(("encoding", "waiting for a prepared batch", "preparing", "waiting for work"), 0.0)
+        spent: dict[str, float] = dict.fromkeys(
+            ("encoding", "waiting for a prepared batch", "preparing", "waiting for work"), 0.0)
         threading.Thread(target=_prepare_ahead, args=(encoders, requests, prepared, cuda, spent), daemon=True).start()
         batches = 0
         while True:
@@ -325,5 +326,6 @@ def run_ray(spec: BuildSpec, units: dict[int, list[int]], address: str | None) -
     finally:
         for ref in refs:
             ray.cancel(ref, force=True)
+        # ray types a started actor as its ActorHandle or its class (ActorProxy, so that its methods type-check)
         for actor in actors:
-            ray.kill(actor)
+            ray.kill(actor)  # pyright: ignore[reportArgumentType]

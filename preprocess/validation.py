@@ -34,7 +34,8 @@ def parse(spec: str) -> float | list[int]:
 def canonical(spec: str) -> str:
     """`spec` written one way (0.10 -> 0.1, 7,3 -> 3,7): the form the build records and compares on a rerun."""
     choice = parse(spec)
-    return repr(choice) if isinstance(choice, float) else ",".join(map(str, choice))
+    # the list is what is tested: a checker reads `float` as float | int, so a float test would leave int | list
+    return ",".join(map(str, choice)) if isinstance(choice, list) else repr(choice)
 
 
 def in_fraction(dataset: str, episode: int, fraction: float) -> bool:
@@ -47,14 +48,14 @@ def held_out(spec: str, dataset: str, episodes: list[int], src) -> list[int]:
     """The episodes of `episodes` (the build's) that `spec` holds out; refuses a choice that names an episode the
     build does not have, or leaves no episode to either split."""
     choice = parse(spec)
-    if isinstance(choice, float):
-        held = [e for e in episodes if in_fraction(dataset, e, choice)]
-    else:
+    if isinstance(choice, list):  # (as in canonical)
         missing = sorted(set(choice) - set(episodes))
         if missing:
             raise SystemExit(f"--val-episodes {spec}: episodes {missing[:10]} are not among the {len(episodes)} "
                              f"episodes this build reads from {src} (ids {min(episodes)}..{max(episodes)})")
         held = choice
+    else:
+        held = [e for e in episodes if in_fraction(dataset, e, choice)]
     if not held or len(held) == len(episodes):
         which = "none" if not held else "every one"
         raise SystemExit(f"--val-episodes {spec} holds out {which} of the {len(episodes)} episodes this build reads "
