@@ -233,3 +233,23 @@ def test_an_inputs_json_no_build_wrote_is_a_foreign_file(tmp_path):
     (out / INPUTS).write_text(json.dumps(older))
     with pytest.raises(SystemExit, match=r"holds a build made from other inputs: --augment-variants: None -> 0"):
         claim(out, inputs, False)
+
+
+def test_a_full_disk_stops_the_build_in_one_line_and_the_same_command_resumes(droid_root, tiny_checkpoints,
+                                                                              small_disk):
+    """A real tmpfs filled but for 64 KiB: a unit's tar does not fit. One line, no traceback; with space again the
+    same command finishes a build `check` accepts."""
+    from tests.conftest import fill_disk
+
+    out = small_disk / "out"
+    filler = fill_disk(small_disk, 64 << 10)
+    cmd = shards_cmd(droid_root, out, "droid", tiny_checkpoints, "--max-episodes", "2")
+    full = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    assert full.stderr.strip().splitlines()[-1] == (
+        f"{out}: No space left on device: free space (or raise the quota) and run the same command again; finished "
+        f"units are kept"), full.stderr[-3000:]
+    filler.unlink()
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    check(out)
