@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 
@@ -25,3 +26,21 @@ class DatasetError(Exception):
 class EncoderOutputError(RuntimeError):
     """The frozen encoders gave a non-finite output: the build stops in one line (every later batch would be the
     same), instead of storing NaN."""
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a used-up quota
+
+
+class OutOfSpace(RuntimeError):
+    """The output's disk (or quota) is full. Every write is atomic, so nothing half-written counts: the same command
+    run again once there is space resumes from the finished units."""
+
+    @classmethod
+    def from_os_error(cls, err: OSError, where: str = "") -> "OutOfSpace":
+        place = f"{err.filename}: " if err.filename else ""
+        return cls(f"{where}{place}{err.strerror or 'no space left on device'}: free space (or raise the quota) and "
+                   f"run the same command again; finished units are kept")
+
+
+def out_of_space(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in FULL

@@ -76,7 +76,7 @@ def ownership(names: Iterable[str], read: Callable[[str], bytes]) -> tuple[list[
     """(a build's own, foreign): the files among `names` (paths relative to a shard directory, local or remote)
     at the names a build writes, split by the rule of the module docstring. `read(name)` gives a file's bytes."""
     written = sorted(n for n in names if n == INPUTS or n in FIXED_NAMES or NUMBERED.fullmatch(n) or PLANS.fullmatch(n))
-    if INPUTS in written and isinstance(_json(read, INPUTS), dict):
+    if INPUTS in written and is_record(_json(read, INPUTS)):
         return written, []
     own = set()
     try:
@@ -94,6 +94,14 @@ def ownership(names: Iterable[str], read: Callable[[str], bytes]) -> tuple[list[
             if isinstance(unit, dict) and "inputs" in unit:
                 own |= {name, name.replace(".json", ".tar")}
     return [n for n in written if n in own], [n for n in written if n not in own]
+
+
+# what every wampipe's inputs.json holds: a JSON file at that name without them is a user's, not a build's record
+RECORD_KEYS = frozenset({"dataset", "src", "vae", "text_encoder", "image_encoder"})
+
+
+def is_record(value) -> bool:
+    return isinstance(value, dict) and RECORD_KEYS <= value.keys()
 
 
 def _json(read: Callable[[str], bytes], name: str):

@@ -57,6 +57,10 @@ def run(args: Args) -> None:
 
 
 def preview(args: Args) -> None:
+    if args.samples < 1:
+        raise SystemExit(f"--samples must be at least 1, got {args.samples}")
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"--out {args.out} is a file; give a folder for the previews")
     try:
         import matplotlib  # noqa: F401  (the sheets; asked for before anything is decoded)
     except ImportError:

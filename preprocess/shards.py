@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from wampipe import configs
 from wampipe.preprocess import outdir, remote, write
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.spec import ENCODERS, BuildSpec
-from wampipe.preprocess.validation import HELD_OUT, canonical, held_out
+from wampipe.preprocess.validation import HELD_OUT, canonical, held_out, parse as parse_held_out
 from wampipe.shardformat.embodiments import get_embodiment
 from wampipe.shardformat.layout import VAL_DIR
 
@@ -222,6 +223,25 @@ def check_arguments(args: Args) -> None:
         raise SystemExit("--overwrite cannot be used by array jobs (they share OUT); run it once without --unit-index")
     if args.val_episodes is not None:
         args.val_episodes = canonical(args.val_episodes)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise SystemExit(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.device.startswith("cuda"):
+        import torch  # here: `--help` does without it
+
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {args.device}: no CUDA device is visible")
+
+
+def check_held_out_windows(choice: str | None, held: tuple[int, ...], ds: LeRobotDataset, need: int) -> None:
+    """A validation split must hold windows: every episode --val-episodes names, or at least one of a fraction's,
+    is long enough for one (by meta/'s lengths, before any unit)."""
+    short = [(e, ds.episode_info(e).length) for e in held if ds.episode_info(e).length < need]
+    if not short or (isinstance(parse_held_out(choice), float) and len(short) < len(held)):
+        return
+    shown = ", ".join(f"{e} ({n} rows)" for e, n in short[:5]) + (f" and {len(short) - 5} more" if len(short) > 5
+                                                                   else "")
+    raise SystemExit(f"--val-episodes {choice}: episodes {shown} give no window (a window needs {need} rows); "
+                     f"hold out longer episodes")
 
 
 def check_metadata(path: Path, emb, ds: LeRobotDataset) -> None:
@@ -332,6 +352,7 @@ def run(args: Args) -> None:
     units = plan_units(ds, args.episodes_per_unit, args.max_episodes)
     held = () if args.val_episodes is None else tuple(
         held_out(args.val_episodes, args.dataset, [e for unit in units for e in unit], args.src))
+    check_held_out_windows(args.val_episodes, held, ds, emb.window.extent + 1)
     array_job = args.num_units is not None  # one of several jobs sharing OUT: its units, or at finalize its shards
     out.mkdir(parents=True, exist_ok=True)
     with outdir.hold(out, shared=array_job):

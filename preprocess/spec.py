@@ -63,7 +63,7 @@ class BuildSpec:
     anchor_stride: int = arg(UNIT, manifest="transform")
     augment_variants: int = arg(UNIT, manifest="transform")
     # without augmentation the seed only permutes the shards
-    seed: int = arg(lambda inputs: UNIT if inputs["augment_variants"] else FINALIZE, manifest="")
+    seed: int = arg(lambda inputs: UNIT if inputs.get("augment_variants") else FINALIZE, manifest="")
     compress: str = arg(UNIT, manifest="")
     decode_backend: str = arg(UNIT, manifest="transform")
     image_features: str = arg(UNIT, manifest="")

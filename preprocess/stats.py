@@ -14,6 +14,7 @@ another length than meta/ says, ...) are left out and reported, one line each.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Mapping
@@ -48,8 +49,18 @@ class Args:
 def run(args: Args) -> None:
     if not args.src:
         raise SystemExit("give at least one --src dataset")
-    embodiment = get_embodiment(args.embodiment)
+    try:
+        embodiment = get_embodiment(args.embodiment)
+    except KeyError as err:
+        raise SystemExit(f"--embodiment: {err.args[0]}") from None
     out = args.out.resolve()
+    if out.is_dir():
+        raise SystemExit(f"--out {args.out} is a directory; give the path of the metadata.json to write")
+    bad = [w for w in args.weights if not (math.isfinite(w) and w > 0)]
+    if bad:
+        raise SystemExit(f"--weights must be positive, finite numbers (a dataset's share of the mixture), got {bad[0]}")
+    if args.max_relative_episodes < 0:
+        raise SystemExit(f"--max-relative-episodes must be 0 (all) or more, got {args.max_relative_episodes}")
     for src in args.src:
         if out.is_relative_to(Path(src).resolve()):
             raise SystemExit(f"--out {args.out} lies inside the source dataset {src}; write it elsewhere")

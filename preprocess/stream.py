@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from wampipe.encoders.weights import WeightsError
 from wampipe.preprocess import write
-from wampipe.preprocess.errors import DatasetError, EncoderOutputError
+from wampipe.preprocess.errors import DatasetError, EncoderOutputError, OutOfSpace, out_of_space
 from wampipe.preprocess.executors import ChildDied, die_with_parent, leave_child
 from wampipe.preprocess.pipeline import Encoders, WindowSample, stack_clips, timed, unit_report, unit_samples
 from wampipe.preprocess.spec import BuildSpec
@@ -141,9 +141,12 @@ def _next_result(results, processes: list) -> tuple[str, Any]:
     return kind, payload
 
 
-def _report_failure(results, where: str, err: BaseException) -> None:
-    """Bad input travels as itself (the CLI prints its one line); anything else as the child's traceback."""
-    if not isinstance(err, (DatasetError, EncoderOutputError, WeightsError)):
+def _report_failure(results, where: str, err: BaseException, out: str = "") -> None:
+    """Bad input and a full disk travel as themselves (the CLI prints its one line); anything else as the child's
+    traceback."""
+    if isinstance(err, OSError) and out_of_space(err):
+        err = OutOfSpace.from_os_error(err, f"{out}: " if out else "")
+    elif not isinstance(err, (DatasetError, EncoderOutputError, WeightsError)):
         err = RuntimeError(f"{where}: {''.join(traceback.format_exception(err))}")
     results.put(("error", err))
 
@@ -229,7 +232,7 @@ def _worker_main(spec: BuildSpec, worker: int, todo, requests, replies, results,
             unit, episodes = item
             results.put(("unit", _stream_unit(spec, unit, episodes, worker, requests, replies)))
     except BaseException as err:  # noqa: BLE001
-        _report_failure(results, f"CPU worker {worker}", err)
+        _report_failure(results, f"CPU worker {worker}", err, str(spec.out))
     leave_child(results)  # every request was answered (on failure the run stops every process)
 
 

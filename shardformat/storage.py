@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, cast
 
 import fsspec
+from fsspec.exceptions import FSTimeoutError
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.utils import get_protocol
 
@@ -70,6 +71,16 @@ S3_CONNECT_TIMEOUT = 5.0  # seconds to open a connection (WAMPIPE_S3_CONNECT_TIM
 S3_READ_TIMEOUT = 10.0  # seconds of silence while waiting for a response (WAMPIPE_S3_READ_TIMEOUT)
 # s3fs tries a request that timed out S3FileSystem.retries (5) times with short pauses (1.9 s in all): a stalled
 # endpoint fails after about 5 x 10 + 2 = 52 s. botocore's own retries would multiply that, so it tries once.
+S3_TRIES = 5  # s3fs's S3FileSystem.retries
+S3_PAUSES = sum(min(1.7**i * 0.1, 15) for i in range(S3_TRIES))  # s3fs's waits between its tries
+
+
+def request_deadline() -> float:
+    """The longest one read of an object may take, end to end: a connection and s3fs's tries of a silent read with
+    their pauses. Why a deadline on top of the timeouts: s3fs retries a ranged read around calls that retry
+    themselves, so a frozen endpoint (a hung proxy) held a reader for 25 read timeouts (over four minutes)."""
+    return (_seconds("WAMPIPE_S3_CONNECT_TIMEOUT", S3_CONNECT_TIMEOUT)
+            + S3_TRIES * _seconds("WAMPIPE_S3_READ_TIMEOUT", S3_READ_TIMEOUT) + S3_PAUSES)
 
 
 def s3_options_from_env() -> dict:
@@ -172,7 +183,7 @@ class ShardStore:
                 out += [self._read_local(relpath) for relpath in chunk]
                 continue
             end = MAX_JSON_BYTES + 1
-            found = self.fs.cat_ranges([self.path(p) for p in chunk], 0, end, on_error="return")
+            found = self._bounded(self.fs.cat_ranges, [self.path(p) for p in chunk], 0, end, on_error="return")
             for relpath, data in zip(chunk, found):
                 if isinstance(data, FileNotFoundError):
                     raise FileNotFoundError(f"{self.where(relpath)}: missing")
@@ -259,6 +270,16 @@ class ShardStore:
         inside = self._process().root.lstrip("/") + build + (f"/{relpath}" if relpath else "")
         return base / relative_path(inside, self.where(relpath) if relpath else self.url, "local copy")
 
+    @staticmethod
+    def _bounded(call, *args, **kwargs):
+        """`call` (an fsspec method) within `request_deadline`: a stalled endpoint is a TimeoutError."""
+        deadline = request_deadline()
+        try:
+            return call(*args, timeout=deadline, **kwargs)
+        except FSTimeoutError:
+            raise TimeoutError(f"no answer from the endpoint within {deadline:.0f} s ({S3_TRIES} tries of "
+                               f"WAMPIPE_S3_READ_TIMEOUT seconds of silence)") from None
+
     def read_range(self, relpath: str, offset: int, size: int) -> bytes:
         """`size` bytes at `offset`: a pread of a local (or cached) file, else one ranged request."""
         if size == 0:
@@ -266,7 +287,7 @@ class ShardStore:
         local = self._local_file(relpath)
         if local is None:
             # fsspec's inferred type for cat_file allows str (its open's text modes); it reads bytes
-            data = cast(bytes, self.fs.cat_file(self.path(relpath), start=offset, end=offset + size))
+            data = cast(bytes, self._bounded(self.fs.cat_file, self.path(relpath), start=offset, end=offset + size))
         else:
             state = self._process()
             fd = state.fds.get(relpath)

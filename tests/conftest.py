@@ -9,6 +9,7 @@ process, which `unit_tests_start_no_process` checks, so the split stays true as 
 from __future__ import annotations
 
 import json
+import os
 import multiprocessing.process
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from wampipe.train.model import CausalWanModel, DiTConfig, build_model
 ROOT = Path(__file__).resolve().parents[1]
 # what makes a test end-to-end besides its own mark (`e2e`, or `slow`: multi-process trainer runs): a fixture that
 # builds shards through the CLI or serves S3
-E2E_FIXTURES = {"droid_shards", "libero_shards", "s3_server"}
+E2E_FIXTURES = {"droid_shards", "libero_shards", "s3_server", "small_disk"}
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # small, quick builds: few anchors, several units and shards
 # Builders import what they build with when called: spawned test workers import this module too.
@@ -214,6 +215,31 @@ def s3_bucket(s3_server, monkeypatch, request) -> str:
     bucket = f"{re.sub(r'[^a-z0-9]+', '-', request.node.name.lower())[:40].strip('-')}-{uuid.uuid4().hex[:8]}"
     ShardStore(f"s3://{bucket}").fs.mkdir(bucket)
     return f"s3://{bucket}"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs: a disk that fills for real."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def fill_disk(disk: Path, leave: int) -> Path:
+    """Allocate all of `disk` but `leave` bytes to one file."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        free = os.statvfs(disk)
+        os.posix_fallocate(fd, 0, free.f_bavail * free.f_frsize - leave)
+    finally:
+        os.close(fd)
+    return filler
 
 
 def pytest_collection_modifyitems(config, items):

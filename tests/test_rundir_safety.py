@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_train_main import ROOT, _command, _descendants, _env, _rows
+from tests.conftest import fill_disk
 from wampipe.train.checkpoint import LOCK, MARKER, complete_checkpoints, step_dir
 
 pytestmark = pytest.mark.slow
@@ -169,31 +170,6 @@ def test_a_start_over_never_mixes_with_the_run_before_it(small_shards, full_run,
     assert any(line.startswith(f"resumed from {step_dir(run_dir, 4)} at step 4 ") for line in lines)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 16 MiB tmpfs: a disk that fills for real."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
-    yield disk
-    subprocess.run(["umount", str(disk)], check=True)
-
-
-def _fill(disk: Path, leave: int) -> Path:
-    """Allocate all of `disk` but `leave` bytes to one file."""
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        free = os.statvfs(disk)
-        os.posix_fallocate(fd, 0, free.f_bavail * free.f_frsize - leave)
-    finally:
-        os.close(fd)
-    return filler
-
-
 def _one_line(stderr: str, start: str) -> str:
     """The only stderr line that starts with `start`, checked to be the run's only report (no rank's traceback)."""
     lines = [line for line in stderr.splitlines() if line.startswith(start)]
@@ -207,7 +183,7 @@ def test_a_full_disk_during_a_save_or_the_export_stops_in_one_line_and_keeps_wha
     run_dir = small_disk / "run"
     first = _run(small_shards, run_dir, "--stop-after", "2")
     assert first.returncode == 0, first.stderr[-3000:]
-    filler = _fill(small_disk, 128 << 10)  # room for the metrics rows, not for a checkpoint
+    filler = fill_disk(small_disk, 128 << 10)  # room for the metrics rows, not for a checkpoint
     full = _run(small_shards, run_dir)
     assert full.returncode != 0
     line = _one_line(full.stderr, f"{step_dir(run_dir, 4)}: saving the checkpoint failed (")
@@ -222,7 +198,7 @@ def test_a_full_disk_during_a_save_or_the_export_stops_in_one_line_and_keeps_wha
     assert _losses(run_dir) == _losses(full_run)
 
     export = _snapshot(run_dir / "export")
-    _fill(small_disk, 128 << 10)  # two more steps, no checkpoint, then the export: it does not fit
+    fill_disk(small_disk, 128 << 10)  # two more steps, no checkpoint, then the export: it does not fit
     more = _run(small_shards, run_dir, "--steps", str(STEPS + 2), "--checkpoint.interval", "0",
                 "--checkpoint.no-save-final")
     assert more.returncode != 0

@@ -213,3 +213,43 @@ def test_dataset_error_survives_the_trip_from_a_worker_process():
     assert isinstance(err, DatasetError) and (err.path, err.episode, err.reason) == (
         Path("/data/episode_000003.parquet"), 3, "holds NaN")
     assert str(err) == "/data/episode_000003.parquet: episode 3: holds NaN"
+
+
+def test_an_inputs_json_no_build_wrote_is_a_foreign_file(tmp_path):
+    """A JSON file at inputs.json without a build's record in it is the user's: refused as foreign, nothing deleted,
+    even with --overwrite; a record of an older wampipe that lacks a newer field is a difference, not a KeyError."""
+    from wampipe.preprocess.outdir import RECORD_KEYS, claim
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / INPUTS).write_text('{"notes": "my own file"}\n')
+    inputs = {key: "x" for key in RECORD_KEYS} | {"augment_variants": 0, "seed": 0}
+    for overwrite in (False, True):
+        with pytest.raises(SystemExit, match=r"holds files that no wampipe build recorded.*: inputs\.json\. Nothing "
+                                             r"was deleted"):
+            claim(out, inputs, overwrite)
+    assert (out / INPUTS).read_text() == '{"notes": "my own file"}\n'
+    older = {key: "x" for key in RECORD_KEYS}  # no augment_variants, no seed
+    (out / INPUTS).write_text(json.dumps(older))
+    with pytest.raises(SystemExit, match=r"holds a build made from other inputs: --augment-variants: None -> 0"):
+        claim(out, inputs, False)
+
+
+def test_a_full_disk_stops_the_build_in_one_line_and_the_same_command_resumes(droid_root, tiny_checkpoints,
+                                                                              small_disk):
+    """A real tmpfs filled but for 64 KiB: a unit's tar does not fit. One line, no traceback; with space again the
+    same command finishes a build `check` accepts."""
+    from tests.conftest import fill_disk
+
+    out = small_disk / "out"
+    filler = fill_disk(small_disk, 64 << 10)
+    cmd = shards_cmd(droid_root, out, "droid", tiny_checkpoints, "--max-episodes", "2")
+    full = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    assert full.stderr.strip().splitlines()[-1] == (
+        f"{out}: No space left on device: free space (or raise the quota) and run the same command again; finished "
+        f"units are kept"), full.stderr[-3000:]
+    filler.unlink()
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    check(out)

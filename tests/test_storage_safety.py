@@ -240,3 +240,40 @@ def test_the_default_timeouts_give_up_on_a_stalled_endpoint_within_a_minute(monk
     assert config["retries"] == {"total_max_attempts": 1}  # botocore tries once; s3fs retries a timed-out read
     pauses = sum(min(1.7**i * 0.1, 15) for i in range(S3FileSystem.retries))  # s3fs's waits between its tries
     assert config["connect_timeout"] + S3FileSystem.retries * config["read_timeout"] + pauses <= 60
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_endpoint_stops_the_loader_within_one_request_deadline(tiny_shards, s3_bucket, s3_server,
+                                                                        monkeypatch):
+    """Training from s3:// through a proxy that freezes mid-run (connections held open, nothing forwarded): the
+    loader's worker gives up after one request's deadline, not after s3fs's nested retries, and the run stops with
+    one line naming the shard and the sample."""
+    import torch
+
+    from devtools.proxy import FreezableProxy
+    from tests.test_train_data import TINY
+    from wampipe.shardformat.storage import S3_TRIES, request_deadline, sync_up
+    from wampipe.train.config import DataConfig
+    from wampipe.train.data import ShardLoader
+
+    url = f"{s3_bucket}/tiny"
+    sync_up(tiny_shards, url)
+    host, port = s3_server.endpoint.removeprefix("http://").split(":")
+    proxy = FreezableProxy((host, int(port)))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("WAMPIPE_S3_READ_TIMEOUT", "1")  # a deadline of 1 + 5 x 1 + 1.9 s
+    monkeypatch.setenv("WAMPIPE_S3_CONNECT_TIMEOUT", "1")
+    assert request_deadline() == pytest.approx(1 + S3_TRIES * 1 + 1.9, abs=0.1)
+    try:
+        batches = iter(ShardLoader(DataConfig(shards=url, micro_batch_size=2, num_workers=1), TINY, 0, 1,
+                                   torch.device("cpu")))
+        next(batches)
+        proxy.freeze()
+        with pytest.raises(SystemExit) as stop:
+            for _ in range(64):  # more batches than the loader prefetched before the freeze
+                next(batches)
+    finally:
+        proxy.close()
+    assert str(stop.value.code).startswith(f"{url}/shard-")
+    assert str(stop.value.code).endswith(f": unreadable: no answer from the endpoint within 8 s ({S3_TRIES} tries of "
+                                         f"WAMPIPE_S3_READ_TIMEOUT seconds of silence)")

@@ -144,6 +144,10 @@ def open_sets(cfg: DataConfig) -> list[ShardIndex]:
     for s, index in zip(cfg.sets(), indexes):
         if not len(index):
             raise SystemExit(f"{s.shards}: no windows (an empty shard set)")
+        variants = max(1, int(index.manifest.transform.get("augment_variants", 0)))  # every window holds them all
+        if cfg.variant >= variants:
+            raise SystemExit(f"--data.variant {cfg.variant}: {s.shards} holds {variants} variant(s) per window "
+                             f"(0-{variants - 1}; -1 draws one per visit)")
     if len(indexes) > 1:
         mixture_dims(indexes)
     return indexes

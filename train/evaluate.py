@@ -175,7 +175,24 @@ def read_negative_text(path: Path, model_cfg: DiTConfig) -> torch.Tensor:
     return pad_text([tensors[0].float()], model_cfg.text_len)
 
 
+def check_args(args: Args) -> None:
+    """Refuse a bad flag in one line before a checkpoint or a shard is opened."""
+    for flag, value, least in (("--samples", args.samples, 1), ("--batch-size", args.batch_size, 1),
+                               ("--plot-samples", args.plot_samples, 0)):
+        if value < least:
+            raise SystemExit(f"{flag} must be at least {least}, got {value}")
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"--out {args.out} is a file; give a directory for open_loop.json and open_loop.png")
+    try:
+        torch.device(args.device)
+    except RuntimeError as err:
+        raise SystemExit(f"--device {args.device}: {err}") from None
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device is visible")
+
+
 def evaluate(args: Args) -> dict:
+    check_args(args)
     try:
         args.sampler.step_mask()
     except ValueError as err:
