@@ -45,6 +45,7 @@ def test_the_table_picks_the_fastest_measured_setting_that_fits(tmp_path, preset
     cfg = _cfg(tmp_path, preset=preset)
     assert _parts(cfg) == ("auto", 0, None)  # the presets leave all three to the GPUs
     resolved, line = resolve_auto(cfg, gib, gpus)
+    assert line is not None
     assert _parts(resolved) == want
     assert why in line and line.startswith(f"auto settings for {preset} on ") and "\n" not in line
     assert resolved.parallel.global_batch_size == cfg.parallel.global_batch_size  # the recipe's global batch
@@ -64,6 +65,7 @@ def test_the_table_picks_the_fastest_measured_setting_that_fits(tmp_path, preset
 
 def test_a_given_reduce_dtype_is_kept_and_an_unresolved_auto_reduces_in_fp32(tmp_path):
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.reduce-dtype", "float32"), H100, 4)
+    assert line is not None
     assert cfg.parallel.reduce_dtype == "float32" and "reduce-scattered in bf16" not in line
     cfg, _ = resolve_auto(_cfg(tmp_path, "--parallel.reduce-dtype", "bfloat16"), H100, 1)
     assert cfg.parallel.reduce_dtype == "bfloat16"
@@ -77,8 +79,10 @@ def test_a_given_reduce_dtype_is_kept_and_an_unresolved_auto_reduces_in_fp32(tmp
 
 def test_given_flags_win_part_by_part(tmp_path):
     cfg, line = resolve_auto(_cfg(tmp_path, "--data.micro-batch-size", "16"), H200, 1)
+    assert line is not None
     assert _parts(cfg) == ("selective", 16, False) and line.endswith("; given: micro-batch")
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.reshard-after-forward"), H200, 1)
+    assert line is not None
     assert _parts(cfg) == ("selective", 8, True) and line.endswith("; given: resharding")
     cfg, _ = resolve_auto(_cfg(tmp_path, "--parallel.no-reshard-after-forward", "--parallel.activation-checkpoint",
                                "full"), H200, 2)
@@ -91,25 +95,30 @@ def test_given_flags_win_part_by_part(tmp_path):
     assert resolve_auto(_cfg(tmp_path, preset="tiny"), H200, 1)[1] is None
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.activation-checkpoint", "auto", "--data.micro-batch-size", "0",
                                   preset="tiny"), None, 2)
+    assert line is not None
     assert _parts(cfg) == ("none", 2, True) and "no recompute, micro-batch 2" in line
 
 
 def test_gathering_once_is_chosen_only_where_nothing_reshards_after_forward(tmp_path):
     # the 4-GPU entry gathers once per step; resharding after forward, given, would gather every micro-batch anyway
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.reshard-after-forward"), H100, 4)
+    assert line is not None
     assert _parts(cfg) == ("selective", 8, True) and line.endswith("; given: resharding")
     assert (cfg.parallel.reduce_every_micro_batch, cfg.parallel.gather_once_per_step) == (True, False)
     validate(cfg)
     # given, it is kept
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.no-gather-once-per-step"), H100, 4)
+    assert line is not None
     assert not cfg.parallel.gather_once_per_step and line.endswith("; given: gathering")
 
 
 def test_an_auto_micro_batch_keeps_the_global_batch(tmp_path):
     # 16 x 4 GPUs does not divide 48: the largest micro-batch that does is 12 (one micro-batch a step)
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.global-batch-size", "48"), H200, 4)
+    assert line is not None
     assert _parts(cfg) == ("selective", 12, False) and "global batch 48" in line
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.global-batch-size", "48"), H100, 4)
+    assert line is not None
     assert _parts(cfg) == ("selective", 6, False) and "global batch 48" in line  # 8 x 4 does not: 6, accumulating 2
     # a given micro-batch is kept as given (the trainer names the mismatch)
     cfg, _ = resolve_auto(_cfg(tmp_path, "--parallel.global-batch-size", "48", "--data.micro-batch-size", "8"), H200, 4)
@@ -133,18 +142,22 @@ def test_float8_runs_take_the_settings_measured_with_float8_then_the_bf16_ones(t
     fp8 = ("--parallel.float8", "tensorwise")
     # the 14B on 4 H200 with float8: the measured mix (28 selective blocks, gradients reduced every micro-batch)
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, preset="droid-14b"), H200, 4)
+    assert line is not None
     assert _mix(cfg) == ("full", 12, "selective", True, 1) and cfg.parallel.float8 == "tensorwise"
     assert ("full recompute on 12 blocks (selective recompute on the others), micro-batch 1, reshard after forward, "
             "gradients reduced every micro-batch" in line and "measured 0.357" in line)
     # the same GPUs in bf16 never take the float8 entry: float8 changes the numerics and is only ever given
     cfg, line = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4)
+    assert line is not None
     assert _mix(cfg) == ("full", -1, "none", False, 1) and cfg.parallel.float8 == "none" and "measured 0.238" in line
     # no float8 entry for libero-5b: its bf16 measurement (float8 took no more memory where both were measured)
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8), H100, 4)
+    assert line is not None
     assert _mix(cfg) == ("selective", -1, "none", True, 8) and "measured 15.01" in line
     # the 14B on 4 H100, with or without float8, fits only with bf16 moments (measured without float8): refused
     # with fp32 ones
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, preset="droid-14b"), H100, 4)
+    assert line is not None
     assert cfg.optim.moments == "bf16" and "measured 0.251" in line
     with pytest.raises(SystemExit, match="droid-14b does not fit 4 GPUs of 79 GiB"):
         resolve_auto(_cfg(tmp_path, *fp8, "--optim.moments", "fp32", preset="droid-14b"), H100, 4)
@@ -154,20 +167,24 @@ def test_the_recompute_mix_and_gradient_reduction_given_are_kept(tmp_path):
     fp8 = ("--parallel.float8", "tensorwise")
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.ac-blocks", "30", "--parallel.ac-others", "selective",
                                   preset="droid-14b"), H200, 4)
+    assert line is not None
     assert _mix(cfg) == ("full", 30, "selective", True, 1) and "on 30 blocks" in line
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.no-reduce-every-micro-batch", preset="droid-14b"),
                              H200, 4)
+    assert line is not None
     assert _mix(cfg) == ("full", 12, "selective", False, 1) and line.endswith("; given: gradient reduction")
     assert "gradients reduced" not in line
     # a given recompute mode keeps its own blocks; the gradient reduction still comes from the fastest fit
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.activation-checkpoint", "full", preset="droid-14b"),
                              H200, 4)
+    assert line is not None
     assert _mix(cfg) == ("full", -1, "none", True, 1) and line.endswith("; given: recompute")
 
 
 def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_path):
     # the 14B on 4 H100 fits only with its state in host memory: the measured offloaded setting, named when absent
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", preset="droid-14b"), H100, 4)
+    assert line is not None
     assert _mix(cfg) == ("full", -1, "none", True, 2) and cfg.parallel.reshard_after_forward is False
     assert "measured 0.13 samples/s/GPU at 59.9 GiB on 4 H100" in line
     fp32 = ("--optim.moments", "fp32")
@@ -185,11 +202,13 @@ def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_p
     # estimated to fit (each micro-batch copies every gradient to the host), gradients reduced every micro-batch
     # (an unsharded accumulation would sit on the GPU)
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", preset="droid-14b"), H100, 2)
+    assert line is not None
     assert _mix(cfg) == ("full", -1, "none", True, 4)
     assert "gradients reduced every micro-batch for --parallel.cpu-offload" in line
     # given, the reduction stays as given
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", "--parallel.no-reduce-every-micro-batch",
                                   preset="droid-14b"), H100, 4)
+    assert line is not None
     assert cfg.parallel.reduce_every_micro_batch is False and "for --parallel.cpu-offload" not in line
     with pytest.raises(SystemExit, match=r"--parallel.cpu-offload True \(must be off with --parallel.float8"):
         _cfg(tmp_path, "--parallel.cpu-offload", "--parallel.float8", "tensorwise", preset="droid-14b")

@@ -1,14 +1,17 @@
 """The stream's default worker count leaves each encoder process the cores it keeps busy: three per GPU (its launch
 thread, its batch preparation, the compiler at start), one for an encoder on the CPU."""
 
+from typing import Literal
+
 import pytest
 import torch
 
 from wampipe.preprocess import shards
 
 
-def args(device: str, executor: str = "stream") -> shards.Args:
-    return shards.Args(dataset="droid", src="src", out="out", device=device, executor=executor)
+def args(device: str, executor: Literal["stream", "local", "ray"] = "stream") -> shards.Args:
+    return shards.Args(dataset="droid", src="src",  # pyright: ignore[reportArgumentType]  # src is never read here
+                       out="out", device=device, executor=executor)
 
 
 @pytest.mark.parametrize("cores, gpus, device, workers", [

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -144,12 +145,13 @@ def test_the_documented_commands_run_from_a_checkout_with_nothing_installed(tmp_
         assert done.returncode == 0 and "usage:" in done.stdout, (command, done.stderr[-2000:])
 
 
-def _imported_names(path):
+def _imported_names(path: Path) -> Iterator[str]:
     """Every module an import statement in `path` names, with `from a import b` also as a.b (b may be a module)."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            assert node.module is not None  # level 0: an absolute import always names its module
             yield node.module
             yield from (f"{node.module}.{alias.name}" for alias in node.names)
 

@@ -44,6 +44,7 @@ MEASURED_PEAKS = [
 @pytest.mark.parametrize("recipe, rank, plan, peak", MEASURED_PEAKS)
 def test_the_estimate_matches_each_measured_peak(recipe, rank, plan, peak):
     size = recipe_size(recipe, LoRAConfig(rank=rank) if rank else None)
+    assert size is not None
     # within a few percent below (what fragmentation the model leaves out) to ~10 % above (a safe margin); offloaded
     # runs at a small micro-batch up to 30 % above (train/memory.py OFFLOADED_WORKING_SET)
     assert 0.95 <= estimate(size, plan).gib / peak <= (1.30 if plan.cpu_offload and plan.micro < 64 else 1.10)
@@ -55,7 +56,9 @@ def test_the_estimate_matches_each_measured_peak(recipe, rank, plan, peak):
 ])
 def test_settings_measured_out_of_memory_are_estimated_not_to_fit(recipe, gib, gpus):
     plan = Plan("full", 1, True, True, 2 if recipe == "droid-14b" else 256, gpus)
-    assert estimate(recipe_size(recipe), plan).gib > 0.95 * gib
+    size = recipe_size(recipe)
+    assert size is not None
+    assert estimate(size, plan).gib > 0.95 * gib
 
 
 def _cfg(tmp_path, preset, *flags):
@@ -86,6 +89,7 @@ def test_what_cannot_fit_is_refused_in_one_line_naming_what_would(tmp_path, pres
 ])
 def test_bf16_moments_are_chosen_only_where_fp32_ones_do_not_fit(tmp_path, preset, gib, gpus, how):
     cfg, line = resolve_auto(_cfg(tmp_path, preset), gib, gpus)
+    assert line is not None
     assert cfg.optim.moments == "bf16" and "bf16 AdamW moments" in line and how in line
     # where fp32 moments fit, they stay; a given choice is kept
     cfg, _ = resolve_auto(_cfg(tmp_path, preset), H200, 8)
@@ -105,6 +109,7 @@ def test_bf16_moments_are_chosen_only_where_fp32_ones_do_not_fit(tmp_path, prese
 ])
 def test_the_named_options_start(tmp_path, preset, gib, gpus, flags):
     cfg, line = resolve_auto(_cfg(tmp_path, preset, *flags), gib, gpus)
+    assert line is not None
     assert line.startswith(f"auto settings for {preset}")
 
 
@@ -112,6 +117,7 @@ def test_an_auto_part_trades_speed_for_memory_before_refusing(tmp_path):
     # 2 H100 with a given micro-batch of 32 and no resharding after forward: the recipe's once-per-step reduce would
     # not fit, the per-micro-batch reduce does
     cfg, line = resolve_auto(_cfg(tmp_path, "libero-5b", "--parallel.no-reshard-after-forward"), H100, 2)
+    assert line is not None
     assert cfg.parallel.reduce_every_micro_batch is True and "gradients reduced every micro-batch" in line
     # a given micro-batch is never shrunk: what else fits is chosen, or the run is refused
     with pytest.raises(SystemExit, match="does not fit"):
@@ -124,9 +130,11 @@ def test_a_host_offloaded_run_takes_the_largest_micro_batch_that_fits(tmp_path):
     # (micro-batch 8, 32 a step) logged no step in 8 minutes offloaded; one micro-batch of 32 took ~7 s, of 128
     # ~41 s (6.2 samples/s on one H100). One of 256 peaked at 128.3 GiB on an H200: too close to its 140 to pick
     cfg, line = resolve_auto(_cfg(tmp_path, "libero-5b", "--parallel.cpu-offload"), H200, 1)
+    assert line is not None
     assert cfg.data.micro_batch_size == 128 and "nothing measured fits these GPUs: estimated to fit" in line
     cfg, _ = resolve_auto(_cfg(tmp_path, "libero-5b", "--parallel.cpu-offload"), H100, 1)
     assert cfg.data.micro_batch_size == 128 and cfg.parallel.reduce_every_micro_batch
     # a setting measured offloaded still wins
     cfg, line = resolve_auto(_cfg(tmp_path, "droid-14b", "--parallel.cpu-offload"), H100, 4)
+    assert line is not None
     assert cfg.data.micro_batch_size == 2 and "measured 0.13" in line

@@ -40,6 +40,7 @@ def flag_help(stdout: str) -> dict[str, list[tuple[str, int]]]:
             row = re.match(r"(-\S.*?)(?:\s{2,}(\S.*))?$", text)
             current = flags.setdefault(row.group(1), []) if row else None
             if row and row.group(2):
+                assert current is not None  # the row's entry, set just above
                 current.append((row.group(2), len(inner) - row.start(2)))
         elif current is not None:
             current.append((text.lstrip(), len(inner) - indent))

@@ -53,7 +53,7 @@ def test_resize_matches_pil_antialiased_bilinear():
     """The per-view resize is torchvision's bilinear antialiased resize; PIL's is the same filter (within rounding)."""
     views = distinct_views(1, 1, 60, 90)
     out = transform_views(views, (32, 48), {"crop": [0, 0, 60, 90], "jitter": None})[0, 0]
-    pil = np.asarray(Image.fromarray(views[0, 0]).resize((48, 32), Image.BILINEAR), dtype=np.int16)
+    pil = np.asarray(Image.fromarray(views[0, 0]).resize((48, 32), Image.Resampling.BILINEAR), dtype=np.int16)
     assert np.abs(out.astype(np.int16) - pil).max() <= 2
 
 
