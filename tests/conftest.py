@@ -24,7 +24,7 @@ from wampipe.train.model import CausalWanModel, DiTConfig, build_model
 ROOT = Path(__file__).resolve().parents[1]
 # what makes a test end-to-end besides its own mark (`e2e`, or `slow`: multi-process trainer runs): a fixture that
 # builds shards through the CLI or serves S3
-E2E_FIXTURES = {"droid_shards", "libero_shards", "s3_server", "small_disk"}
+E2E_FIXTURES = {"droid_shards", "libero_shards", "held_out_3", "s3_server", "small_disk"}
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # small, quick builds: few anchors, several units and shards
 # Builders import what they build with when called: spawned test workers import this module too.
@@ -147,6 +147,15 @@ def libero_shards(tmp_path_factory, libero_root, tiny_checkpoints) -> Path:
     """The sample LIBERO dataset built by the CLI with the same tiny checkpoints as `droid_shards`."""
     out = tmp_path_factory.mktemp("shards") / "libero"
     build(libero_root, out, "libero", tiny_checkpoints)
+    return out
+
+
+@pytest.fixture(scope="session")
+def held_out_3(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
+    """The sample DROID dataset (episodes 0-3; 1 is shorter than a window) with episode 3 held out; the tests that
+    use it leave it as built."""
+    out = tmp_path_factory.mktemp("val") / "droid"
+    build(droid_root, out, "droid", tiny_checkpoints, "--val-episodes", "3")
     return out
 
 

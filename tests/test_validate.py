@@ -14,18 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, build
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 VAL = ("val_loss", "val_loss_dynamics", "val_loss_action")
 
 
-@pytest.fixture(scope="module")
-def val_shards(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
+@pytest.fixture
+def val_shards(held_out_3) -> Path:
     """The sample DROID dataset with episode 3 (3 samples) held out: 7 training samples, 3 validation samples."""
-    out = tmp_path_factory.mktemp("val_shards") / "droid"
-    build(droid_root, out, "droid", tiny_checkpoints, "--val-episodes", "3")
-    return out
+    return held_out_3
 
 
 def torchrun(script: str, ranks: int, *args: str) -> subprocess.CompletedProcess:

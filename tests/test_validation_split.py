@@ -27,14 +27,6 @@ def episodes(out: Path) -> set[int]:
     return {parse_key(k).episode for k in keys(out)}
 
 
-@pytest.fixture(scope="module")
-def held_out_3(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
-    """The sample DROID dataset (episodes 0-3; 1 is shorter than a window) with episode 3 held out."""
-    out = tmp_path_factory.mktemp("val") / "droid"
-    build(droid_root, out, "droid", tiny_checkpoints, "--val-episodes", "3")
-    return out
-
-
 def test_held_out_episodes_never_reach_training_shards(held_out_3, droid_shards):
     assert check(held_out_3) == []
     train, val = keys(held_out_3), keys(held_out_3 / "val")
