@@ -16,16 +16,19 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.spawn import start_processes
 
 from tests.test_init_load import ROOT, _rewrite
 from devtools import tiny_base
+from wampipe.shardformat.index import Window
 from wampipe.train import checkpoint
 from wampipe.train.config import CheckpointConfig, Config, DataConfig, ModelConfig
 from wampipe.train.export import check_base, export_weights
@@ -72,12 +75,13 @@ def _worker(rank: int, tmp: str, shards: Path, init_from: Path, cases: dict) -> 
     from wampipe.train.builder import build
     try:
         for name, base in cases.items():
-            cfg = Config(data=DataConfig(shards=shards), model=ModelConfig(init_from=init_from, init_device="meta"),
+            data = DataConfig(shards=shards)  # pyright: ignore[reportArgumentType]  # a Path: the loader reads str()
+            cfg = Config(data=data, model=ModelConfig(init_from=init_from, init_device="meta"),
                          checkpoint=CheckpointConfig(dir=Path(tmp) / name, export_base=base))
             model = build(cfg, torch.device("cpu"))
             with torch.no_grad():
                 for p in model.parameters():
-                    p.to_local().add_(SHIFT)
+                    cast(DTensor, p).to_local().add_(SHIFT)
             checkpoint.export(cfg.checkpoint, model, metadata={"step": 7}, shards=shards)
     finally:
         dist.destroy_process_group()
@@ -91,8 +95,8 @@ def test_eval_ready_export_from_two_ranks(small_shards, official_base, small_dit
     stale.mkdir(parents=True)
     (stale / "model.safetensors.index.json").write_text("{}")  # a previous export's index must not survive
     cases = {"sharded_run": official_base, "single_run": single, "config_only_run": config_only}
-    mp.start_processes(_worker, args=(str(tmp_path), small_shards, official_base, cases), nprocs=WORLD,
-                       start_method="spawn")
+    start_processes(_worker, args=(str(tmp_path), small_shards, official_base, cases), nprocs=WORLD,
+                    start_method="spawn")
 
     trained = {k[len(DREAMZERO_PREFIX):]: (v.float() + SHIFT).to(torch.bfloat16)  # what the ranks held, cast back
                for k, v in read_folder(official_base)[0].items() if k.startswith(DREAMZERO_PREFIX)}
@@ -242,6 +246,7 @@ def test_sigkill_mid_export_leaves_the_previous_export_whole(tmp_path):
     out = tmp_path / "export"
     proc = multiprocessing.get_context("spawn").Process(target=_export_forever, args=(str(out), str(tmp_path / "ok")))
     proc.start()
+    assert proc.pid is not None
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "ok").exists() and time.monotonic() < deadline:
@@ -312,8 +317,8 @@ def test_config_json_carries_every_field_the_official_constructors_read(small_sh
     from wampipe.train.export import eval_config, export_official
 
     index = open_index(small_shards)
-    reader = SampleReader(index, None)
-    latent_frames = reader.raw(*index.windows[0].variants[0])[1]["latents"].shape[1]
+    reader = SampleReader(index, None)  # pyright: ignore[reportArgumentType]  # raw() decodes no model input
+    latent_frames = reader.raw(*cast(Window, index.windows[0]).variants[0])[1]["latents"].shape[1]
     reader.close()
     model = build_model(small_dit)
     assert model.patch_embedding.kernel_size == OFFICIAL_DIT_DEFAULTS["patch_size"]

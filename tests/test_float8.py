@@ -12,13 +12,15 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.spawn import start_processes
 from torchao.float8.float8_linear import Float8Linear  # torchao: a dev dependency (pyproject.toml)
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
@@ -30,7 +32,7 @@ from wampipe.train.builder import sharded_model
 from wampipe.train.config import CheckpointConfig, Config, OptimConfig, parse_args
 from wampipe.train.export import export_weights
 from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
-from wampipe.train.model import build_model, preset, random_batch
+from wampipe.train.model import Block, build_model, preset, random_batch
 from wampipe.train.optim import build_optimizer, clip_grad_norm
 from wampipe.train.parallel import apply_ac, apply_float8, check_float8, float8_after_step
 
@@ -61,7 +63,7 @@ def test_only_the_blocks_linears_convert_and_the_names_stay(mode):
     # widths that are not multiples of 16 stay in bf16: an FFN of 72
     odd = tiny_model(ffn_dim=72)
     assert apply_float8(odd, mode) == (PER_BLOCK - 2) * odd.cfg.num_layers
-    assert not any(isinstance(m, Float8Linear) for m in odd.blocks[0].ffn)
+    assert not any(isinstance(m, Float8Linear) for m in cast(Block, odd.blocks[0]).ffn)
     assert apply_float8(tiny_model(), "none") == 0
 
 
@@ -130,7 +132,8 @@ def _train_steps(model, rank: int, steps: int, mode: str) -> tuple[list[float], 
 
 
 def _full(model) -> dict[str, torch.Tensor]:
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], full)  # a model's state: tensors only
 
 
 def _worker(rank: int, tmp: str) -> None:
@@ -144,11 +147,12 @@ def _worker(rank: int, tmp: str) -> None:
             models[mode] = sharded_model(preset("tiny"), cfg, torch.device("cpu"))
         fp8 = models["tensorwise"]
         out = {"init": (_full(models["none"]), _full(fp8)),
-               "float8_gather": [type(m.weight._local_tensor) is WeightWithDynamicFloat8CastTensor
+               "float8_gather": [type(cast(DTensor, m.weight)._local_tensor) is WeightWithDynamicFloat8CastTensor
                                  for m in fp8.modules() if isinstance(m, Float8Linear)]}
         out["losses"], opt = _train_steps(fp8, rank, 2, "tensorwise")
-        out["scales_precomputed"] = all(m.weight._local_tensor._precomputed_scale is not None
-                                        for m in fp8.modules() if isinstance(m, Float8Linear))
+        out["scales_precomputed"] = all(
+            cast(WeightWithDynamicFloat8CastTensor, cast(DTensor, m.weight)._local_tensor)._precomputed_scale
+            is not None for m in fp8.modules() if isinstance(m, Float8Linear))
         trained = _full(fp8)
         cfg = CheckpointConfig(dir=Path(tmp) / "run")
         checkpoint.save(cfg, 2, fp8, opt, {"step": 2})
@@ -174,7 +178,7 @@ def _worker(rank: int, tmp: str) -> None:
 def test_fsdp2_gathers_float8_weights_and_checkpoints_exports_and_reloads_official_names(tmp_path):
     from safetensors.torch import load_file
 
-    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=WORLD, start_method="spawn")
+    start_processes(_worker, args=(str(tmp_path),), nprocs=WORLD, start_method="spawn")
     out = torch.load(tmp_path / "out.pt", weights_only=False)
     bf16_init, fp8_init = out["init"]
     assert fp8_init.keys() == bf16_init.keys() == OFFICIAL

@@ -8,11 +8,13 @@ unsharded model under the same semantics: bf16 parameters, fp32 inputs, the mode
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.spawn import start_processes
 
 from tests.conftest import tiny_model
 from wampipe.train.config import ParallelConfig
@@ -70,8 +72,8 @@ def _worker(rank: int, tmp: str) -> None:
         }
         ref_grads = dict(reference.named_parameters())
         for name, p in model.named_parameters():
-            full = p.grad.full_tensor()
-            out["grads"][name] = (full, ref_grads[name].grad.float())
+            full = cast(DTensor, p.grad).full_tensor()
+            out["grads"][name] = (full, cast(torch.Tensor, ref_grads[name].grad).float())
         if rank == 0:
             torch.save(out, f"{tmp}/out.pt")
         dist.barrier()
@@ -81,7 +83,7 @@ def _worker(rank: int, tmp: str) -> None:
 
 @pytest.mark.e2e
 def test_fsdp2_keeps_fp32_timesteps_rope_and_text_weights_and_matches_unsharded_grads(tmp_path):
-    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=WORLD, start_method="spawn")
+    start_processes(_worker, args=(str(tmp_path),), nprocs=WORLD, start_method="spawn")
     out = torch.load(tmp_path / "out.pt")
     assert out["t_dtype"] == (torch.float32, torch.float32) and out["t_exact"]
     assert out["rope_dtype"] == (torch.float32, torch.float32)

@@ -10,13 +10,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.spawn import start_processes
 
 from wampipe.train.config import ParallelConfig
 from wampipe.train.model import DiTConfig, build_model
@@ -55,7 +57,7 @@ def _worker(rank: int, tmp: str, cases: dict, dit: DiTConfig) -> None:
             except WeightsError as err:
                 results[name] = ("refused", str(err))
                 continue
-            local = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
+            local = {n: cast(DTensor, p).to_local().shape[0] for n, p in model.named_parameters()}
             sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             results[name] = ("loaded", report.source, report.initialised, local, sd if rank == 0 else None)
         torch.save(results, f"{tmp}/rank{rank}.pt")
@@ -76,7 +78,7 @@ def test_sharded_load_equals_unsharded_and_refuses_bad_keys(official_base, small
                      lambda sd: {**sd, DREAMZERO_PREFIX + "blocks.9.ffn.0.weight": torch.zeros(2, 2)})
     cases = {"official": (official_base, "auto"), "wan": (tmp_path / "wan.pth", "wan"),
              "export": (tmp_path / "export", "auto"), "missing": (missing, "auto"), "extra": (extra, "auto")}
-    mp.start_processes(_worker, args=(str(tmp_path), cases, small_dit), nprocs=WORLD, start_method="spawn")
+    start_processes(_worker, args=(str(tmp_path), cases, small_dit), nprocs=WORLD, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
     for name, source in [("official", "dreamzero"), ("wan", "wan"), ("export", "export")]:

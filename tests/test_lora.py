@@ -12,18 +12,19 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 import torch.nn as nn
 import yaml
 from safetensors.torch import load_file
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from wampipe.train.export import export_weights
 from wampipe.train.lora import ADAPTERS, PEFT_PREFIX, TRAINABLE, LoRAConfig, LoRALinear, apply_lora, fold, init_lora
 from wampipe.train.loss import FlowMatchScheduler, LossConfig, flow_matching_loss
-from wampipe.train.model import build_model, random_batch
+from wampipe.train.model import Block, CausalWanModel, build_model, random_batch
 from wampipe.train.weights import DREAMZERO_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def merge_lora(state_dict: dict[str, torch.Tensor], alpha: float) -> dict[str, t
     return out
 
 
-def _lora_model(cfg: LoRAConfig = RECIPE, seed: int = 0) -> nn.Module:
+def _lora_model(cfg: LoRAConfig = RECIPE, seed: int = 0) -> CausalWanModel:
     torch.manual_seed(seed)
     model = build_model("tiny")
     apply_lora(model, cfg)
@@ -81,7 +82,7 @@ def test_update_starts_at_zero_and_only_the_recipe_trains():
                 assert torch.equal(m(x), nn.functional.linear(x, m.weight, m.bias))
         for got, want in zip(model(*args), base(*args)):  # (CPU kernels may round differently per parameter)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    a = model.blocks[0].self_attn.q.lora_A
+    a = cast(LoRALinear, cast(Block, model.blocks[0]).self_attn.q).lora_A  # apply_lora swapped it in
     assert 0 < a.abs().max() <= 1 / a.shape[1] ** 0.5  # kaiming-uniform(a=sqrt(5)) bound 1/sqrt(fan_in)
 
     loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), LossConfig(),
@@ -90,7 +91,8 @@ def test_update_starts_at_zero_and_only_the_recipe_trains():
     for name, p in model.named_parameters():
         trains = name.split(".")[0] in TRAINABLE or name.rsplit(".", 1)[1] in ADAPTERS
         assert p.requires_grad == trains and (p.grad is not None) == trains, name
-    assert model.blocks[1].ffn[2].lora_B.grad.abs().sum() > 0
+    grad = cast(LoRALinear, cast(Block, model.blocks[1]).ffn[2]).lora_B.grad
+    assert grad is not None and grad.abs().sum() > 0
 
 
 def test_merge_folds_the_update_into_plain_weights(tmp_path):
@@ -100,7 +102,7 @@ def test_merge_folds_the_update_into_plain_weights(tmp_path):
             if isinstance(m, LoRALinear):
                 m.lora_B.normal_()
     merged = merge_lora(model.state_dict(), alpha=3.0)
-    q = model.blocks[0].self_attn.q
+    q = cast(LoRALinear, cast(Block, model.blocks[0]).self_attn.q)
     assert torch.equal(merged["blocks.0.self_attn.q.weight"], q.weight + 1.5 * (q.lora_B @ q.lora_A))
     plain = build_model("tiny")
     plain.load_state_dict(merged)  # strict: exactly the plain keys
@@ -186,7 +188,9 @@ def test_exports_merged_and_lora_only_agree(runs, official_base):
     adapters = {k for k in lora if ".lora_" in k}
     assert adapters and all(k.startswith(PEFT_PREFIX) for k in lora)
     for k in adapters:
-        layer, leaf = re.fullmatch(re.escape(PEFT_PREFIX) + r"(.+)\.(lora_[AB])\.default\.weight", k).groups()
+        named = re.fullmatch(re.escape(PEFT_PREFIX) + r"(.+)\.(lora_[AB])\.default\.weight", k)
+        assert named is not None, k
+        layer, leaf = named.groups()
         assert peft.fullmatch(layer), k
     plain = {k[len(PEFT_PREFIX):]: v for k, v in lora.items() if k not in adapters}
     assert {k.split(".")[0] for k in plain} == set(TRAINABLE) | {"blocks", "img_emb"}  # + the CLIP branch

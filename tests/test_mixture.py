@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ import torch
 from PIL import Image
 
 from devtools import synthetic
+from wampipe.shardformat.index import Window
 from wampipe.shardformat.manifest import Manifest
 from wampipe.shardformat.samples import write_index
 from wampipe.shardformat.stats import normalize_q99, pad_with_mask
@@ -79,7 +81,7 @@ def test_every_micro_batch_holds_one_set_normalised_with_its_own_statistics(droi
         s = int(batch["set"])
         shapes.setdefault(s, set()).add((tuple(batch["latents"].shape[1:]), tuple(batch["actions"].shape[1:])))
         for j, w in enumerate(batch["window"].tolist()):
-            (shard, key), = indexes[s].windows[w].variants
+            (shard, key), = cast(Window, indexes[s].windows[w]).variants
             raw = readers[s].raw(shard, key)[1]
             for name, out in (("action", "actions"), ("state", "state")):
                 x = torch.from_numpy(np.asarray(raw[name], np.float32))

@@ -1,6 +1,7 @@
 """The DiT training forward: shapes, causality, odd latent height, gradients, flex = dense."""
 
 from dataclasses import replace
+from typing import cast
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def test_i2v_tiny_uses_y():
     torch.manual_seed(0)
     model = _nonzero_head(build_model("tiny", model_type="i2v", in_dim=4 + 8))
     batch = random_batch(model.cfg, 1, (9, 4, 4), generator=torch.Generator().manual_seed(0))
-    assert batch.y.shape == (1, 8, 9, 4, 4)
+    assert batch.y is not None and batch.y.shape == (1, 8, 9, 4, 4)
     a = _run(model, batch)[0]
     batch.y[:, 4:] += 1.0
     b = _run(model, batch)[0]
@@ -174,7 +175,8 @@ def test_compact_text_gives_the_full_layouts_outputs_and_gradients(lengths):
         video, action = model(batch.latents, t_frames, batch.latents, batch.actions, t_actions, batch.state, text,
                               batch.clip, None, text_lengths)
         (video.pow(2).sum() + action.pow(2).sum()).backward()
-        return video.detach(), action.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+        grads = {k: cast(torch.Tensor, p.grad).clone() for k, p in model.named_parameters()}
+        return video.detach(), action.detach(), grads
 
     text, text_lengths = compact_text(prompts, cfg.text_len, bucket=4)
     assert text.shape[1] == (8 if max(lengths) < 8 else 16)

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import av
 import numpy as np
@@ -74,7 +75,7 @@ def test_preview_writes_the_decoded_window_and_a_sheet(droid_shards, droid_root,
     # the causal decoder's first 2 latent frames give the first 5 frames (a quarter of the work of all 9)
     _, tensors = decode_members(members)
     vae = load_vae(vae_path, keep_decoder=True, dtype=torch.float32)
-    decoded = to_canvas_frames(vae.decode(tensors["latents"][None, :, :2]))[0]
+    decoded = to_canvas_frames(vae.decode(cast(torch.Tensor, tensors["latents"])[None, :, :2]))[0]
     frames = frames[:5]
     # the file holds the decoded frames, upright, unmirrored and in time order. Compared on 8x8 block means: H.264
     # (yuv420p, crf 23) loses much of the random-weight decoder's pixel-level noise, not the coarse picture.
@@ -146,6 +147,7 @@ def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
     frame = torch.from_numpy(image).permute(2, 0, 1)[None].float() / 127.5 - 1
     stored = clip.preprocess(frame)[0].bfloat16()  # as a bf16 GPU build stores clip_pixels
     shown = clip_input_image(stored)
+    assert shown is not None
     assert shown.shape == image.shape and shown.dtype == np.uint8
     assert np.abs(shown.astype(int) - image).max() <= 1  # bf16 rounding
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,7 +49,7 @@ class RefUniPC:
         timesteps = sigmas * self.n
         self.sigmas = torch.from_numpy(np.concatenate([sigmas, [0]]).astype(np.float32))
         self.timesteps = torch.from_numpy(timesteps).to(torch.int64)
-        self.model_outputs = [None] * self.solver_order
+        self.model_outputs: list[Any] = [None] * self.solver_order  # tensors once steps fill them
         self.lower_order_nums, self.last_sample = 0, None
 
     @staticmethod
@@ -142,6 +143,7 @@ def reference_loop(model, batch, mask, cfg_scale=5.0, negative=None, seed=1140):
                 v_u, _ = model(*args, negative.expand(B, -1, -1), batch.clip, state_sees_block=True)
                 flow = v_u + cfg_scale * (v_c - v_u)
             prev = (flow[:, :, 1:], a_c)
+        assert prev is not None  # every mask computes at index 0
         x = video_sched.step(prev[0], x, index)
         a = action_sched.step(prev[1], a, index)
         states.append((x, a))

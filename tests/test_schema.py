@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from devtools.synthetic import SHAPES
 from wampipe.preprocess.check import check, tar_samples
 from wampipe.preprocess.write import read_unit_index, unit_paths, write_tar, write_unit
 from wampipe.shardformat import webdataset_decoder
+from wampipe.shardformat.index import Window
 from wampipe.shardformat.layout import ACTION, CLIP, LATENTS, MANIFEST, STATE, Y, shard_file
 from wampipe.shardformat.manifest import Manifest, ShardFormatError, read_sealed_json, write_sealed_json
 from wampipe.shardformat.members import checksum, decode_members, encode_sample, split_member_name
@@ -91,8 +93,8 @@ def test_the_producer_records_the_schema_of_what_it_built(small_shards, droid_sh
         LATENTS: {"dtype": "bfloat16", "shape": list(tiny.latents)},
         STATE: {"dtype": "float32", "shape": list(tiny.state)}}
     index = ShardIndex(droid_shards)  # a real build: its schema is each sample's meta.json record
-    reader = SampleReader(index, None)
-    meta, _ = reader.raw(*index.windows[0].variants[0])
+    reader = SampleReader(index, None)  # pyright: ignore[reportArgumentType]  # raw() decodes no model input
+    meta, _ = reader.raw(*cast(Window, index.windows[0]).variants[0])
     assert index.manifest.schema == {k: {"dtype": r["dtype"], "shape": r["shape"]} for k, r in meta["tensors"].items()}
 
 

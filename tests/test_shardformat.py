@@ -55,6 +55,7 @@ def test_a_writer_killed_mid_write_leaves_no_visible_file(tmp_path):
     target, ready = tmp_path / "shard-000000.tar", tmp_path / "ready"
     proc = multiprocessing.get_context("fork").Process(target=_slow_writer, args=(str(target), str(ready)))
     proc.start()
+    assert proc.pid is not None
     deadline = time.time() + 60
     while not ready.exists() and time.time() < deadline:
         time.sleep(0.02)
@@ -127,7 +128,8 @@ def test_shard_json_locates_every_member_and_zstd_frames_carry_checksums(shards)
 
 def test_a_shard_json_of_another_version_is_rewritten_on_resume(shards, tmp_path):
     copy = damaged(shards, tmp_path)
-    assert shard_done(copy, 0)["keys"] == ShardRecord.read(copy / "shard-000000.json").keys
+    done = shard_done(copy, 0)
+    assert done is not None and done["keys"] == ShardRecord.read(copy / "shard-000000.json").keys
     old = json.loads((copy / "shard-000000.json").read_text())
     (copy / "shard-000000.json").write_text(json.dumps({k: old[k] for k in ("shard", "count", "bytes", "sha256",
                                                                              "keys")}))
@@ -181,7 +183,7 @@ def test_check_command_refuses_an_old_format_in_one_line(shards, tmp_path, capsy
     manifest = json.loads((copy / "manifest.json").read_text())
     (copy / "manifest.json").write_text(json.dumps({**manifest, "format": "wampipe-shards/1"}))
     with pytest.raises(SystemExit) as exit_:
-        run(Args(copy))
+        run(Args(copy))  # pyright: ignore[reportArgumentType]  # a Path: check() takes any PathLike
     assert exit_.value.code == 1
     assert capsys.readouterr().out.splitlines()[1:] == [
         f"  {copy / 'manifest.json'}: format 'wampipe-shards/1', this code reads 'wampipe-shards/4': rebuild the "

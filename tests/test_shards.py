@@ -11,6 +11,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import IO, cast
 
 import pytest
 from safetensors import safe_open
@@ -154,7 +155,8 @@ def test_check_finds_corruption(droid_shards, tmp_path):
     assert any(p.startswith(f"{first}: ") and "bytes, the manifest says" in p for p in problems)
 
     deleted = corrupt_copy(droid_shards, tmp_path / "del")
-    members = [(i, t.extractfile(i).read()) for t in [tarfile.open(deleted / first)] for i in t.getmembers()]
+    members = [(i, cast(IO[bytes], t.extractfile(i)).read())  # every member a file
+               for t in [tarfile.open(deleted / first)] for i in t.getmembers()]
     victim = next(i.name for i, _ in members if i.name.endswith(".clip.npy") or ".clip.npy" in i.name)
     with tarfile.open(deleted / first, "w", format=tarfile.USTAR_FORMAT) as tar:
         for info, data in members:

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from devtools import synthetic
 from wampipe.preprocess.check import check
+from wampipe.shardformat.index import Window
 from wampipe.shardformat.keys import parse_key
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.shard import ShardRecord, json_path
@@ -136,7 +138,7 @@ def test_workers_build_batches_in_shared_memory_with_the_main_process_values(sha
     512-row text layout, like the compact one above, equals what the main process builds."""
     index = ShardIndex(shards)
     reader = SampleReader(index, TINY)
-    samples = [reader.sample(w, np.random.default_rng(0)) for w in index.windows[:3]]
+    samples = [reader.sample(w, np.random.default_rng(0)) for w in cast(list[Window], index.windows[:3])]
     reader.close()
 
     class Probe(IterableDataset):
@@ -176,7 +178,7 @@ def test_world_size_change_is_refused_unless_reshuffle(shards):
 def test_batch_is_normalized_padded_and_text_is_a_table_row(shards):
     index = ShardIndex(shards)
     reader = SampleReader(index, TINY)
-    window = index.windows[0]
+    window = cast(Window, index.windows[0])
     rng = np.random.default_rng(0)
     sample = reader.sample(window, rng, variant=1, column="annotation.human.action.task_description")
     meta, raw = reader.raw(*window.variants[1])
@@ -193,7 +195,7 @@ def test_batch_is_normalized_padded_and_text_is_a_table_row(shards):
     text = batch["text"]
     assert text.shape == (2, TINY.text_len, TINY.text_dim) and text.dtype == torch.bfloat16
     for i, w in enumerate(batch["window"].tolist()):
-        meta, _ = reader.raw(*index.windows[w].variants[0])
+        meta, _ = reader.raw(*cast(Window, index.windows[w]).variants[0])
         table = reader.text(next(iter(meta["prompt_ids"].values())))
         torch.testing.assert_close(text[i, : len(table)], table, rtol=0, atol=0)
         assert not text[i, len(table):].any() and int(batch["text_lengths"][i]) == len(table)
@@ -203,7 +205,7 @@ def test_batch_is_normalized_padded_and_text_is_a_table_row(shards):
 def test_variant_is_drawn_per_visit(shards):
     index = ShardIndex(shards)
     reader = SampleReader(index, TINY)
-    window = index.windows[3]
+    window = cast(Window, index.windows[3])
     seen = {reader.sample(window, np.random.default_rng([0, epoch, 3, 1]))["latents"].float().sum().item()
             for epoch in range(8)}
     assert len(seen) == 2  # both stored variants come up over epochs
@@ -229,7 +231,7 @@ def test_trainer_data_imports_no_preprocessing_code():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def _flip_member_byte(root: Path, member: str) -> tuple[str, str]:
+def _flip_member_byte(root: Path, member: str) -> tuple[Path, str]:
     """Flip one byte inside `member` of the first sample of shard 0 (tar and its JSON otherwise intact)."""
     shard = root / "shard-000000.tar"
     sample = ShardRecord.read(json_path(shard)).samples[0]

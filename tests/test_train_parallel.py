@@ -2,19 +2,23 @@
 
 import gc
 import math
+from functools import partial
+from typing import cast
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.autograd.profiler_util import EventList
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.spawn import start_processes
 
 from tests.conftest import tiny_model
 from wampipe.train import checkpoint
 from wampipe.train.config import CheckpointConfig, OptimConfig, ParallelConfig
 from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
-from wampipe.train.model import build_model, random_batch
+from wampipe.train.model import Block, build_model, random_batch
 from wampipe.train.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
 from wampipe.train.parallel import (HostGradientSum, ac_block_indices, allocator_settings, apply_ac, check_host_memory,
                                     host_memory_available, offload_host_bytes, parallelize, prepare_micro_batch,
@@ -79,7 +83,7 @@ def test_full_recompute_on_some_blocks_and_selective_on_the_others_keeps_grads()
     apply_ac(model, "full", ac_blocks=1, others="selective")
     # every block wrapped; only block 0 without the selective policy (full recompute)
     assert all(type(b).__name__ == "CheckpointWrapper" for b in model.blocks)
-    policies = ["context_fn" in b.checkpoint_fn.keywords for b in model.blocks]
+    policies = ["context_fn" in cast(partial, b.checkpoint_fn).keywords for b in model.blocks]
     assert policies == [False] + [True] * (len(model.blocks) - 1)
     loss, grads = _loss_and_grads(model)
     torch.testing.assert_close(loss, ref_loss)
@@ -98,9 +102,10 @@ def test_fsdp_mixed_precision_trains_with_fp32_masters_and_official_names(tmp_pa
     loss, _ = _loss_and_grads(model)
     assert torch.isfinite(loss)
     norm = clip_grad_norm(model, 1.0)
-    assert norm > 0 and not isinstance(norm, torch.distributed.tensor.DTensor)
+    assert norm > 0 and not isinstance(norm, DTensor)
     opt.step()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = cast(dict[str, torch.Tensor],  # a model's state: tensors only
+                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     assert full.keys() == reference.keys()
     assert not torch.equal(full["blocks.0.self_attn.q.weight"], reference["blocks.0.self_attn.q.weight"])
     cfg = CheckpointConfig(dir=tmp_path / "run", keep_last=2)
@@ -164,7 +169,7 @@ def test_host_gradient_sum_gives_fsdps_own_accumulation_bit_for_bit():
                 sums.after_backward(model, last=index == 2)
                 assert all(p.grad is None for p in model.parameters()) == (index < 2)
         assert sums is None or not sums.sums  # emptied for the next step
-        grads[own] = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+        grads[own] = {k: cast(DTensor, p.grad).full_tensor() for k, p in model.named_parameters()}
     assert grads[True].keys() == grads[False].keys()
     for k in grads[False]:
         torch.testing.assert_close(grads[True][k], grads[False][k], rtol=0, atol=0)
@@ -183,7 +188,7 @@ def _on_two_gloo_ranks(work, tmp_path) -> str:
     """Run `work(rank, out)` in two spawned processes joined by a gloo process group; returns `out`, a path under
     `tmp_path` for their results."""
     out = str(tmp_path / "out")
-    mp.start_processes(_gloo_rank, args=(work, str(tmp_path / "store"), out), nprocs=2, start_method="spawn")
+    start_processes(_gloo_rank, args=(work, str(tmp_path / "store"), out), nprocs=2, start_method="spawn")
     return out
 
 
@@ -201,8 +206,8 @@ def _all_gathers_per_step(rank: int, out: str) -> None:
             for i in range(3):
                 prepare_micro_batch(model, cfg, i, 3)
                 _backward(model)
-                sharded_after.append(isinstance(model.blocks[0].self_attn.q.weight, DTensor))
-        found[once] = sum(e.name == "c10d::_allgather_base_" for e in prof.events()), sharded_after
+                sharded_after.append(isinstance(cast(Block, model.blocks[0]).self_attn.q.weight, DTensor))
+        found[once] = sum(e.name == "c10d::_allgather_base_" for e in cast(EventList, prof.events())), sharded_after
     if rank == 0:
         torch.save(found, out)
 
@@ -226,11 +231,11 @@ def _offloaded_host_bytes(rank: int, out: str) -> None:
     _backward(model)
     opt.step()
     # the shards' storage (FSDP2 pads it to the same size on every rank), their gradients, AdamW's moments
-    held = [p.to_local().untyped_storage().nbytes() for p in model.parameters()]
-    held += [t.numel() * t.element_size() for t in [p.grad.to_local() for p in model.parameters()] + [
+    held = [cast(DTensor, p).to_local().untyped_storage().nbytes() for p in model.parameters()]
+    held += [t.numel() * t.element_size() for t in [cast(DTensor, p.grad).to_local() for p in model.parameters()] + [
         v.to_local() if isinstance(v, DTensor) else v for state in opt.state.values()
         for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]]
-    devices = {p.to_local().device.type for p in model.parameters()}
+    devices = {cast(DTensor, p).to_local().device.type for p in model.parameters()}
     torch.save((estimate, sum(held), devices), f"{out}.{rank}")
 
 
@@ -258,7 +263,8 @@ def test_offload_estimate_pads_shards_and_rounds_pinned_ones_and_refuses_what_do
     with pytest.raises(SystemExit, match=r"--parallel.cpu-offload: this node's 4 rank\(s\) need ~344 GB of host "
                                          r"memory \(84.0 GB each .*2 GB for the process\), 340 GB is available"):
         check_host_memory(84 * 10**9, 4, 340 * 10**9)  # the state alone (336 GB) would fit
-    assert host_memory_available() > 0  # this Linux machine's MemAvailable
+    available = host_memory_available()
+    assert available is not None and available > 0  # this Linux machine's MemAvailable
 
 
 def test_expandable_segments_keep_the_environments_other_allocator_settings():
@@ -316,7 +322,7 @@ def _gradient_bytes_between_micro_batches(rank: int, out: str) -> None:
         model = tiny_model()
         params = sum(p.numel() for p in model.parameters())
         parallelize(model, ParallelConfig(param_dtype="bfloat16", reduce_dtype="float32"))
-        model.set_requires_gradient_sync(reduce_now)
+        cast(FSDPModule, model).set_requires_gradient_sync(reduce_now)  # parallelize made it one
         before = _live_cpu_bytes()
         _backward(model)
         held[reduce_now] = (_live_cpu_bytes() - before) / (4 * params)  # in fp32 copies of the whole model

@@ -11,17 +11,20 @@ import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from devtools import synthetic
+from wampipe.shardformat.index import Window
 from wampipe.shardformat.members import checksum, npy_bytes
 from wampipe.shardformat.shard import ShardRecord, json_path
 from tests.conftest import reindex, tiny_model
@@ -58,7 +61,7 @@ def _first_visits(shards: Path, steps: int) -> tuple[dict[int, int], ShardLoader
     return first, loader
 
 
-def _put_nan(shard_tar: Path, key: str) -> None:
+def _put_nan(shard_tar: str | Path, key: str) -> None:
     """One NaN in a sample's latents, as a diverged encoder would write it: the member rewritten in place and its
     CRC in the shard JSON updated, so the reader takes the bytes as they are."""
     record = ShardRecord.read(json_path(shard_tar))
@@ -84,7 +87,7 @@ def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
                                     compress="none")
     first, loader = _first_visits(shards, 8)
     bad_step, bad = min((s, w) for w, s in first.items() if s >= 5)
-    window = loader.index.windows[bad]
+    window = cast(Window, loader.index.windows[bad])
     shard_index, key = window.variants[0]
     _put_nan(loader.index.shards[shard_index], key)
     reindex(shards)  # the sample index records the new CRC-32 too
@@ -166,7 +169,7 @@ def test_nonfinite_weights_are_never_saved_or_exported(process_group, tmp_path):
         _save(tmp_path, step, model, optimizer)
     name, param = next(model.named_parameters())
     with torch.no_grad():
-        param.to_local().view(-1)[0] = float("inf")
+        cast(DTensor, param).to_local().view(-1)[0] = float("inf")  # FSDP2 sharded it
     with pytest.raises(SystemExit, match=rf"^refusing to save step 3: non-finite weights in {name}$"):
         _save(tmp_path, 3, model, optimizer)
     with pytest.raises(SystemExit, match="refusing to export: non-finite weights"):
@@ -245,9 +248,10 @@ def test_loading_a_checkpoint_runs_no_code_from_it(process_group, tmp_path):
     (path / ".metadata").write_bytes(metadata)
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    optim_sd["param_groups"][0]["lr"] = _Plant(marker)  # DCP pickles non-tensor values into the .distcp files
+    groups = cast(list[dict[str, Any]], optim_sd["param_groups"])
+    groups[0]["lr"] = _Plant(marker)  # DCP pickles non-tensor values into the .distcp files
     crafted = tmp_path / "crafted"
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=crafted)
+    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=crafted)
     for state in path.glob("rank-00000.*"):
         shutil.copy(state, crafted)
     with pytest.raises(SystemExit, match="refusing to load: Weights only load failed"):

@@ -1,8 +1,13 @@
+from typing import TYPE_CHECKING, cast
+
 import pytest
 import torch
 
 from wampipe.encoders.vae import VARIANTS, load_vae
 from wampipe.encoders.weights import WeightsError, read_state_dict
+
+if TYPE_CHECKING:  # annotations only: importing diffusers first would defeat load_vae's hiding of torchao
+    from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
 FILES = {"wan2.1": "wan2.1/Wan2.1_VAE.pth", "wan2.2": "wan2.2/Wan2.2_VAE.pth"}
 
@@ -34,11 +39,11 @@ def test_norms_normalizing_through_the_opaque_op_give_the_librarys_bits(tiny_che
     vae = load_vae(tiny_checkpoints / FILES[variant], variant)
     x = clip(b=2).to(dtype)
     vae.model.to(dtype)
-    own = vae.model.encode(x).latent_dist.mean
+    own = cast("AutoencoderKLOutput", vae.model.encode(x)).latent_dist.mean  # return_dict=True
     normalize_eagerly(vae.model.encoder)
     norms = [m for m in vae.model.encoder.modules() if type(m).__name__ == "WanRMS_norm"]
     assert norms and all("forward" in m.__dict__ for m in norms)  # every norm of the encoder goes through the op
-    assert torch.equal(vae.model.encode(x).latent_dist.mean, own)
+    assert torch.equal(cast("AutoencoderKLOutput", vae.model.encode(x)).latent_dist.mean, own)
 
 
 @pytest.mark.parametrize("variant", ["wan2.1", "wan2.2"])
@@ -49,7 +54,7 @@ def test_normalization_and_batch_invariance(tiny_checkpoints, variant):
     one = torch.cat([vae.encode(x[i:i + 1]) for i in range(3)])
     torch.testing.assert_close(z.float(), one.float(), atol=0.05, rtol=0.02)  # bf16 tolerance
     assert torch.equal(vae.encode(x, batch_size=1), one)
-    mu = vae.model.encode(x.bfloat16()).latent_dist.mean
+    mu = cast("AutoencoderKLOutput", vae.model.encode(x.bfloat16())).latent_dist.mean
     mean = torch.tensor(VARIANTS[variant]["latents_mean"]).bfloat16().view(1, -1, 1, 1, 1)
     inv_std = (1.0 / torch.tensor(VARIANTS[variant]["latents_std"])).bfloat16().view(1, -1, 1, 1, 1)
     assert torch.equal(z, (mu - mean) * inv_std)
@@ -149,7 +154,7 @@ def test_a_batch_cast_by_the_worker_encodes_as_one_cast_by_the_encoder(tiny_chec
     spec = SimpleNamespace(vae=str(tiny_checkpoints / FILES["wan2.2"]), model="5b", device="cpu", dtype="bfloat16",
                            image_features="encoded", vae_compile=False, batch_size=2, compile_cache="",
                            image_encoder=str(tiny_checkpoints / "clip" / "image_encoder"))
-    encoders = Encoders(spec)
+    encoders = Encoders(spec)  # pyright: ignore[reportArgumentType]  # a stand-in: the fields Encoders reads
     batch = stack_clips(clips, torch.bfloat16)
     assert batch["videos"].dtype == torch.bfloat16 and batch["frame0"].dtype == torch.float32
     assert torch.equal(batch["videos"], torch.stack(clips).to(torch.bfloat16))

@@ -19,7 +19,8 @@ BLOCK = 32768  # the .wandb file is a LevelDB-style log: records in 32 KiB block
 
 def wandb_records(path: Path) -> list:
     """Every record of a .wandb file (wandb 0.31 ships no Python reader of its own: its core is a Go binary)."""
-    from wandb.proto.wandb_internal_pb2 import Record
+    # protobuf builds the message classes at import: pyright cannot see them
+    from wandb.proto.wandb_internal_pb2 import Record  # pyright: ignore[reportAttributeAccessIssue]
 
     data = path.read_bytes()
     assert data[:4] == b":W&B"

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import webdataset as wds
 import wids
+from webdataset.compat import WebDataset
 
 from devtools import synthetic
 from wampipe.shardformat import ShardFormatError, webdataset_decoder
@@ -64,7 +64,8 @@ def _assert_same(sample: dict, expected: tuple[dict, dict, dict]) -> None:
 def test_webdataset_reads_what_the_trainer_reads(shards):
     expected = _expected(shards)
     decode = pickle.loads(pickle.dumps(webdataset_decoder(shards)))  # as a spawned DataLoader worker gets it
-    samples = list(wds.WebDataset(_urls(shards), shardshuffle=False).map(decode))
+    # webdataset's stubs type .map() as a FluidInterface, which they give no __iter__
+    samples = list(WebDataset(_urls(shards), shardshuffle=False).map(decode))  # pyright: ignore[reportArgumentType]
     assert sorted(s["__key__"] for s in samples) == sorted(expected) and len(samples) == 12
     assert any(m["zstd"] for m in samples[0]["meta"]["tensors"].values())  # the .zst path is exercised
     for sample in samples:
@@ -73,8 +74,9 @@ def test_webdataset_reads_what_the_trainer_reads(shards):
 
 def test_wids_random_access_reads_what_the_trainer_reads(shards, tmp_path):
     expected = _expected(shards)
+    # wids leaves `transformations` unannotated: its default "PIL" types it as str, though it takes a list of functions
     dataset = wids.ShardListDataset(str(shards / "wids.json"), cache_dir=str(tmp_path / "cache"),
-                                    transformations=[webdataset_decoder(shards)])
+                                    transformations=[webdataset_decoder(shards)])  # pyright: ignore[reportArgumentType]
     assert len(dataset) == 12
     for i in (11, 0, 7, 3):  # across shards, out of order
         sample = dataset[i]
@@ -92,5 +94,6 @@ def test_the_decoder_refuses_a_flipped_byte(shards, tmp_path):
     data[member.offset + 40] ^= 0x10
     shard.write_bytes(bytes(data))
     with pytest.raises(ShardFormatError) as err:
-        list(wds.WebDataset(_urls(corrupt), shardshuffle=False).map(webdataset_decoder(corrupt)))
+        decoded = WebDataset(_urls(corrupt), shardshuffle=False).map(webdataset_decoder(corrupt))
+        list(decoded)  # pyright: ignore[reportArgumentType]  # the stubs' FluidInterface again
     assert str(err.value) == f"{shard}: sample {sample.key}: member {member.name} checksum mismatch (corrupt shard)"
