@@ -24,7 +24,7 @@ NPROC ?= 2
 
 ARGS ?=
 
-.PHONY: setup lint typecheck test test-unit test-e2e demo demo-data sample-data shards check-shards train clean help
+.PHONY: setup lint test test-unit test-e2e demo demo-data sample-data shards check-shards train clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -44,10 +44,8 @@ test: $(STAMP)  ## the whole check, quickest first: lint, then the unit tests, t
 	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
 
-lint: $(STAMP)  ## ruff: pyflakes' errors and pycodestyle's, lines of at most 120 characters (pyproject.toml)
+lint: $(STAMP)  ## ruff (pyflakes' errors and pycodestyle's, lines of at most 120 characters), then pyright's basic checks
 	$(VENV)/bin/ruff check --no-cache .
-
-typecheck: $(STAMP)  ## pyright's basic checks (pyproject.toml): every import resolves in a checkout
 	$(VENV)/bin/pyright
 
 test-unit: $(STAMP)  ## the unit tests alone: the code called in the test process, no process started (minutes)
