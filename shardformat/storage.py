@@ -391,8 +391,14 @@ def _process_temp_dir() -> Path:
 
 
 def _remove_temp_dir(pid: int) -> None:
-    if os.getpid() == pid:  # a forked child inherits the exit hook, not the directory
+    if os.getpid() == pid and pid in _TEMP_DIRS:  # a forked child inherits the exit hook, not the directory
         shutil.rmtree(_TEMP_DIRS.pop(pid), ignore_errors=True)
+
+
+def remove_temporary_copies() -> None:
+    """Delete this process's temporary copies now: for an exit that skips Python's exit handlers (os._exit), which
+    would otherwise leave a `wampipe-store-*` folder behind."""
+    _remove_temp_dir(os.getpid())
 
 
 # ---------------------------------------------------------------- sync

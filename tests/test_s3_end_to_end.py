@@ -194,3 +194,21 @@ def test_a_prefix_rebuilt_with_other_data_never_reuses_the_old_copies(tmp_path, 
         sync_up(root, url)
         got, expected = samples(url, cache), samples(root)
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+@pytest.mark.slow
+def test_a_failed_run_from_s3_leaves_no_temporary_copy_behind(tiny_shards, s3_bucket, tmp_path):
+    """Without a cache dir, the text table's copy lives in a temporary folder of the rank; a run that fails after
+    opening the shards (here a variant they do not hold) ends without Python's exit handlers, and still removes it."""
+    url = f"{s3_bucket}/tiny"
+    sync_up(tiny_shards, url)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+               str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", url, "--data.variant", "5",
+               "--checkpoint.dir", str(tmp_path / "run"), "--metrics.no-progress", "--metrics.no-tensorboard"]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and f"--data.variant 5: {url} holds 1 variant(s) per window" in done.stderr, \
+        done.stderr[-3000:]
+    assert list(temp.glob("wampipe-store-*")) == []

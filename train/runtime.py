@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterator, NoReturn, cast
 import torch
 import torch.distributed as dist
 
+from wampipe.shardformat.storage import remove_temporary_copies
 from wampipe.train import checkpoint
 from wampipe.train.auto import device_memory_gib, resolve_auto
 from wampipe.train.config import BatchPlan, Config, batch_plan, validate
@@ -201,6 +202,7 @@ def leave_now(failure: BaseException) -> NoReturn:
     else:
         traceback.print_exception(failure)
         code = 1
+    remove_temporary_copies()  # the exit handlers that would delete them are skipped
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
