@@ -296,6 +296,8 @@ class LeRobotDataset:
                 raise DatasetError(info.data_path, episode_index, f"column {c!r} holds NaN or inf")
         timestamps = (table.column("timestamp").to_numpy().astype(np.float64) if "timestamp" in table.column_names
                       else None)
+        if timestamps is not None and not np.isfinite(timestamps).all():  # NaN would pass every frame's check
+            raise DatasetError(info.data_path, episode_index, "column 'timestamp' holds NaN or inf")
 
         sources: dict[str, FrameSource] = {}
         for short, key in video.items():

@@ -1,7 +1,7 @@
 """One odd episode is that episode's recorded failure, never the end of a build: a camera at another frame size, a
-state column narrower than modality.json takes, a state stored as scalars and a value finite in float64 but not in
-float32 each leave their episode out with its reason; the build finishes, `check` accepts it and it trains.
-`--fail-fast` stops at the first instead."""
+state column narrower than modality.json takes, a state stored as scalars, a value finite in float64 but not in
+float32 and timestamps that are all NaN each leave their episode out with its reason; the build finishes, `check`
+accepts it and it trains. `--fail-fast` stops at the first instead."""
 
 import json
 import os
@@ -34,9 +34,9 @@ def rewrite_state(path, edit) -> None:
 
 @pytest.fixture(scope="module")
 def odd_droid(tmp_path_factory):
-    """The sample DROID layout with 7 episodes (188, 75, 97, 130, 125, 187, 193 rows): 2-5 each odd in one way, 1
-    shorter than a window, 0 and 6 sound."""
-    root = write_sample_dataset(tmp_path_factory.mktemp("odd") / "droid", "droid", episodes=7, seed=3)
+    """The sample DROID layout with 8 episodes (188, 75, 97, 130, 125, 187, 193, ... rows): 2-5 and 7 each odd in
+    one way, 1 shorter than a window, 0 and 6 sound."""
+    root = write_sample_dataset(tmp_path_factory.mktemp("odd") / "droid", "droid", episodes=8, seed=3)
     info = [json.loads(line) for line in (root / "meta/episodes.jsonl").read_text().splitlines()]
     data = root / "data/chunk-000"
     wrist = root / "videos/chunk-000/observation.images.wrist_image_left/episode_000002.mp4"
@@ -45,6 +45,10 @@ def odd_droid(tmp_path_factory):
     rewrite_state(data / "episode_000003.parquet", lambda rows: [r[:7] for r in rows])
     rewrite_state(data / "episode_000004.parquet", lambda rows: [r[0] for r in rows])
     rewrite_state(data / "episode_000005.parquet", lambda rows: [[*r[:8], 1e39, *r[9:]] for r in rows])
+    table = pq.read_table(data / "episode_000007.parquet")  # timestamps all NaN: no frame could be checked
+    i = table.schema.get_field_index("timestamp")
+    nan = pa.array(np.full(table.num_rows, np.nan, table.column(i).type.to_pandas_dtype()))
+    pq.write_table(table.set_column(i, table.schema.field(i), nan), data / "episode_000007.parquet")
     return root
 
 
@@ -54,12 +58,14 @@ def test_each_odd_episode_is_a_recorded_failure_and_the_build_trains(odd_droid, 
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     reasons = {f["episode"]: f["reason"] for f in manifest(out)["failures"]}
-    assert sorted(reasons) == [2, 3, 4, 5]
+    assert sorted(reasons) == [2, 3, 4, 5, 7]
     assert "cameras differ in frame size" in reasons[2] and "wrist_image_left 96x128" in reasons[2]
     assert reasons[3].startswith(f"{odd_droid / 'data/chunk-000/episode_000003.parquet'}: episode 3: column "
                                  f"'{STATE}' has shape [")
     assert reasons[4].startswith(f"{odd_droid / 'data/chunk-000/episode_000004.parquet'}: episode 4: ")
     assert reasons[5].endswith(f"column '{STATE}' holds NaN or inf")
+    assert reasons[7] == (f"{odd_droid / 'data/chunk-000/episode_000007.parquet'}: episode 7: column 'timestamp' "
+                          f"holds NaN or inf")
     assert all("\n" not in r for r in reasons.values())
     for episode in reasons:
         assert f"FAILED episode {episode}: " in done.stdout
