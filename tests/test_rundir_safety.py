@@ -15,7 +15,7 @@ import pytest
 
 from tests.test_train_main import ROOT, _command, _descendants, _env, _rows
 from tests.conftest import fill_disk
-from wampipe.train.checkpoint import LOCK, MARKER, complete_checkpoints, step_dir
+from wampipe.train.checkpoint import LOCK, MARKER, complete_checkpoints, run_identity, step_dir
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -154,7 +154,8 @@ def test_a_damaged_checkpoint_is_named_and_the_last_complete_one_resumes(small_s
 
 def test_a_start_over_never_mixes_with_the_run_before_it(small_shards, full_run, tmp_path):
     """Run A left steps 4, 6 and 8; run B starts over in the same directory with 4 steps saved every step: A's step
-    directories go before B's first step, so rotation keeps B's own (2, 3, 4) and a plain restart resumes B."""
+    directories go before B's first step, so rotation keeps B's own (2, 3, 4) and a plain restart resumes B, also
+    when one of A's step directories is copied back in (B's identity differs from the one it records)."""
     import shutil
 
     run_dir = Path(shutil.copytree(full_run, tmp_path / "run"))
@@ -164,10 +165,17 @@ def test_a_start_over_never_mixes_with_the_run_before_it(small_shards, full_run,
     assert (f"--checkpoint.no-resume: deleted the 3 step directories of an earlier run in {run_dir} (step-000004, "
             f"step-000006, step-000008)") in again.stdout.splitlines()
     assert [s for s, _ in complete_checkpoints(run_dir)] == [2, 3, 4]
+    assert run_identity(run_dir) != run_identity(full_run)  # a start over is another run
+    # a step directory of run A copied back in is not run B's: resume, rotation and evaluation pass it by
+    shutil.copytree(step_dir(full_run, 8), step_dir(run_dir, 8))
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [2, 3, 4]
     resumed = _run(small_shards, run_dir, "--steps", "5", "--checkpoint.interval", "1")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = resumed.stdout.splitlines()
+    assert any(line.startswith(f"{step_dir(run_dir, 8)} skipped, not a complete checkpoint: rank-00000.json belongs "
+                               f"to another run") for line in lines), resumed.stdout[-3000:]
     assert any(line.startswith(f"resumed from {step_dir(run_dir, 4)} at step 4 ") for line in lines)
+    assert step_dir(run_dir, 8).is_dir()  # another run's files: never rotated away
 
 
 def _one_line(stderr: str, start: str) -> str:

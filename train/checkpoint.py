@@ -30,6 +30,7 @@ import os
 import pickle
 import re
 import shutil
+import uuid
 from dataclasses import asdict
 from fnmatch import fnmatch
 from functools import partial
@@ -60,13 +61,15 @@ if TYPE_CHECKING:
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MARKER = ".wampipe-run"
 LOCK = ".lock"
+RUN_ID = "run-id"  # the run's identity, recorded in each checkpoint it saves
 # Everything the trainer writes at the top of a run directory (glob patterns); it touches nothing else there.
-RUN_FILES = (MARKER, LOCK, "config.yaml", "metrics.jsonl", "tb", "wandb", "export", "step-*", "summary-rank*.json",
-             "profile-rank*.txt", "trace-rank*.json.gz", ".*.tmp", ".export.old")
+RUN_FILES = (MARKER, LOCK, RUN_ID, "config.yaml", "metrics.jsonl", "tb", "wandb", "export", "step-*",
+             "summary-rank*.json", "profile-rank*.txt", "trace-rank*.json.gz", ".*.tmp", ".export.old")
 # Frozen parameters (a LoRA run's base DiT) are not saved: the run rebuilds them from its seed or --model.init-from.
 # Loading is then not strict about them; dcp.load itself still requires every saved (trainable) key.
 TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
 _held_locks: list[int] = []  # the run directory's lock, open (held) until the process exits
+_run: list[str] = []  # this process's run identity, once claim_run_dir has shared it
 
 
 class RunError(SystemExit):
@@ -94,17 +97,39 @@ def claim_run_dir(cfg: CheckpointConfig) -> None:
     """Collective, before any work: rank 0 makes `cfg.dir` this run's directory (module docstring) and locks it for
     the process's life; a directory in use by another run, or holding files the trainer did not write, stops every
     rank with one line."""
-    error = None
+    error, identity = None, [""]
     if dist.get_rank() == 0:
         try:
             _held_locks.append(_claim(Path(cfg.dir), cfg.export))
             if not cfg.resume:
                 start_over(Path(cfg.dir))
+            identity = [_identity(Path(cfg.dir), fresh=not cfg.resume)]
         except SystemExit as e:  # RunError, or the lock's own one line
             error = str(e.code)
         except OSError as e:
             error = f"{cfg.dir}: cannot claim the run directory ({e}): pass another --checkpoint.dir"
     _stop_if_any(error)
+    dist.broadcast_object_list(identity, src=0)
+    _run[:] = identity
+
+
+def run_identity(root: Path) -> str | None:
+    """The identity recorded in run directory `root` (None: none yet, a directory of an older wampipe)."""
+    try:
+        return (Path(root) / RUN_ID).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _identity(root: Path, fresh: bool) -> str:
+    """This run's identity: the directory's own when resuming, a new one for a fresh start (--checkpoint.no-resume)
+    or a directory that has none. A checkpoint records it; one recording another (a step directory copied in from
+    another run) is not this run's: resume, rotation and train.evaluate pass it by."""
+    found = run_identity(root)
+    if found is None or fresh:
+        found = uuid.uuid4().hex
+        atomic_write_bytes(root / RUN_ID, f"{found}\n".encode())
+    return found
 
 
 def start_over(root: Path) -> None:
@@ -219,6 +244,9 @@ def step_problems(path: Path, step: int) -> list[str]:
                 continue
             if file is state and (got.get("step"), got.get("world_size")) != (step, world):
                 problems.append(f"{file.name} records step {got.get('step')} of {got.get('world_size')} ranks")
+            ours, theirs = run_identity(path.parent), got.get("run") if file is state else None
+            if ours and theirs and theirs != ours:  # none recorded: saved before checkpoints carried the run's
+                problems.append(f"{file.name} belongs to another run ({theirs[:12]}, this directory's is {ours[:12]})")
     return ([f"missing {', '.join(missing)} of its {world} ranks"] if missing else []) + problems
 
 
@@ -273,7 +301,8 @@ def save(cfg: CheckpointConfig, step: int, model: nn.Module, optimizer: torch.op
     _stop_if_any(error, describe=failed)  # also the barrier: no rank writes before the old files are gone
     tensors = {k: v.detach().cpu().contiguous() for k, v in extra.items() if isinstance(v, torch.Tensor)}
     data = ({k: v for k, v in extra.items() if k not in tensors} |
-            {"step": step, "world_size": dist.get_world_size(), "model": model_fields(model)})
+            {"step": step, "world_size": dist.get_world_size(), "model": model_fields(model),
+             "run": _run[0] if _run else None})
     error = _first_error(path.mkdir, parents=True, exist_ok=True) or _first_error(
         atomic_write_bytes, path / f"rank-{rank:05d}.safetensors", safetensors_bytes(tensors)) or _first_error(
         atomic_write_bytes, path / f"rank-{rank:05d}.json", (json.dumps(data, indent=1) + "\n").encode())
