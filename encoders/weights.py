@@ -17,6 +17,7 @@ from typing import Callable, Collection, TypeVar
 
 import torch
 
+from wampipe.errors import WampipeError
 from wampipe.shardformat.files import sha256_file
 
 M = TypeVar("M", bound=torch.nn.Module)
@@ -39,7 +40,7 @@ KINDS: list[tuple[str, str, tuple[str, ...]]] = [
 KIND_NAMES = {kind: name for kind, name, _ in KINDS}
 
 
-class WeightsError(Exception):
+class WeightsError(WampipeError):
     """A weight file cannot be used. `str(err)` reads `<file>: <reason>`."""
 
     def __init__(self, path: str | Path, reason: str):

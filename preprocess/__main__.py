@@ -30,14 +30,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None  # e.g. shards' --config
     args = cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
                description=module.__doc__)
-    from wampipe.preprocess.errors import DatasetError, EncoderOutputError, OutOfSpace, out_of_space
-    from wampipe.preprocess.executors import ChildDied
-    from wampipe.encoders.weights import WeightsError  # after parsing: it loads torch, which `--help` does without
+    from wampipe.errors import WampipeError
+    from wampipe.preprocess.errors import OutOfSpace, out_of_space
 
     try:
         module.run(args)
-    except (DatasetError, EncoderOutputError, WeightsError, ChildDied, OutOfSpace) as err:  # bad input, a broken
-        # encoder, a killed process or a full disk: one line, no traceback
+    except WampipeError as err:  # bad input, a broken encoder, a killed process, a full disk: one line, no traceback
         raise SystemExit(str(err)) from None
     except OSError as err:
         if not out_of_space(err):

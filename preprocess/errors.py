@@ -5,8 +5,10 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
+from wampipe.errors import WampipeError
 
-class DatasetError(Exception):
+
+class DatasetError(WampipeError):
     """A dataset file cannot be used. `str(err)` reads `<file>: episode <n>: <reason>`."""
 
     def __init__(self, path: str | Path | None, episode: int | None, reason: str):
@@ -23,7 +25,7 @@ class DatasetError(Exception):
         return DatasetError, (self.path, self.episode, self.reason)
 
 
-class EncoderOutputError(RuntimeError):
+class EncoderOutputError(WampipeError, RuntimeError):
     """The frozen encoders gave a non-finite output: the build stops in one line (every later batch would be the
     same), instead of storing NaN."""
 
@@ -31,7 +33,7 @@ class EncoderOutputError(RuntimeError):
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a used-up quota
 
 
-class OutOfSpace(RuntimeError):
+class OutOfSpace(WampipeError, RuntimeError):
     """The output's disk (or quota) is full. Every write is atomic, so nothing half-written counts: the same command
     run again once there is space resumes from the finished units."""
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Literal, NoReturn
 
 from tqdm import tqdm
 
+from wampipe.errors import WampipeError
 from wampipe.preprocess.spec import BuildSpec
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -139,7 +140,7 @@ def _on_ray(fn: Callable, tasks: Sequence[tuple], workers: int, address: str | N
             ray.cancel(ref, force=True)
 
 
-class ChildDied(RuntimeError):
+class ChildDied(WampipeError, RuntimeError):
     """A process of the run ended without a word (the kernel's out-of-memory killer, a signal from a user): the run
     stops with this one line; whatever the child printed before it died is above it."""
 

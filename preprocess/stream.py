@@ -32,9 +32,9 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from wampipe.encoders.weights import WeightsError
+from wampipe.errors import WampipeError
 from wampipe.preprocess import write
-from wampipe.preprocess.errors import DatasetError, EncoderOutputError, OutOfSpace, out_of_space
+from wampipe.preprocess.errors import OutOfSpace, out_of_space
 from wampipe.preprocess.executors import ChildDied, die_with_parent, leave_child
 from wampipe.preprocess.pipeline import Encoders, WindowSample, stack_clips, timed, unit_report, unit_samples
 from wampipe.preprocess.spec import BuildSpec
@@ -146,7 +146,7 @@ def _report_failure(results, where: str, err: BaseException, out: str = "") -> N
     traceback."""
     if isinstance(err, OSError) and out_of_space(err):
         err = OutOfSpace.from_os_error(err, f"{out}: " if out else "")
-    elif not isinstance(err, (DatasetError, EncoderOutputError, WeightsError)):
+    elif not isinstance(err, WampipeError):
         err = RuntimeError(f"{where}: {''.join(traceback.format_exception(err))}")
     results.put(("error", err))
 

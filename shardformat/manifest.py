@@ -17,6 +17,7 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from wampipe.errors import WampipeError
 from wampipe.shardformat.files import atomic_write_json, canonical_json
 from wampipe.shardformat.layout import IMAGE_MEMBER, MANIFEST, SHARD_NAME, WIDS_INDEX
 from wampipe.shardformat.schema import SchemaError, merge_schemas, model_dims, validate
@@ -33,7 +34,7 @@ SIDE_FILES = (("text_table", "file", re.compile(r".+\.safetensors")),
               ("sample_index", "file", re.compile(r"[^/]+\.npy")))
 
 
-class ShardFormatError(ValueError):
+class ShardFormatError(WampipeError, ValueError):
     """A shard directory this code cannot use; `str(err)` names the file (and sample) and the reason."""
 
 

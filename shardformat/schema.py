@@ -10,12 +10,13 @@ is decoded to learn them.
 
 from __future__ import annotations
 
+from wampipe.errors import WampipeError
 from wampipe.shardformat.layout import ACTION, CLIP, IMAGE_MEMBER, LATENTS, STATE, Y
 
 REQUIRED = (LATENTS, STATE, ACTION)  # besides the manifest's image member
 
 
-class SchemaError(ValueError):
+class SchemaError(WampipeError, ValueError):
     """A schema, or a sample against one, that does not hold; the message names the member."""
 
 

@@ -34,6 +34,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from wampipe.errors import WampipeError
+
 if TYPE_CHECKING:
     from safetensors import safe_open
 
@@ -48,7 +50,7 @@ _NEW_IN_TI2V = re.compile(r"^(img_emb\.|blocks\.\d+\.cross_attn\.(k_img|v_img|no
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-class WeightsError(ValueError):
+class WeightsError(WampipeError, ValueError):
     """A checkpoint that does not fit the model; the message names the file and the keys."""
 
 
