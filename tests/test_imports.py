@@ -103,9 +103,10 @@ for top in ("configs", "encoders", "preprocess", "shardformat", "train"):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
 root, files = pathlib.Path.cwd().resolve(), collections.defaultdict(set)
+ours = {"configs", "encoders", "preprocess", "shardformat", "train", "wampipe", "devtools"}  # not a .venv inside
 for name, module in list(sys.modules.items()):
     path = pathlib.Path(getattr(module, "__file__", None) or "/").resolve()
-    if path.is_relative_to(root):
+    if path.is_relative_to(root) and path.relative_to(root).parts[0] in ours:
         files[str(path.relative_to(root))].add(id(module))
 print(json.dumps({path: len(ids) for path, ids in files.items()}))
 """
