@@ -119,7 +119,8 @@ def test_training_from_s3_continues_a_local_run_with_its_losses(tiny_shards, s3_
 @pytest.mark.slow
 def test_publish_killed_midway_resumes_refuses_other_inputs_and_replaces_a_build(tiny_shards, s3_bucket, tmp_path):
     url = f"{s3_bucket}/tiny"
-    inputs = {"src": "f" * 64, "augment_variants": 0, "image_features": "encoded", "vae_compile": False, "seed": 1,
+    inputs = {"dataset": "droid", "src": "f" * 64, "vae": "v", "text_encoder": "t", "image_encoder": "i",
+              "augment_variants": 0, "image_features": "encoded", "vae_compile": False, "seed": 1,
               "samples_per_shard": 7}
     staging = staging_dir(url, tmp_path / "staging")  # a finished build as `preprocess shards` leaves it
     shutil.copytree(tiny_shards, staging)  # with work/ spills

@@ -138,7 +138,8 @@ def test_a_remote_prefix_with_a_foreign_build_is_refused_at_start_and_kept(s3_bu
 def test_publishing_over_another_build_needs_overwrite_and_deletes_only_that_builds_files(tiny_shards, s3_bucket,
                                                                                         tmp_path):
     url = f"{s3_bucket}/tiny"
-    inputs = {"src": "f" * 64, "augment_variants": 0, "seed": 1, "samples_per_shard": 7}
+    inputs = {"dataset": "droid", "src": "f" * 64, "vae": "v", "text_encoder": "t", "image_encoder": "i",
+              "augment_variants": 0, "seed": 1, "samples_per_shard": 7}  # a build's record (outdir.RECORD_KEYS)
     first = Path(shutil.copytree(tiny_shards, tmp_path / "first"))
     atomic_write_json(first / outdir.INPUTS, inputs)
     second = tmp_path / "second"
