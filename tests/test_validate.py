@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 VAL = ("val_loss", "val_loss_dynamics", "val_loss_action")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def val_shards(held_out_3) -> Path:
     """The sample DROID dataset with episode 3 (3 samples) held out: 7 training samples, 3 validation samples."""
     return held_out_3
