@@ -141,8 +141,8 @@ class ParquetImageFrames:
 
     def read(self, rows: Sequence[int] | np.ndarray | None = None, backend: str = "torchcodec") -> np.ndarray:
         del backend  # images are not videos; the argument keeps one signature for both sources
-        rows = range(self.length) if rows is None else rows
-        return decode_image_cells([self.cells[r] for r in rows], self.path, self.episode, self.column)
+        rows = list(range(self.length) if rows is None else rows)
+        return decode_image_cells([self.cells[r] for r in rows], self.path, self.episode, self.column, rows)
 
 
 FrameSource = VideoFrames | ParquetImageFrames

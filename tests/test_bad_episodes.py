@@ -123,3 +123,30 @@ def test_an_encoder_that_outputs_nan_stops_the_build_in_one_line(droid_root, tin
     assert last.startswith("the encoders' latents of a batch of ") and last.endswith("hold NaN or inf (as bf16): check "
                                                                                      "the VAE's weights and --dtype")
     assert not (tmp_path / "shards" / "manifest.json").exists()
+
+
+def test_parquet_image_cells_of_mixed_sizes_are_their_episodes_failure(libero_root, tiny_checkpoints, tmp_path):
+    """LIBERO stores its frames as PNG cells of the parquet: one episode whose cells change size mid-episode is that
+    episode's failure, naming the file, the camera column and both sizes; the others build."""
+    import io
+
+    from PIL import Image
+
+    src = Path(shutil.copytree(libero_root, tmp_path / "src"))
+    path = src / "data/chunk-000/episode_000000.parquet"
+    table = pq.read_table(path)
+    i = table.schema.get_field_index("image")
+    cells = table.column(i).to_pylist()
+    small = io.BytesIO()
+    Image.fromarray(np.zeros((128, 128, 3), np.uint8)).save(small, format="PNG")
+    for row in range(1, len(cells), 2):
+        cells[row] = {"bytes": small.getvalue(), "path": cells[row]["path"]}
+    pq.write_table(table.set_column(i, table.schema.field(i), pa.array(cells, table.schema.field(i).type)), path)
+    out = tmp_path / "shards"
+    done = subprocess.run(shards_cmd(src, out, "libero", tiny_checkpoints), cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (failure,) = manifest(out)["failures"]
+    assert failure["episode"] == 0 and failure["reason"].startswith(
+        f"{path}: episode 0: column 'image': image cells of different sizes: 256x256 at row ")
+    assert ", 128x128 at row " in failure["reason"] and check(out) == []
