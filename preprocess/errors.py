@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from typing import TypeGuard
 
 from wampipe.errors import WampipeError
 
@@ -44,5 +45,5 @@ class OutOfSpace(WampipeError, RuntimeError):
                    f"run the same command again; finished units are kept")
 
 
-def out_of_space(err: BaseException) -> bool:
+def out_of_space(err: BaseException) -> TypeGuard[OSError]:
     return isinstance(err, OSError) and err.errno in FULL

@@ -235,7 +235,8 @@ def check_arguments(args: Args) -> None:
 def check_held_out_windows(choice: str | None, held: tuple[int, ...], ds: LeRobotDataset, need: int) -> None:
     """A validation split must hold windows: every episode --val-episodes names, or at least one of a fraction's,
     is long enough for one (by meta/'s lengths, before any unit)."""
-    short = [(e, ds.episode_info(e).length) for e in held if ds.episode_info(e).length < need]
+    lengths = {e: ds.episode_info(e).length for e in held}
+    short = [(e, n) for e, n in lengths.items() if n < need]
     if choice is None or not short or (isinstance(parse_held_out(choice), float) and len(short) < len(held)):
         return
     shown = ", ".join(f"{e} ({n} rows)" for e, n in short[:5]) + (f" and {len(short) - 5} more" if len(short) > 5

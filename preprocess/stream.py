@@ -144,7 +144,7 @@ def _next_result(results, processes: list) -> tuple[str, Any]:
 def _report_failure(results, where: str, err: BaseException, out: str = "") -> None:
     """Bad input and a full disk travel as themselves (the CLI prints its one line); anything else as the child's
     traceback."""
-    if isinstance(err, OSError) and out_of_space(err):
+    if out_of_space(err):
         err = OutOfSpace.from_os_error(err, f"{out}: " if out else "")
     elif not isinstance(err, WampipeError):
         err = RuntimeError(f"{where}: {''.join(traceback.format_exception(err))}")

@@ -118,6 +118,7 @@ class _ProcessState:
     root: str
     fds: dict[str, int] = field(default_factory=dict)
     cached: dict[str, Path] = field(default_factory=dict)
+    deadline: float | None = None  # request_deadline, read from the environment at the first remote read
 
 
 class ShardStore:
@@ -270,10 +271,12 @@ class ShardStore:
         inside = self._process().root.lstrip("/") + build + (f"/{relpath}" if relpath else "")
         return base / relative_path(inside, self.where(relpath) if relpath else self.url, "local copy")
 
-    @staticmethod
-    def _bounded(call, *args, **kwargs):
+    def _bounded(self, call, *args, **kwargs):
         """`call` (an fsspec method) within `request_deadline`: a stalled endpoint is a TimeoutError."""
-        deadline = request_deadline()
+        state = self._process()
+        if state.deadline is None:
+            state.deadline = request_deadline()
+        deadline = state.deadline
         try:
             return call(*args, timeout=deadline, **kwargs)
         except FSTimeoutError:

@@ -228,7 +228,7 @@ def step_problems(path: Path, step: int) -> list[str]:
             missing.append(name)
         elif (path / name).stat().st_size < size:
             problems.append(f"{name} truncated ({(path / name).stat().st_size} of {size} bytes)")
-    world = _recorded_world(path)
+    world, ours = _recorded_world(path), run_identity(path.parent)
     if world is None:
         problems.append("no readable rank-NNNNN.json recording the world size")
     for rank in range(world or 0):
@@ -244,7 +244,7 @@ def step_problems(path: Path, step: int) -> list[str]:
                 continue
             if file is state and (got.get("step"), got.get("world_size")) != (step, world):
                 problems.append(f"{file.name} records step {got.get('step')} of {got.get('world_size')} ranks")
-            ours, theirs = run_identity(path.parent), got.get("run") if file is state else None
+            theirs = got.get("run") if file is state else None
             if ours and theirs and theirs != ours:  # none recorded: saved before checkpoints carried the run's
                 problems.append(f"{file.name} belongs to another run ({theirs[:12]}, this directory's is {ours[:12]})")
     return ([f"missing {', '.join(missing)} of its {world} ranks"] if missing else []) + problems
