@@ -168,19 +168,94 @@ def _pool(workers: int):
             else nullcontext())
 
 
-def make_droid(out: Path, episodes: int, seed: int, codec: str, workers: int = 1) -> None:
+def make_droid(out: Path, episodes: int, seed: int, codec: str, workers: int = 1, raw: bool = False) -> None:
     with _pool(workers) as pool:
-        _make_droid(out, episodes, seed, codec, pool)
+        _make_droid(out, episodes, seed, codec, pool, raw)
 
 
-def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool) -> None:
+# ---------------------------------------------------------------- raw DROID: idle stretches, failures, language
+
+
+@dataclass(frozen=True)
+class RawEpisode:
+    """One episode of the raw layout: which rows the robot moves in, whether it failed, its three instructions."""
+
+    segments: tuple[tuple[str, int], ...]  # ("move" | "idle", rows), in order
+    failed: bool
+    instructions: tuple[str, str, str]
+
+    @property
+    def moving(self) -> np.ndarray:
+        return np.concatenate([np.full(n, kind == "move") for kind, n in self.segments])
+
+    @property
+    def length(self) -> int:
+        return sum(n for _, n in self.segments)
+
+
+def raw_plan(ep: int) -> RawEpisode:
+    """Episode `ep` of the raw layout: eight kinds in turn, each a case of DreamZero's DROID filters
+    (docs/REFERENCE.md#1-source-datasets). `u(k, x)` is an instruction no other episode shows first."""
+    cycle, kind = divmod(ep, 8)
+
+    def u(k: int, x: str) -> str:
+        return f"{DROID_TASKS[(k + cycle) % len(DROID_TASKS)]} ({cycle}{x})"
+
+    np_ = "not provided"
+    plans = {
+        0: ((("move", 130),), False, (u(0, "a"), u(1, "b"), np_)),
+        1: ((("move", 130),), True, (u(2, "c"), np_, u(3, "d"))),  # failed; its instructions are seen all the same
+        2: ((("move", 130),), False, (u(0, "a"), np_, u(1, "b"))),  # every instruction seen before
+        3: ((("move", 130),), False, (np_, "x", np_)),  # none provided (one character does not count)
+        4: ((("idle", 60),), False, (u(4, "e"), np_, np_)),  # idle throughout: no keep range
+        5: ((("idle", 12), ("move", 70), ("idle", 20), ("move", 90)), False, (u(2, "c"), u(5, "f"), np_)),
+        6: ((("move", 130),), False, (u(3, "d"), np_, np_)),  # seen only in the failed episode 1
+        7: ((("move", 40), ("idle", 10), ("move", 12), ("idle", 8), ("move", 120)), False, (u(0, "g"), np_, np_)),
+    }
+    segments, failed, instructions = plans[kind]
+    return RawEpisode(segments, failed, instructions)
+
+
+def raw_identity(ep: int) -> tuple[str, str]:
+    """(recording_folderpath, file_path) of a raw episode, in DROID's form."""
+    folder = f"gs://gresearch/robotics/droid_raw/1.0.1/LAB/success/2023-07-{1 + ep % 28:02d}/ep{ep:06d}"
+    return f"{folder}/recordings/MP4", f"{folder}/trajectory.h5"
+
+
+def nonidle_ranges(moving: np.ndarray, min_run: int = 16, trim: int = 10) -> list[tuple[int, int]]:
+    """The keep ranges openpi's script would store for these moving rows: each moving run of at least `min_run`
+    rows as [start, end - trim)."""
+    edges = np.flatnonzero(np.diff(np.r_[0, moving.astype(np.int8), 0]))
+    return [(int(a), int(b) - trim) for a, b in zip(edges[::2], edges[1::2]) if b - a >= min_run]
+
+
+def hold(traj: Trajectory, moving: np.ndarray) -> Trajectory:
+    """A trajectory of len(moving) + 1 samples that advances on moving rows and stands still on idle ones."""
+    step = np.r_[0, np.cumsum(moving)]  # sample of `traj` at each row, and one more for the last target
+    return Trajectory(traj.eef_xyz[step], traj.eef_rot[step], traj.gripper[step], traj.joints[step])
+
+
+def keep_ranges_path(root: Path) -> Path:
+    """Where the raw layout's keep-ranges file is written: beside the dataset, as openpi's file is."""
+    return root.with_name(root.name + "_keep_ranges.json")
+
+
+def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool, raw: bool = False) -> None:
     rng = np.random.default_rng(seed)
     fps, h, w = 15, 180, 320
+    plans = [raw_plan(ep) for ep in range(episodes)] if raw else None
     tasks = ["not provided"] + DROID_TASKS
-    lengths = episode_lengths(rng, episodes, "droid")
-    episode_rows, stats_rows, videos = [], [], []
+    if plans is not None:
+        tasks = ["not provided", "x"] + list(dict.fromkeys(t for p in plans for t in p.instructions
+                                                            if t not in ("not provided", "x")))
+    lengths = episode_lengths(rng, episodes, "droid") if plans is None else [p.length for p in plans]
+    episode_rows, stats_rows, videos, keep_ranges = [], [], [], {}
     for ep, length in enumerate(lengths):
-        traj = simulate(rng, length)
+        if plans is None:
+            traj = simulate(rng, length)
+        else:
+            moving = plans[ep].moving
+            traj = hold(simulate(rng, int(moving.sum())), moving)
         cart = np.concatenate([traj.eef_xyz, traj.eef_rot], 1)
         state = np.concatenate([cart[:-1], traj.gripper[:-1, None], traj.joints[:-1]], 1)  # [L, 14]
         action = np.concatenate(
@@ -189,9 +264,14 @@ def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool) -> None:
              (traj.joints[1:] - traj.joints[:-1]) * fps],
             1,
         )  # [L, 28]: each action is the next state's target
-        first = 1 + int(rng.integers(len(DROID_TASKS)))
-        second = 0 if ep % 2 else 1 + int(rng.integers(len(DROID_TASKS)))  # "not provided" for some episodes
-        third = 1 + int(rng.integers(len(DROID_TASKS)))
+        if plans is None:
+            first = 1 + int(rng.integers(len(DROID_TASKS)))
+            second = 0 if ep % 2 else 1 + int(rng.integers(len(DROID_TASKS)))  # "not provided" for some episodes
+            third = 1 + int(rng.integers(len(DROID_TASKS)))
+            reward = np.r_[np.zeros(length - 1), 1.0]
+        else:
+            first, second, third = (tasks.index(t) for t in plans[ep].instructions)
+            reward = np.r_[np.zeros(length - 1), 0.0 if plans[ep].failed else 1.0]
         annotation = {"annotation.language.language_instruction": first,
                       "annotation.language.language_instruction_2": second,
                       "annotation.language.language_instruction_3": third}
@@ -205,7 +285,7 @@ def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool) -> None:
             "episode_index": pa.array(np.full(length, ep), pa.int64()),
             "task_index": pa.array(np.full(length, first), pa.int64()),
             **{k: pa.array(np.full(length, v), pa.int64()) for k, v in annotation.items()},
-            "next.reward": pa.array(np.r_[np.zeros(length - 1), 1.0].astype(np.float32)),
+            "next.reward": pa.array(reward.astype(np.float32)),
             "next.done": pa.array(np.r_[np.zeros(length - 1, bool), True]),
             "is_terminal": pa.array(np.r_[np.zeros(length - 1, bool), True]),
             "is_first": pa.array(np.r_[True, np.zeros(length - 1, bool)]),
@@ -220,10 +300,17 @@ def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool) -> None:
         else:
             _droid_videos(*args)
         ep_tasks = [tasks[i] for i in dict.fromkeys([first, second, third])]
-        episode_rows.append({"episode_index": ep, "tasks": ep_tasks, "length": length, "success": True})
+        row = {"episode_index": ep, "tasks": ep_tasks, "length": length, "success": True}
+        if plans is not None:  # the raw episode's identity, as DROID's episode metadata names it
+            folder, file = raw_identity(ep)
+            row |= {"success": not plans[ep].failed, "recording_folderpath": folder, "file_path": file}
+            keep_ranges[f"{folder}--{file}"] = [list(r) for r in nonidle_ranges(plans[ep].moving)]
+        episode_rows.append(row)
         stats_rows.append({"episode_index": ep, "stats": basic_stats({"observation.state": state, "action": action})})
     for done in videos:
         done.result()  # a worker's error raised here
+    if plans is not None:
+        write_json(keep_ranges_path(out), keep_ranges)
 
     features = {f"observation.images.{c}": video_feature(h, w, fps, codec) for c in DROID_CAMERAS}
     features |= {
@@ -389,7 +476,7 @@ def make_libero_v3(out: Path, episodes: int, seed: int, codec: str, episodes_per
                basic_stats({"state": np.concatenate(all_state), "actions": np.concatenate(all_actions)}))
 
 
-LAYOUTS = ("droid", "libero", "libero-v3")
+LAYOUTS = ("droid", "droid-raw", "libero", "libero-v3")
 
 
 def write_sample_dataset(out: Path, layout: str, episodes: int = 4, seed: int = 0, codec: str = "h264",
@@ -403,8 +490,8 @@ def write_sample_dataset(out: Path, layout: str, episodes: int = 4, seed: int = 
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
-    if layout == "droid":
-        make_droid(out, episodes, seed, codec, workers)
+    if layout in ("droid", "droid-raw"):
+        make_droid(out, episodes, seed, codec, workers, raw=layout == "droid-raw")
     elif layout == "libero":
         make_libero(out, episodes, seed, workers)
     elif layout == "libero-v3":

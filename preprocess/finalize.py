@@ -15,6 +15,7 @@ from wampipe.preprocess import write
 from wampipe.preprocess.executors import auto_workers, run_tasks
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.pipeline import VAE_OF_MODEL
+from wampipe.preprocess.selection import read_selection, source
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.preprocess.validation import HELD_OUT, split_summaries
 from wampipe.shardformat.embodiments import get_embodiment
@@ -104,7 +105,8 @@ def write_split(into: Path, summaries: list[dict], spec: BuildSpec, units: list[
             source={"root": spec.src, "fingerprint": spec.digests["src"], "codebase_version": ds.version,
                     "episodes": sum(len(u) for u in units), "fps": ds.fps},
             modality_keys={"state": list(emb.state_keys), "action": list(emb.action_keys)},
-            validation=validation or {}, sample_index=sample_index, member_bytes=member_bytes, **shared)
+            validation=validation or {}, sample_index=sample_index, member_bytes=member_bytes, **shared,
+            selection={} if spec.selection is None else read_selection(spec.out, spec.selection).summary())
     except ShardFormatError as err:
         raise SystemExit(f"cannot finalize {into}: {err}") from None
     manifest.write(into)
@@ -169,7 +171,7 @@ def write_statistics(out: Path, spec: BuildSpec, failures: list[dict]) -> dict:
     if spec.metadata is not None:
         atomic_write_bytes(path, Path(spec.metadata).read_bytes())
     else:
-        write_metadata(path, build_metadata([Path(spec.src)], get_embodiment(spec.embodiment),
+        write_metadata(path, build_metadata([source(spec)], get_embodiment(spec.embodiment),
                                             exclude={**{e: HELD_OUT for e in spec.held_out},
                                                      **{f["episode"]: f["reason"] for f in failures}},
                                             skipped=excluded))

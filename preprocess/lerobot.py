@@ -12,7 +12,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +23,7 @@ from wampipe.preprocess.decode import decode_image_cells, decode_video
 from wampipe.preprocess.errors import DatasetError
 
 SUPPORTED_VERSIONS = ("v2.0", "v2.1", "v3.0")
+Ranges = Sequence[tuple[int, int]]  # half-open [start, end) row ranges of an episode, ascending and disjoint
 IMAGE_PREFIX = "observation.images."
 
 
@@ -100,7 +101,10 @@ class VideoFrames:
     length: int
     fps: float
     from_timestamp: float = 0.0
-    row_timestamps: np.ndarray | None = None  # parquet `timestamp` per row, relative to the episode
+    row_timestamps: np.ndarray | None = None  # parquet `timestamp` per row handed out, relative to the episode
+    # the recorded row of each row handed out, ascending (an episode cut to its keep ranges); None: every row
+    source_rows: np.ndarray | None = None
+    source_length: int | None = None  # the recorded episode's rows (default: `length`)
 
     @property
     def first_frame(self) -> int:
@@ -115,14 +119,15 @@ class VideoFrames:
         expected = None
         if self.row_timestamps is not None:
             expected = self.from_timestamp + self.row_timestamps[index]
+        recorded = index if self.source_rows is None else self.source_rows[index]
         return decode_video(
             self.path,
-            self.first_frame + index,
+            self.first_frame + recorded,
             backend=backend,
             episode=self.episode,
             expected_pts=expected,
             fps=self.fps,
-            required_frames=self.first_frame + self.length,
+            required_frames=self.first_frame + (self.length if self.source_length is None else self.source_length),
         )
 
 
@@ -159,6 +164,7 @@ class EpisodeInfo:
     video_paths: dict[str, Path] = field(default_factory=dict)  # feature key -> mp4
     video_from_timestamp: dict[str, float] = field(default_factory=dict)
     video_to_timestamp: dict[str, float] = field(default_factory=dict)
+    fields: dict = field(default_factory=dict)  # the scalar fields of its meta/episodes row (string, number, bool)
 
 
 @dataclass
@@ -189,9 +195,13 @@ class Episode:
 
 
 class LeRobotDataset:
-    """A LeRobot dataset root. Cheap to open: only `meta/` is read until an episode is asked for."""
+    """A LeRobot dataset root. Cheap to open: only `meta/` is read until an episode is asked for.
 
-    def __init__(self, root: str | Path):
+    `kept` (preprocess.selection) narrows it to some episodes, each whole (None) or cut to its keep ranges: the
+    dataset then hands out only those episodes, each as the concatenation of its ranges, as DreamZero's DROID
+    conversion writes them; `episode_info` still describes the recorded episode."""
+
+    def __init__(self, root: str | Path, kept: Mapping[int, Ranges | None] | None = None):
         self.root = Path(root)
         info_path = self.root / "meta" / "info.json"
         if not info_path.is_file():
@@ -231,6 +241,12 @@ class LeRobotDataset:
             listing = self.root / "meta" / ("episodes" if self.is_v3 else "episodes.jsonl")
             raise DatasetError(listing, twice, "listed twice")
         self._table_cache: OrderedDict[Path, pa.Table] = OrderedDict()
+        self._kept: dict[int, np.ndarray | None] | None = None
+        if kept is not None:
+            unknown = sorted(set(kept) - self._by_index.keys())
+            if unknown:
+                raise DatasetError(self.root, unknown[0], "selected but not in meta/")
+            self._kept = {e.index: _rows(kept[e.index]) for e in self._episodes if e.index in kept}
 
     # -- metadata
 
@@ -258,7 +274,8 @@ class LeRobotDataset:
 
     @property
     def episode_indices(self) -> list[int]:
-        return [e.index for e in self._episodes]
+        """The episodes it hands out (all, or the kept ones), in index order."""
+        return [e.index for e in self._episodes] if self._kept is None else list(self._kept)
 
     def episode_info(self, episode_index: int) -> EpisodeInfo:
         try:
@@ -266,19 +283,35 @@ class LeRobotDataset:
         except KeyError:
             raise DatasetError(self.root, episode_index, "no such episode in meta/") from None
 
+    def source_rows(self, episode_index: int) -> np.ndarray | None:
+        """The recorded rows an episode is cut to, ascending (None: every row)."""
+        self.episode_info(episode_index)  # a DatasetError for an episode meta/ does not list
+        if self._kept is None:
+            return None
+        if episode_index not in self._kept:
+            raise DatasetError(self.root, episode_index, "not among the selected episodes")
+        return self._kept[episode_index]
+
+    def length(self, episode_index: int) -> int:
+        """The rows the episode has as handed out (after any cut)."""
+        rows = self.source_rows(episode_index)
+        return self.episode_info(episode_index).length if rows is None else len(rows)
+
     def __len__(self) -> int:
-        return len(self._episodes)
+        return len(self.episode_indices)
 
     @property
     def total_frames(self) -> int:
-        return sum(e.length for e in self._episodes)
+        return sum(self.length(e) for e in self.episode_indices)
 
     # -- episodes
 
     def episode(self, episode_index: int, columns: Sequence[str] = (), cameras: bool = True) -> Episode:
         """One episode with the asked parquet columns, its instructions and (unless `cameras=False`, which skips
-        reading image cells and checking videos) its cameras. Validates lengths."""
+        reading image cells and checking videos) its cameras, cut to its keep ranges if it has some. Validates
+        lengths."""
         info = self.episode_info(episode_index)
+        kept = self.source_rows(episode_index)
         annotation_cols = (list(self.modality.annotation.values())
                            or (["task_index"] if "task_index" in self.features else []))
         video = self.modality.video if cameras else {}
@@ -288,6 +321,9 @@ class LeRobotDataset:
         if table.num_rows != info.length:
             raise DatasetError(info.data_path, episode_index,
                                f"parquet has {table.num_rows} rows, meta says length {info.length}")
+        if kept is not None:  # every later check and column sees only the rows the episode keeps
+            table = table.take(pa.array(kept))
+        length = table.num_rows
 
         cols = {c: _column_to_numpy(table, c, info.data_path, episode_index) for c in columns}
         for c, values in cols.items():
@@ -315,10 +351,10 @@ class LeRobotDataset:
                     if n != info.length:
                         raise DatasetError(path, episode_index,
                                            f"video span holds {n} frames, episode has {info.length} rows")
-                sources[short] = VideoFrames(path, episode_index, info.length, vfps, from_ts, timestamps)
+                sources[short] = VideoFrames(path, episode_index, length, vfps, from_ts, timestamps, kept, info.length)
 
         instructions = {c: self._instructions(table, c, info) for c in annotation_cols}
-        return Episode(episode_index, info.length, cols, sources, {c: v for c, (v, _) in instructions.items()},
+        return Episode(episode_index, length, cols, sources, {c: v for c, (v, _) in instructions.items()},
                        {c: file for c, (_, file) in instructions.items()})
 
     def episodes(self, columns: Sequence[str] = (), indices: Sequence[int] | None = None,
@@ -421,7 +457,7 @@ class LeRobotDataset:
             data = self.root / self._path("data_path", episode_chunk=chunk, episode_index=ep)
             videos = {k: self.root / self._path("video_path", episode_chunk=chunk, video_key=k, episode_index=ep)
                       for k in self.camera_keys if self.camera_storage(k) == "video"}
-            out.append(EpisodeInfo(ep, length, data, videos))
+            out.append(EpisodeInfo(ep, length, data, videos, fields=_scalars(row)))
         return out
 
     def _path(self, field: str, **values) -> str:
@@ -457,11 +493,24 @@ class LeRobotDataset:
                         to_ts[k] = float(row[f"videos/{k}/to_timestamp"])
                 except KeyError as err:
                     raise DatasetError(f, ep, f"episode row lacks {err}") from None
-                out.append(EpisodeInfo(ep, int(row["length"]), data, videos, from_ts, to_ts))
+                out.append(EpisodeInfo(ep, int(row["length"]), data, videos, from_ts, to_ts, _scalars(row)))
         return sorted(out, key=lambda e: e.index)
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _rows(ranges: Ranges | None) -> np.ndarray | None:
+    """The rows of half-open `ranges` [start, end), concatenated in order (None: the whole episode)."""
+    if ranges is None:
+        return None
+    return np.concatenate([np.arange(start, end, dtype=np.int64) for start, end in ranges] or
+                          [np.zeros(0, np.int64)])
+
+
+def _scalars(row: dict) -> dict:
+    """The string, number and bool fields of a meta/episodes row (not its lists and statistics)."""
+    return {k: v for k, v in row.items() if isinstance(v, str | int | float | bool)}
 
 
 def _whole(value) -> int:

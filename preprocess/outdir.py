@@ -10,8 +10,9 @@ deletes the old build (its units only where they differ) first.
 A run deletes or replaces only files of a build, never a file someone else put in OUT (`ownership`). The names a
 build writes are inputs.json, manifest.json, wids.json, metadata.json, text/embeddings.safetensors,
 text/prompts.json, samples.npy, shard-NNNNNN.tar/.json, the same names under val/ (the validation split),
-work/unit-NNNNNN.tar/.json/.rows.npy and finalize's work files (work/plan-train.npy, work/plan-val.npy and, under
-work/plan-train/ and work/plan-val/, shard-NNNNNN.tar.rows.npy and bucket-NNNNNN.rows/.ids). A directory whose
+work/unit-NNNNNN.tar/.json/.rows.npy, work/selection.json and finalize's work files (work/plan-train.npy,
+work/plan-val.npy and, under work/plan-train/ and work/plan-val/, shard-NNNNNN.tar.rows.npy and
+bucket-NNNNNN.rows/.ids). A directory whose
 inputs.json is a build's record owns every file at those names. Without one, only what a record names is a build's:
 a sealed manifest.json (an older wampipe's) with wids.json and the files it lists, and the units whose JSON records
 their inputs. Any other file at those names is foreign: the run refuses to start, naming it, with or without
@@ -31,8 +32,8 @@ from typing import Callable, Iterable, Iterator
 
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.shardformat.files import atomic_write_json, fsync_dir, is_temporary, lock_directory, temporary_path
-from wampipe.shardformat.layout import (INPUTS, MANIFEST, SAMPLE_INDEX, SHARD_NAME, STATISTICS, TEXT_PROMPTS,
-                                        TEXT_TABLE, UNIT_NAME, VAL_DIR, WIDS_INDEX, WORK_DIR)
+from wampipe.shardformat.layout import (INPUTS, MANIFEST, SAMPLE_INDEX, SELECTION, SHARD_NAME, STATISTICS,
+                                        TEXT_PROMPTS, TEXT_TABLE, UNIT_NAME, VAL_DIR, WIDS_INDEX, WORK_DIR)
 from wampipe.shardformat.manifest import ShardFormatError, parse_sealed_json
 
 LOCK = ".lock"
@@ -75,7 +76,8 @@ def remove_temporaries(out: Path) -> None:
 def ownership(names: Iterable[str], read: Callable[[str], bytes]) -> tuple[list[str], list[str]]:
     """(a build's own, foreign): the files among `names` (paths relative to a shard directory, local or remote)
     at the names a build writes, split by the rule of the module docstring. `read(name)` gives a file's bytes."""
-    written = sorted(n for n in names if n == INPUTS or n in FIXED_NAMES or NUMBERED.fullmatch(n) or PLANS.fullmatch(n))
+    written = sorted(n for n in names if n in (INPUTS, SELECTION) or n in FIXED_NAMES or NUMBERED.fullmatch(n)
+                     or PLANS.fullmatch(n))
     if INPUTS in written and is_record(_json(read, INPUTS)):
         return written, []
     own = set()
@@ -211,7 +213,8 @@ def delete_build(out: Path, units: bool) -> None:
     first = [n for n in FIXED_NAMES if n in own]
     numbered = [n for n in own if NUMBERED.fullmatch(n) and (units or not n.startswith(f"{WORK_DIR}/"))]
     plans = [n for n in own if PLANS.fullmatch(n)]
-    for name in first + numbered + plans + [n for n in own if n == INPUTS]:
+    selection = [n for n in own if n == SELECTION and units]  # it decides the units: it goes with them
+    for name in first + numbered + plans + selection + [n for n in own if n == INPUTS]:
         (out / name).unlink()
     for split in ("train", "val"):  # the plans' folders, once empty
         folder = out / WORK_DIR / f"plan-{split}"

@@ -22,6 +22,7 @@ from wampipe.preprocess import write
 from wampipe.preprocess.errors import DatasetError, EncoderOutputError
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.prompts import prompt_id, window_prompts
+from wampipe.preprocess.selection import source
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.preprocess.state_action import columns_for, slice_keys, window_state_action
 from wampipe.preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
@@ -101,7 +102,7 @@ def episode_samples(spec: BuildSpec, ds: LeRobotDataset, emb: Embodiment, index:
 def unit_samples(spec: BuildSpec, episodes: list[int], report: dict) -> Iterator[WindowSample]:
     """The samples of a unit's episodes. A bad episode is left out (unless --fail-fast) and, like one shorter than
     a window, recorded with its reason in `report`, which also collects the encoded episodes and their prompts."""
-    ds, emb = LeRobotDataset(spec.src), get_embodiment(spec.embodiment)
+    ds, emb = source(spec), get_embodiment(spec.embodiment)
     for index in episodes:
         try:
             produced = list(episode_samples(spec, ds, emb, index))  # whole episodes only: a failure leaves no part
@@ -113,7 +114,7 @@ def unit_samples(spec: BuildSpec, episodes: list[int], report: dict) -> Iterator
             report["failures"].append({"episode": index, "reason": reason})
             continue
         if not produced:
-            length = ds.episode_info(index).length
+            length = ds.length(index)
             report["skipped"].append({"episode": index, "reason": f"shorter than one window ({length} rows, a full "
                                                                   f"window needs {emb.window.extent + 1})"})
             continue

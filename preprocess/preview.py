@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # torch, the VAE and the reader are imported where used: `--h
     import torch
 
     from wampipe.encoders.vae import WanVAE
+    from wampipe.preprocess.lerobot import Ranges
     from wampipe.shardformat.index import ShardIndex, ShardReader
 
 SHEET_FRAMES = 8  # decoded frames shown per row of the sheet, evenly spaced over the window
@@ -42,7 +43,11 @@ class Args:
     out: Path = Path("preview")
     """Folder for <key>.mp4 and <key>.png (created)."""
     src: Path | None = None
-    """The LeRobot dataset the shards were built from: its camera frames at the same rows go beside the decoded ones."""
+    """The LeRobot dataset the shards were built from: its camera frames at the same rows go beside the decoded ones
+    (through the build's keep ranges: the recorded rows each kept row came from)."""
+    keep_ranges: Path | None = None
+    """With --src, for a build cut by keep ranges: that file, when it no longer lies where the manifest says (its
+    sha256 must be the manifest's)."""
     device: str = "cpu"
     """Where the decoder runs: cpu or cuda."""
 
@@ -82,7 +87,10 @@ def preview(args: Args) -> None:
         window = window_at(meta["window_start"], emb.window)
         encode_mp4(args.out / f"{key}.mp4", frames, round(fps), "h264")
         prompt = prompts.get(sorted(meta["prompt_ids"].items())[0][1], {}).get("text", "?")
-        source = source_frames(args.src, emb, meta["episode"], window, frames.shape[1:3]) if args.src else None
+        source = None
+        if args.src:
+            cut = episode_cut(args.src, manifest, meta["episode"], args.keep_ranges)
+            source = source_frames(args.src, emb, meta["episode"], window, frames.shape[1:3], cut)
         write_sheet(args.out / f"{key}.png", key, frames, meta, tensors, prompt, index, window, fps, source,
                     emb.cameras)
         print(f"wrote {args.out / key}.mp4 and .png")
@@ -139,14 +147,36 @@ def to_canvas_frames(video_bcthw: torch.Tensor) -> np.ndarray:
     return x.permute(0, 2, 3, 4, 1).cpu().numpy()
 
 
-def source_frames(src: Path, emb: Embodiment, episode: int, window: Window, hw: tuple[int, int]) -> np.ndarray:
-    """The source cameras at the window's video rows, raw (no crop, no canvas), side by side in the embodiment's
-    camera order, each resized to the decoded canvas's height: uint8 [T, H, W', 3]."""
+def episode_cut(src: Path, manifest: Manifest, episode: int, override: Path | None) -> Ranges | None:
+    """The keep ranges the build cut `episode` to (None: it kept every row), from the keep-ranges file the manifest
+    names (or `override`), refused in one line unless its sha256 is the manifest's."""
+    from wampipe.preprocess.selection import Filters, read_facts, read_keep_ranges
+    from wampipe.shardformat.files import sha256_file
+
+    stated = manifest.selection.get("filters", {}).get("keep_ranges")
+    if not stated:
+        return None
+    path = Path(override or stated["path"])
+    if not path.is_file() or sha256_file(path) != stated["sha256"]:
+        raise SystemExit(f"--src: the build cut its episodes to the keep ranges of {stated['path']} (sha256 "
+                         f"{stated['sha256'][:12]}), {'missing' if not path.is_file() else 'changed'} at {path}: "
+                         f"pass that file with --keep-ranges")
+    facts = read_facts(str(src), Filters(keep_ranges=str(path), keep_ranges_key=stated["key"]), [episode])[0]
+    if facts.error is not None or facts.key is None:
+        raise SystemExit(facts.error or f"--src {src}: episode {episode} has no key")
+    return read_keep_ranges(path).get(facts.key, ())
+
+
+def source_frames(src: Path, emb: Embodiment, episode: int, window: Window, hw: tuple[int, int],
+                  cut: Ranges | None = None) -> np.ndarray:
+    """The source cameras at the window's video rows (of the episode cut to `cut`, as the build saw it), raw (no
+    crop, no canvas), side by side in the embodiment's camera order, each resized to the decoded canvas's height:
+    uint8 [T, H, W', 3]."""
     import torch
 
     from wampipe.preprocess.lerobot import LeRobotDataset
 
-    views = LeRobotDataset(src).episode(episode).cameras
+    views = LeRobotDataset(src, None if cut is None else {episode: cut}).episode(episode).cameras
     out = []
     for camera in emb.cameras:
         x = torch.from_numpy(views[camera].read(window.video_rows)).permute(0, 3, 1, 2).float()

@@ -25,7 +25,7 @@ import os
 import re
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -35,9 +35,12 @@ from tqdm import tqdm
 from wampipe import configs
 from wampipe.preprocess import outdir, remote, write
 from wampipe.preprocess.lerobot import LeRobotDataset
+from wampipe.preprocess.selection import (Filters, Selection, key_fields, parse_ids, select, show_ids,
+                                          write_selection)
 from wampipe.preprocess.spec import ENCODERS, BuildSpec
 from wampipe.preprocess.validation import HELD_OUT, canonical, held_out, parse as parse_held_out
 from wampipe.shardformat.embodiments import get_embodiment
+from wampipe.shardformat.files import sha256_file
 from wampipe.shardformat.layout import VAL_DIR
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class DatasetPreset:
     embodiment: str  # tag of the embodiment schema (shardformat/embodiments)
     model: str  # size preset of the embodiment (canvas, VAE variant) when neither --model nor --config gives one
     sample_layout: str  # scripts/make_sample_dataset.py --layout of its sample data (make demo-data)
+    # what --official-filters sets: the official selection of the dataset's raw form (fields of Args)
+    official_filters: dict = field(default_factory=dict)
 
 
 DATASETS = {name: configs.build(DatasetPreset, preset, f"configs/datasets.yaml: {name}")
@@ -56,7 +61,7 @@ else:
 # Arguments with a lower bound (None, where allowed, means "not given").
 AT_LEAST = {"batch_size": 1, "workers": 0, "finalize_workers": 0, "threads_per_worker": 1, "num_units": 1,
             "unit_index": 0, "episodes_per_unit": 1, "anchor_stride": 1, "augment_variants": 0, "samples_per_shard": 1,
-            "seed": 0, "max_episodes": 1}
+            "seed": 0, "max_episodes": 1, "min_length": 1}
 
 
 @dataclass
@@ -149,7 +154,35 @@ class Args:
     decode_backend: Literal["torchcodec", "pyav"] = "torchcodec"
     """Frame decoder."""
     max_episodes: int | None = None
-    """Use only the first N episodes (quick trials)."""
+    """Use only the first N episodes of the dataset (quick trials); the filters below then apply to those."""
+    keep_ranges: Path | None = None
+    """Keep only these rows of each episode: a JSON object from episode key to a list of [start, end) row ranges
+    (openpi's droid_sample_ranges_v1_0_1.json for DROID's non-idle frames). A kept episode is cut to its ranges,
+    concatenated in order, and windows are cut from the shortened episode, as DreamZero's DROID conversion does;
+    an episode the file does not list, or lists with no range, is left out."""
+    keep_ranges_key: str = "{episode_index}"
+    """An episode's key in --keep-ranges: a format string over episode_index and the fields of its meta/episodes
+    row or, failing that, its parquet columns at the first row (DROID: {recording_folderpath}--{file_path})."""
+    drop_failed: bool = False
+    """Leave out failed episodes: those whose --reward-field is zero at every row (a per-row reward column, as
+    DreamZero's --filter-failed) or false (a per-episode success field of meta/episodes)."""
+    reward_field: str = "next.reward"
+    """The reward column (or per-episode success field) --drop-failed reads."""
+    require_language: Literal["official", "any", "off"] = "off"
+    """official: keep an episode only if one of its instructions (each annotation column at the first row) is
+    longer than one character and new, seen in no earlier episode of the dataset, kept or not (DreamZero's DROID
+    rule: an instruction counts once); any: keep it if it has an instruction other than "not provided"; off: all."""
+    episodes: str | None = None
+    """Use only these episodes: a comma list of ids and ranges (3,10-19) or a file of ids (separated by commas,
+    spaces or newlines; # starts a comment)."""
+    exclude_episodes: str | None = None
+    """Leave these episodes out (the form of --episodes)."""
+    min_length: int | None = None
+    """Leave out episodes with fewer rows than this (after --keep-ranges)."""
+    official_filters: bool = False
+    """DreamZero's selection of raw DROID, the dataset preset's (configs/datasets.yaml; droid: --drop-failed,
+    --require-language official, DROID's --keep-ranges-key); give --keep-ranges with openpi's file too. Flags
+    given beside it override it. Not for DreamZero's converted DROID, which is already filtered."""
     fail_fast: bool = False
     """Stop at the first bad episode instead of skipping it (skips are recorded with their reason)."""
     metadata: Path | None = None
@@ -167,13 +200,21 @@ class Args:
 def defaults(argv: list[str]) -> Args:
     """The defaults the flags of `argv` override: --config's preprocess section, if any."""
     name_or_file = configs.flag_value(argv, "--config")
-    if name_or_file is None:
-        return Args()
-    path = configs.path_of(name_or_file)
-    values = configs.section(configs.read(path), "preprocess", path)
-    if not values:
-        raise SystemExit(f"{path}: no preprocess section")
-    return configs.apply(Args(config=name_or_file), values, f"{path}: preprocess")
+    args = Args()
+    if name_or_file is not None:
+        path = configs.path_of(name_or_file)
+        values = configs.section(configs.read(path), "preprocess", path)
+        if not values:
+            raise SystemExit(f"{path}: no preprocess section")
+        args = configs.apply(Args(config=name_or_file), values, f"{path}: preprocess")
+    if args.official_filters or "--official-filters" in argv:  # the preset's choice, below the given flags
+        dataset = configs.flag_value(argv, "--dataset") or args.dataset
+        chosen = DATASETS[dataset].official_filters if dataset in DATASETS else {}
+        if not chosen:
+            raise SystemExit(f"--official-filters: the {dataset} dataset preset names no official filters "
+                             f"(configs/datasets.yaml); give the filter flags themselves")
+        args = configs.apply(args, {**chosen, "official_filters": True}, f"configs/datasets.yaml: {dataset}")
+    return args
 
 
 def prepare_defaults(args: Args) -> Args:
@@ -201,10 +242,40 @@ def prepare_defaults(args: Args) -> Args:
     return args
 
 
-def plan_units(ds: LeRobotDataset, episodes_per_unit: int, max_episodes: int | None) -> list[list[int]]:
-    """Deterministic work units: the dataset's episodes in index order, cut into groups."""
-    episodes = sorted(ds.episode_indices)[:max_episodes]
+def plan_units(episodes: list[int], episodes_per_unit: int) -> list[list[int]]:
+    """Deterministic work units: the build's episodes in index order, cut into groups."""
+    episodes = sorted(episodes)
     return [episodes[i : i + episodes_per_unit] for i in range(0, len(episodes), episodes_per_unit)]
+
+
+def filters_of(args: Args) -> Filters:
+    """The selection flags of checked `args` (check_arguments wrote the episode lists in their recorded form)."""
+    return Filters(None if args.keep_ranges is None else str(args.keep_ranges), args.keep_ranges_key,
+                   args.drop_failed, args.reward_field, args.require_language,
+                   None if args.episodes is None else parse_ids(args.episodes, "--episodes"),
+                   () if args.exclude_episodes is None else parse_ids(args.exclude_episodes, "--exclude-episodes"),
+                   args.min_length)
+
+
+def choose_episodes(args: Args, ds: LeRobotDataset) -> tuple[list[int], LeRobotDataset, Selection | None]:
+    """The build's episodes, the dataset as the build sees them and the selection that narrowed it (None without
+    filters): the first --max-episodes of its episodes, then the filters."""
+    considered = sorted(ds.episode_indices)[: args.max_episodes]
+    filters = filters_of(args)
+    if not filters.active:
+        return considered, ds, None
+    digest = None if args.keep_ranges is None else sha256_file(args.keep_ranges)
+    chosen = select(ds, filters, considered, args.finalize_workers, {"keep_ranges": digest})
+    counts = chosen.counts["episodes"]
+    dropped = ", ".join(f"{n} {reason}" for reason, n in counts["dropped"].items())
+    frames = chosen.counts["frames"]
+    print(f"selection: {counts['kept']} of {counts['in']} episodes kept{f' (left out: {dropped})' if dropped else ''}"
+          f", {frames['kept']} of {frames['in']} frames", flush=True)
+    for index, error in list(chosen.errors.items())[:10]:
+        print(f"  UNREADABLE episode {index}: {error}")
+    if not chosen.kept:
+        raise SystemExit(f"{args.src}: the filters keep no episode ({dropped})")
+    return list(chosen.kept), LeRobotDataset(ds.root, chosen.kept), chosen
 
 
 # ---------------------------------------------------------------- checks before any work
@@ -223,6 +294,14 @@ def check_arguments(args: Args) -> None:
         raise SystemExit("--overwrite cannot be used by array jobs (they share OUT); run it once without --unit-index")
     if args.val_episodes is not None:
         args.val_episodes = canonical(args.val_episodes)
+    for flag in ("episodes", "exclude_episodes"):  # recorded in one spelling: 3,4,5 and 3-5 are one input
+        if getattr(args, flag) is not None:
+            setattr(args, flag, show_ids(parse_ids(getattr(args, flag), f"--{flag.replace('_', '-')}")))
+    if args.official_filters and args.keep_ranges is None:
+        raise SystemExit("--official-filters: also give --keep-ranges, the non-idle ranges of the dataset's "
+                         "episodes (DROID: openpi's droid_sample_ranges_v1_0_1.json)")
+    if args.keep_ranges is not None:
+        key_fields(args.keep_ranges_key)  # a malformed key stops the run here
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise SystemExit(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.device.startswith("cuda"):
@@ -235,7 +314,7 @@ def check_arguments(args: Args) -> None:
 def check_held_out_windows(choice: str | None, held: tuple[int, ...], ds: LeRobotDataset, need: int) -> None:
     """A validation split must hold windows: every episode --val-episodes names, or at least one of a fraction's,
     is long enough for one (by meta/'s lengths, before any unit)."""
-    lengths = {e: ds.episode_info(e).length for e in held}
+    lengths = {e: ds.length(e) for e in held}
     short = [(e, n) for e, n in lengths.items() if n < need]
     if choice is None or not short or (isinstance(parse_held_out(choice), float) and len(short) < len(held)):
         return
@@ -350,7 +429,8 @@ def run(args: Args) -> None:
     ds = LeRobotDataset(args.src)
     if args.metadata is not None:
         check_metadata(args.metadata, emb, ds)
-    units = plan_units(ds, args.episodes_per_unit, args.max_episodes)
+    episodes, ds, chosen = choose_episodes(args, ds)
+    units = plan_units(episodes, args.episodes_per_unit)
     held = () if args.val_episodes is None else tuple(
         held_out(args.val_episodes, args.dataset, [e for unit in units for e in unit], args.src))
     check_held_out_windows(args.val_episodes, held, ds, emb.window.extent + 1)
@@ -362,7 +442,8 @@ def run(args: Args) -> None:
         hashing = time.perf_counter()
         # pyright takes this file for preprocess.shards, a module apart from the wampipe.preprocess.shards (the
         # same file through wampipe/'s link) whose Args the spec names
-        spec = BuildSpec.from_args(args, embodiment=emb.tag, held_out=held)  # pyright: ignore[reportArgumentType]
+        spec = BuildSpec.from_args(args, embodiment=emb.tag, held_out=held,  # pyright: ignore[reportArgumentType]
+                                   selection=None if chosen is None else chosen.sha256)
         print(f"start: encoder weights checked in {checked:.1f} s, inputs hashed in "
               f"{time.perf_counter() - hashing:.1f} s",
               flush=True)
@@ -374,6 +455,8 @@ def run(args: Args) -> None:
             return
         if not array_job:  # no other run writes here: what a killed run left half-written can go
             outdir.remove_temporaries(out)
+        if chosen is not None:
+            write_selection(out, chosen)
         print(f"{args.src}: {len(ds)} episodes -> {len(units)} units -> {out}")
         if args.stage in ("all", "units"):
             build_units(spec, units, args)

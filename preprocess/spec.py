@@ -34,6 +34,16 @@ def _digest(spec: BuildSpec, name: str) -> str | None:
     return spec.digests[name]
 
 
+def _when_on(spec: BuildSpec, name: str) -> Any:
+    """A selection setting is recorded only while its filter is on (None otherwise), so a build without filters
+    records what builds made before filters existed did, and resumes them."""
+    value = getattr(spec, name)
+    depends = {"keep_ranges_key": spec.keep_ranges, "reward_field": spec.drop_failed}
+    if name in depends and not depends[name]:
+        return None
+    return None if value in (False, "off", ()) else value
+
+
 def _device_type(spec: BuildSpec, name: str) -> str:
     """The device is recorded as its type: which card of it does not change the bytes."""
     import torch
@@ -70,6 +80,16 @@ class BuildSpec:
     vae_compile: bool = arg(UNIT)
     compile_cache: str = arg(default="")  # where compiled kernels are kept: a cached kernel is the kernel compiled
     samples_per_shard: int = arg(FINALIZE, manifest="")
+    # which episodes and rows (preprocess.selection); episode lists as their shortest text (selection.show_ids)
+    keep_ranges: str | None = arg(UNIT, lambda spec, name: spec.digests.get(name))
+    keep_ranges_key: str = arg(UNIT, _when_on, default="{episode_index}")
+    drop_failed: bool = arg(UNIT, _when_on, default=False)
+    reward_field: str = arg(UNIT, _when_on, default="next.reward")
+    require_language: str = arg(UNIT, _when_on, default="off")
+    episodes: str | None = arg(UNIT, default=None)
+    exclude_episodes: str | None = arg(UNIT, default=None)
+    min_length: int | None = arg(UNIT, default=None)
+    selection: str | None = arg(default=None)  # sha256 of OUT/work/selection.json, the selection these make
     val_episodes: str | None = arg(FINALIZE)  # as given (preprocess.validation.canonical)
     held_out: tuple[int, ...] = arg(default=())  # the episodes val_episodes picks: finalize puts them in OUT/val
     digests: dict = arg(default_factory=dict)  # sha256 of each path field recorded as one
@@ -89,7 +109,8 @@ class BuildSpec:
         given["vae_compile"] = {"on": True, "off": False}[args.vae_compile]  # run() resolved auto for the device
         encoders = weights_sha256(*(Path(given[name]) for name in ENCODERS))
         digests = {"src": fingerprint(args.src), **dict(zip(ENCODERS, encoders)),
-                   "metadata": None if args.metadata is None else sha256_file(args.metadata)}
+                   **{name: None if getattr(args, name) is None else sha256_file(getattr(args, name))
+                      for name in ("metadata", "keep_ranges")}}
         return cls(**{k: str(v) if isinstance(v, Path) else v for k, v in given.items()}, **derived, digests=digests)
 
     def inputs(self) -> dict:

@@ -17,7 +17,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Mapping
+from typing import Annotated, Mapping, Sequence
 
 import numpy as np
 import tyro
@@ -80,7 +80,7 @@ def write_metadata(path: Path, metadata: dict) -> None:
     atomic_write_bytes(path, (json.dumps(metadata, indent=4) + "\n").encode())
 
 
-def build_metadata(roots: list[Path], embodiment: Embodiment, weights: list[float] | None = None,
+def build_metadata(roots: Sequence[Path | LeRobotDataset], embodiment: Embodiment, weights: list[float] | None = None,
                    max_relative_episodes: int = 10000, exclude: Mapping[int, str] | None = None,
                    skipped: list[dict] | None = None) -> dict:
     """{tag: {"statistics": ..., "modalities": ..., "embodiment_tag": tag}} for one or several datasets.
@@ -91,14 +91,16 @@ def build_metadata(roots: list[Path], embodiment: Embodiment, weights: list[floa
     parts = []
     for root in roots:
         skip = dict(exclude or {})
-        parts.append(dataset_metadata(LeRobotDataset(root), embodiment, max_relative_episodes, skip))
+        ds = root if isinstance(root, LeRobotDataset) else LeRobotDataset(root)  # a dataset: as a build selected it
+        parts.append(dataset_metadata(ds, embodiment, max_relative_episodes, skip))
         if skipped is not None:
             skipped += [{"episode": i, "reason": reason} for i, reason in sorted(skip.items())]
     if len(parts) == 1:
         return {embodiment.tag: parts[0][0]}
     rows = np.array([n for _, n in parts], dtype=np.float64)
     mix = rows * (np.asarray(weights, dtype=np.float64) if weights else 1.0)
-    return {embodiment.tag: merge_metadata([m for m, _ in parts], mix, [str(r) for r in roots])}
+    return {embodiment.tag: merge_metadata([m for m, _ in parts], mix,
+                                           [str(getattr(r, "root", r)) for r in roots])}
 
 
 # ---------------------------------------------------------------- one dataset

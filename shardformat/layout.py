@@ -7,6 +7,7 @@
     wids.json, manifest.json      WIDS_INDEX, MANIFEST (last)
     inputs.json                   INPUTS (the preprocessor's record of a build)
     work/unit-000000.tar / .json  WORK_DIR, UNIT_FILE: the preprocessor's spills, never part of a finished copy
+    work/selection.json           SELECTION: which episodes and rows the build uses (preprocess.selection)
 
 A sample's members are `<key>.<tensor>.npy` (`.npy.zst` when compressed) and `<key>.meta.json`.
 """
@@ -23,6 +24,7 @@ TEXT_TABLE = "text/embeddings.safetensors"
 TEXT_PROMPTS = "text/prompts.json"
 INPUTS = "inputs.json"
 WORK_DIR = "work"
+SELECTION = f"{WORK_DIR}/selection.json"
 VAL_DIR = "val"  # the held-out split of a build (preprocess shards --val-episodes): a shard directory of its own
 SHARD_FILE = "shard-{:06d}.tar"
 SHARD_NAME = re.compile(r"shard-\d{6,}\.tar")

@@ -147,6 +147,9 @@ class Manifest:
     # the held-out episodes (--val-episodes): split ("train" | "val"), choice, episodes and, in the training split's
     # manifest, val_dir; empty for a build without a validation split
     validation: dict = field(default_factory=dict)
+    # which episodes and rows the build used (preprocess.selection: filters, counts, unreadable episodes); empty
+    # for a build of every episode and row
+    selection: dict = field(default_factory=dict)
     format: str = FORMAT_VERSION
 
     @classmethod
@@ -195,8 +198,9 @@ class Manifest:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        if not out["validation"]:  # a build without a validation split keeps the manifest of builds before it
-            del out["validation"]
+        for name in ("validation", "selection"):  # a build without either keeps the manifest of builds before them
+            if not out[name]:
+                del out[name]
         return out
 
     @property

@@ -12,12 +12,15 @@ from wampipe.preprocess.spec import FINALIZE, UNIT, BuildSpec, arg
 
 # The flags that change no output byte: where and how the run goes, not what it builds.
 RUN_ONLY = {"config", "out", "staging_dir", "workers", "finalize_workers", "executor", "ray_address", "unit_index",
-            "num_units", "stage", "fail_fast", "overwrite", "compile_cache"}
+            "num_units", "stage", "fail_fast", "overwrite", "compile_cache", "official_filters"}
 # inputs.json's keys as builds before the spec recorded them: a build made then resumes now
 RECORDED = {"src", "dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend",
             "dtype", "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes",
             "samples_per_shard", "val_episodes", "threads_per_worker", "device", "vae", "image_encoder", "text_encoder",
             "tokenizer", "metadata"}
+# the selection flags, recorded since filters exist: None while a filter is off, as a key older builds lack reads
+SELECTION = {"keep_ranges", "keep_ranges_key", "drop_failed", "reward_field", "require_language", "episodes",
+             "exclude_episodes", "min_length"}
 
 
 @pytest.fixture
@@ -40,7 +43,12 @@ def test_every_argument_that_changes_bytes_is_recorded(args):
     staged = {f.name for f in fields(BuildSpec) if f.metadata["stage"]}
     assert {f.name for f in fields(Args)} - staged == RUN_ONLY
     inputs = spec_of(args).inputs()
-    assert set(inputs) == staged == RECORDED
+    assert set(inputs) == staged == RECORDED | SELECTION
+    assert {name: inputs[name] for name in SELECTION} == dict.fromkeys(SELECTION)
+    filtered = spec_of(args, drop_failed=True, require_language="any", keep_ranges=args.vae).inputs()
+    assert (filtered["drop_failed"], filtered["reward_field"], filtered["require_language"]) == (True, "next.reward",
+                                                                                                   "any")
+    assert filtered["keep_ranges"] == inputs["vae"] and filtered["keep_ranges_key"] == "{episode_index}"
     assert inputs["device"] == "cpu" and spec_of(args, device="cuda:1").inputs()["device"] == "cuda"
     assert inputs["vae"] != inputs["image_encoder"] and len(inputs["vae"]) == 64  # the files' sha256, not their paths
 
