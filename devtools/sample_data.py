@@ -1,4 +1,5 @@
-"""A small but genuine LeRobot dataset: the on-disk layouts of DROID (v2.1), LIBERO (v2.0) and LIBERO (v3.0).
+"""A small but genuine LeRobot dataset: the on-disk layouts of DROID (v2.1; converted by DreamZero, or raw with what
+its filters act on), LIBERO (v2.0) and LIBERO (v3.0).
 
 The cameras film a scene that moves with the robot: a gripper marker sits where the simulated end effector is
 (each camera projects it differently), grows and shrinks with the gripper, and actions are the next state's

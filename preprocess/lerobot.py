@@ -241,12 +241,12 @@ class LeRobotDataset:
             listing = self.root / "meta" / ("episodes" if self.is_v3 else "episodes.jsonl")
             raise DatasetError(listing, twice, "listed twice")
         self._table_cache: OrderedDict[Path, pa.Table] = OrderedDict()
-        self._kept: dict[int, np.ndarray | None] | None = None
+        self._kept: dict[int, Ranges | None] | None = None  # ranges, not rows: all of DROID is 2e7 rows
         if kept is not None:
             unknown = sorted(set(kept) - self._by_index.keys())
             if unknown:
                 raise DatasetError(self.root, unknown[0], "selected but not in meta/")
-            self._kept = {e.index: _rows(kept[e.index]) for e in self._episodes if e.index in kept}
+            self._kept = {e.index: kept[e.index] for e in self._episodes if e.index in kept}
 
     # -- metadata
 
@@ -285,17 +285,20 @@ class LeRobotDataset:
 
     def source_rows(self, episode_index: int) -> np.ndarray | None:
         """The recorded rows an episode is cut to, ascending (None: every row)."""
+        return _rows(self._ranges(episode_index))
+
+    def length(self, episode_index: int) -> int:
+        """The rows the episode has as handed out (after any cut)."""
+        ranges = self._ranges(episode_index)
+        return self.episode_info(episode_index).length if ranges is None else sum(e - s for s, e in ranges)
+
+    def _ranges(self, episode_index: int) -> Ranges | None:
         self.episode_info(episode_index)  # a DatasetError for an episode meta/ does not list
         if self._kept is None:
             return None
         if episode_index not in self._kept:
             raise DatasetError(self.root, episode_index, "not among the selected episodes")
         return self._kept[episode_index]
-
-    def length(self, episode_index: int) -> int:
-        """The rows the episode has as handed out (after any cut)."""
-        rows = self.source_rows(episode_index)
-        return self.episode_info(episode_index).length if rows is None else len(rows)
 
     def __len__(self) -> int:
         return len(self.episode_indices)

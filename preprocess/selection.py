@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Iterable, Literal, Mapping
 
 import numpy as np
 
+from wampipe.errors import WampipeError
 from wampipe.preprocess.errors import DatasetError
 from wampipe.preprocess.lerobot import LeRobotDataset, Ranges
 from wampipe.shardformat.files import atomic_write_bytes, canonical_json
@@ -87,10 +88,10 @@ def parse_ids(value: str, flag: str) -> tuple[int, ...]:
     for part in text.replace(",", " ").split():
         first, dash, last = part.partition("-")
         if not first.isdigit() or (dash and not last.isdigit()) or (dash and int(last) < int(first)):
-            raise DatasetError(None, None, f"{where}: {part!r} is not an episode id or a range like 10-19")
+            raise WampipeError(f"{where}: {part!r} is not an episode id or a range like 10-19")
         ids.update(range(int(first), int(last if dash else first) + 1))
     if not ids:
-        raise DatasetError(None, None, f"{where}: names no episode")
+        raise WampipeError(f"{where}: names no episode")
     return tuple(sorted(ids))
 
 
@@ -114,10 +115,11 @@ def key_fields(template: str) -> list[str]:
     try:
         names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as err:
-        raise DatasetError(None, None, f"--keep-ranges-key {template!r}: not a format string ({err})") from None
-    if not names or any(not n or "." in n or "[" in n for n in names):  # a field's value, never an attribute
-        raise DatasetError(None, None, f"--keep-ranges-key {template!r}: give fields in braces, like "
-                                       f"{{episode_index}} or {{recording_folderpath}}--{{file_path}}")
+        raise WampipeError(f"--keep-ranges-key {template!r}: not a format string ({err})") from None
+    # named fields only, each a whole value: no positional {0}, no attribute or index
+    if not names or any(not n or n.isdigit() or "." in n or "[" in n for n in names):
+        raise WampipeError(f"--keep-ranges-key {template!r}: give fields in braces, like {{episode_index}} or "
+                           f"{{recording_folderpath}}--{{file_path}}")
     return names
 
 

@@ -21,8 +21,11 @@ from devtools.sample_data import LAYOUTS, write_sample_dataset
 @dataclass
 class Args:
     layout: Literal[LAYOUTS]  # type: ignore[valid-type]
-    """droid: LeRobot v2.1, 3 mp4 cameras 180x320 at 15 fps, DROID's state/action columns and 3 annotation columns;
-    libero: v2.0, 2 PNG cameras 256x256 inside parquet, 10 fps; libero-v3: the same content as libero in the v3.0
+    """droid: LeRobot v2.1, 3 mp4 cameras 180x320 at 15 fps, DROID's state/action columns and 3 annotation columns
+    (as DreamZero's converted DROID); droid-raw: the same layout as DROID is recorded, with idle stretches, failed
+    episodes, repeated and missing instructions and each episode's recording folder and file path, plus the keep
+    ranges of its moving rows in <out>_keep_ranges.json beside it (as openpi's file); libero: v2.0, 2 PNG cameras
+    256x256 inside parquet, 10 fps; libero-v3: the same content as libero in the v3.0
     layout with mp4 videos."""
     out: Path
     """Dataset root to create (replaced if it exists)."""

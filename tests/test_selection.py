@@ -317,3 +317,25 @@ def test_preview_shows_the_recorded_frames_a_kept_window_came_from(raw_shards, r
         assert episode_cut(raw_root, m, 7, moved) == cut
     finally:
         (tmp_path / "away.json").rename(ranges_file)
+
+
+@pytest.mark.e2e
+def test_bad_filter_flags_stop_the_build_in_one_line_before_any_unit(raw_root, ranges_file, tiny_checkpoints,
+                                                                      tmp_path):
+    good = json.loads(ranges_file.read_text())
+    key = next(iter(good))
+    overlapping = write(tmp_path, {**good, key: [[0, 50], [40, 90]]})
+    cases = {
+        ("--official-filters",): "--official-filters: also give --keep-ranges",
+        ("--official-filters", "--keep-ranges", str(overlapping)):
+            f"{overlapping}: entry '{key}': range [40, 90) overlaps or precedes the one before it",
+        ("--episodes", "3,x"): "--episodes 3,x: 'x' is not an episode id or a range like 10-19",
+        ("--keep-ranges", str(ranges_file), "--keep-ranges-key", "{0}"): "--keep-ranges-key '{0}': give fields",
+    }
+    for flags, says in cases.items():
+        out = tmp_path / "out"
+        done = subprocess.run(shards_cmd(raw_root, out, "droid", tiny_checkpoints, *flags), cwd=ROOT,
+                              capture_output=True, text=True)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, flags
+        assert done.stderr.strip().splitlines()[-1].startswith(says), (flags, done.stderr[-300:])
+        assert not (out / "work").exists(), flags
