@@ -5,8 +5,10 @@ promises holds.
     python -m preprocess check s3://bucket/shards/droid      # endpoint and credentials: the AWS_* variables
 
 Checked: the manifest (readable, this format version, its seal over its own content, its fields), wids.json,
-manifest <-> files (no shard missing, none extra), each shard's JSON (readable, sealed, agrees with the manifest,
-lists exactly the tar's members at their offsets), byte counts and sha256, sample counts, every member's CRC-32,
+manifest <-> files (no shard missing, none extra), the sample index (sealed, its rows list exactly each tar's members
+at their offsets) and, with --shard-jsons or when the index is unusable, each shard's JSON (readable, sealed, agrees
+with the manifest and the index, lists exactly the tar's members), byte counts and sha256, sample counts, every
+member's CRC-32,
 every member decodes with its recorded shape and dtype, holds finite values and is what the manifest's schema says
 (the same members, dtypes and shapes in every sample; frame 0 as CLIP features or, in the encoders' dtype, CLIP's
 input pixels, as image_features says), keys are unique and well formed, anchor multiplicities agree with meta.json,
@@ -56,6 +58,9 @@ class Args:
     workers: int = 0
     """Processes reading the shards, each shard a task of its own (0 = auto: one per 32 shards, at most every core
     and 8)."""
+    shard_jsons: bool = False
+    """Also read and verify each shard's JSON. Readers of this format use the sample index, which the check verifies
+    against every tar; the JSONs are read only with this flag, or when the index itself is unusable."""
 
 
 def _finite(value) -> bool:
@@ -193,11 +198,13 @@ def check_shard_json(store: ShardStore, entry: ShardEntry, files: set[str], prob
 
 def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None, indexed: list | None,
                 prompt_ids: set[str], decode: bool, schema: dict, held: set[int], held_in: bool) -> list[str]:
-    """One pass over the tar: every sample, its size and sha256, its headers against the shard JSON (`record`) and
-    the sample index's rows of the shard (`indexed`, SampleRecords in tar order; None when the index is unusable),
-    each sample's episode held out (`held_in`: a validation split) or not, as its split says."""
+    """One pass over the tar: every sample, its size and sha256, its headers and CRC-32s against the sample index's
+    rows of the shard (`indexed`, SampleRecords in tar order; None when the index is unusable) and, when read, the
+    shard JSON (`record`), each sample's episode held out (`held_in`: a validation split) or not, as its split
+    says."""
     name, problems, count = entry.shard, [], 0
-    samples = {s.key: s for s in record.samples} if record else {}
+    reference = indexed if indexed is not None else record.samples if record is not None else []
+    samples = {s.key: s for s in reference}
     headers: dict[str, list] = {}
     keys: dict[str, str] = {}
     with store.open(name) as f:
@@ -221,39 +228,44 @@ def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None
         problems.append(f"{name}: sha256 differs from the manifest")
     if count != entry.count:
         problems.append(f"{name}: {count} samples, the manifest says {entry.count}")
-    if record is not None and complete:
-        listed = {s.key: [[f"{s.key}.{m.name}", m.offset, m.size] for m in s.members] for s in record.samples}
+    for what, listing in ((SAMPLE_INDEX, indexed), (json_path(name).as_posix(), record and record.samples)):
+        if listing is None or not complete:
+            continue
+        listed = {s.key: [[f"{s.key}.{m.name}", m.offset, m.size] for m in s.members] for s in listing}
         for key in sorted(listed.keys() | headers.keys()):
             if listed.get(key) != headers.get(key):
-                problems.append(f"{json_path(name).as_posix()}: sample {key}: members and offsets differ from the "
-                                f"tar's headers")
+                problems.append(f"{what}: sample {key}: members and offsets differ from the tar's headers"
+                                f"{f' of {name}' if what == SAMPLE_INDEX else ''}")
     if indexed is not None and record is not None and indexed != record.samples:
         problems.append(f"{SAMPLE_INDEX}: the samples of {name} differ from {json_path(name).as_posix()}")
     return problems
 
 
 def check_one_shard(store: ShardStore, entry: ShardEntry, has_json: bool, indexed: list | None, prompt_ids: set[str],
-                    decode: bool, schema: dict, held: set[int], held_in: bool) -> list[str]:
-    """The problems of one shard (its JSON, then its tar): a task of its own (preprocess.executors.run_tasks)."""
+                    decode: bool, schema: dict, held: set[int], held_in: bool, shard_json: bool = False) -> list[str]:
+    """The problems of one shard (its JSON when `shard_json` or the index is unusable, then its tar): a task of its
+    own (preprocess.executors.run_tasks)."""
     problems: list[str] = []
-    record = check_shard_json(store, entry, {json_path(entry.shard).as_posix()} if has_json else set(), problems)
+    record = None
+    if shard_json or indexed is None:
+        record = check_shard_json(store, entry, {json_path(entry.shard).as_posix()} if has_json else set(), problems)
     return problems + check_shard(store, entry, record, indexed, prompt_ids, decode, schema, held, held_in)
 
 
-def check(root: str | os.PathLike, decode: bool = True, workers: int = 0) -> list[str]:
+def check(root: str | os.PathLike, decode: bool = True, workers: int = 0, shard_jsons: bool = False) -> list[str]:
     """All problems found in the shard directory at `root` (a path or URL) and in its validation split, as messages
     naming the file and sample; empty when the directory is sound. `workers` processes read the shards (0: auto,
-    preprocess.executors.auto_workers)."""
+    preprocess.executors.auto_workers); `shard_jsons`: verify each shard's JSON too."""
     try:
         held = ShardStore(root).manifest().validation
     except ShardFormatError:  # named by check_split
         held = {}
     episodes = set(held.get("episodes") or [])
-    problems, manifest = check_split(root, decode, episodes, held.get("split") == "val", workers)
+    problems, manifest = check_split(root, decode, episodes, held.get("split") == "val", workers, shard_jsons)
     if manifest is None or not held.get("val_dir"):
         return problems
     val_dir = f"{str(root).rstrip('/')}/{held['val_dir']}"
-    val_problems, val_manifest = check_split(val_dir, decode, episodes, True, workers)
+    val_problems, val_manifest = check_split(val_dir, decode, episodes, True, workers, shard_jsons)
     for p in val_problems:  # a sample in the wrong split is named by its path, like the training split's
         problems.append(f"{val_dir}/{p}" if p.endswith(", not held out") else f"validation split {val_dir}: {p}")
     if val_manifest is None:
@@ -272,7 +284,7 @@ def _episode(key: str) -> int | None:
 
 
 def check_split(root: str | os.PathLike, decode: bool, held: set[int], held_in: bool,
-                workers: int = 0) -> tuple[list[str], Manifest | None]:
+                workers: int = 0, shard_jsons: bool = False) -> tuple[list[str], Manifest | None]:
     """(problems, manifest or None) of one shard directory; `held`: the held-out episodes, which its samples must
     (`held_in`, a validation split) or must not be of. The shards are read by `workers` processes."""
     store = ShardStore(root)
@@ -303,7 +315,7 @@ def check_split(root: str | os.PathLike, decode: bool, held: set[int], held_in: 
             table, order, bounds = index
             indexed = [table.record(int(r)) for r in order[bounds[i]:bounds[i + 1]]]
         return (store, entry, json_path(entry.shard).as_posix() in files, indexed, prompt_ids, decode,
-                manifest.schema, held, held_in)
+                manifest.schema, held, held_in, shard_jsons)
 
     found: dict[int, list[str]] = {}
     for n, shard_problems in run_tasks(check_one_shard, LazyTasks(task, present), auto_workers(workers, len(present)),
@@ -376,7 +388,7 @@ def check_image(manifest: Manifest) -> list[str]:
 
 def run(args: Args) -> None:
     try:
-        problems = check(args.root, decode=args.members, workers=args.workers)
+        problems = check(args.root, decode=args.members, workers=args.workers, shard_jsons=args.shard_jsons)
     except STORE_ERRORS as err:  # the storage failed midway (network, permissions): one line, no traceback
         raise SystemExit(f"{args.root}: {err}") from None
     if problems:

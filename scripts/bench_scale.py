@@ -44,6 +44,12 @@ class Args:
     """Trainer starts at each size, one per count of ranks (each with --loader-workers loader workers)."""
     loader_workers: int = 2
     """Loader workers per trainer rank."""
+    mixture_sets: int = 3
+    """At each size, a trainer start on this many sets of it at once (hard-linked copies, one --data.mixture; below 2:
+    none)."""
+    val_fraction: float = 0.05
+    """At each size, a second finalize that holds this fraction of the episodes out into a validation split, then a
+    trainer start that validates on it at its step (0: none)."""
     s3_sizes: tuple[int, ...] = (2_000, 10_000)
     """Builds uploaded to a local S3 server (moto) whose trainer start's requests are counted (empty: none)."""
     samples_per_shard: int = 256
@@ -124,28 +130,47 @@ def write_units(out: Path, n: int, template: Path) -> None:
     (out / "bench-units.json").write_text(json.dumps({"units": unit + 1, "samples": n}))
 
 
-def finalize_units(out: Path, workers: int, samples_per_shard: int) -> None:
-    """The finalize of preprocess (mix: plan, shard tasks, sample index) and the manifest, over the units of `out`."""
+def finalize_units(out: Path, workers: int, samples_per_shard: int, val_every: int = 0) -> None:
+    """The finalize of preprocess (mix: plan, shard tasks, sample index) and the manifest, over the units of `out`;
+    with `val_every`, every val_every-th episode held out into the validation split out/val first, as finalize does
+    with --val-episodes."""
     from wampipe.preprocess import write
     from wampipe.preprocess.finalize import mix
+    from wampipe.preprocess.validation import split_summaries
+    from wampipe.shardformat.layout import VAL_DIR
     from wampipe.shardformat.manifest import Manifest, build_manifest
 
     units = json.loads((out / "bench-units.json").read_text())["units"]
     template = Manifest.read(out.parent / "template").to_dict()
     summaries = [write.summarize_unit(out, u) for u in range(units)]
-    mixed = mix(out, out, summaries, samples_per_shard, 0, (), None, template["dataset"], workers)
-    assert mixed is not None  # mix returns None only for one part of an array job (`part`), not passed here
-    shards, sample_index, member_bytes = mixed
+    held = [e for s in summaries for e in s["encoded"] if val_every and e % val_every == 0]
+    splits = [(out, summaries, None)]
+    if held:
+        train, val = split_summaries(summaries, held)
+        record = {"choice": f"every {val_every}th", "episodes": held}
+        splits = [(out / VAL_DIR, val, {"split": "val", **record}),
+                  (out, train, {"split": "train", **record, "val_dir": VAL_DIR})]
+        for name in ("metadata.json", "text"):
+            src, dst = out / name, out / VAL_DIR / name
+            if not dst.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
     keep = ("source", "dataset", "embodiment", "model", "modality_keys", "transform", "encoders", "compress",
             "text_table", "statistics")
-    manifest = build_manifest(summaries, shards, **{k: template[k] for k in keep}, samples_per_shard=samples_per_shard,
-                              seed=0, sample_index=sample_index, member_bytes=member_bytes)
-    manifest.write(out)
+    for into, part, validation in splits:
+        mixed = mix(out, into, part, samples_per_shard, 0, held, validation, template["dataset"], workers)
+        assert mixed is not None  # mix returns None only for one part of an array job (`part`), not passed here
+        shards, sample_index, member_bytes = mixed
+        manifest = build_manifest(part, shards, **{k: template[k] for k in keep}, samples_per_shard=samples_per_shard,
+                                  seed=0, sample_index=sample_index, member_bytes=member_bytes,
+                                  validation=validation or {})
+        manifest.write(into)
 
 
 def clear_finalize(out: Path) -> None:
-    """Remove what finalize wrote (shards, their JSONs, the index, the manifest, the plan), keeping the units."""
-    for pattern in ("shard-*.tar", "shard-*.json", "samples.npy", "manifest.json", "wids.json", "work/plan-*"):
+    """Remove what finalize wrote (shards, their JSONs, the index, the manifest, the plan, a validation split),
+    keeping the units."""
+    for pattern in ("shard-*.tar", "shard-*.json", "samples.npy", "manifest.json", "wids.json", "work/plan-*", "val"):
         for path in out.glob(pattern):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
@@ -210,10 +235,24 @@ def open_index_cost(root: str, env: dict | None = None) -> dict:
     return {**r, "open_s": round(float(line.split()[1]), 3)}
 
 
-def trainer_start(root: Path, ranks: int, loader_workers: int, run_dir: Path) -> dict:
+def linked_copy(root: Path, to: Path) -> Path:
+    """A shard directory at `to` whose files are hard links of `root`'s finished files (another set, no bytes)."""
+    shutil.rmtree(to, ignore_errors=True)
+    for path in root.rglob("*"):
+        rel = path.relative_to(root)
+        if path.is_file() and rel.parts[0] not in ("work", "val") and not rel.name.startswith("bench-"):
+            (to / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, to / rel)
+    return to
+
+
+def trainer_start(roots: Path | list[Path], ranks: int, loader_workers: int, run_dir: Path) -> dict:
+    """A trainer's start to its first step (and its validation, where a set has a split) on one set or a mixture."""
     shutil.rmtree(run_dir, ignore_errors=True)
+    data = (["--data.shards", str(roots)] if isinstance(roots, Path)
+            else ["--data.mixture", *(f"{root}=1" for root in roots)])
     r = run_measured([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                      "train/main.py", "--preset", "tiny", "--data.shards", str(root), "--steps", "1",
+                      "train/main.py", "--preset", "tiny", *data, "--steps", "1",
                       "--checkpoint.dir", str(run_dir), "--checkpoint.no-save-final", "--checkpoint.no-export",
                       "--metrics.no-tensorboard", "--metrics.no-progress", "--data.num-workers", str(loader_workers)])
     r.pop("output")
@@ -282,6 +321,20 @@ def main(args: Args) -> None:
         for ranks in args.trainer_ranks:
             report(f"trainer_start_{ranks}", samples=n,
                    **trainer_start(out, ranks, args.loader_workers, args.work / "run"))
+        if args.mixture_sets >= 2:
+            sets = [out] + [linked_copy(out, args.work / f"n{n}-set{k}") for k in range(1, args.mixture_sets)]
+            report("trainer_start_mixture", samples=n, sets=len(sets),
+                   **trainer_start(sets, 1, args.loader_workers, args.work / "run"))
+            for extra in sets[1:]:
+                shutil.rmtree(extra)
+        if args.val_fraction:
+            every = max(2, round(1 / args.val_fraction))
+            clear_finalize(out)
+            r = run_measured([sys.executable, __file__, "--finalize-only", str(out), str(max(args.finalize_workers)),
+                              str(args.samples_per_shard), str(every)])
+            r.pop("output")
+            report("finalize_val", samples=n, val_every=every, workers=max(args.finalize_workers), **r)
+            report("trainer_start_val", samples=n, **trainer_start(out, 1, args.loader_workers, args.work / "run"))
         if n in args.s3_sizes:
             report("s3_open", samples=n, **s3_reads(out, args.work))
     for n in [s for s in args.s3_sizes if s not in args.sizes]:
@@ -305,7 +358,7 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--finalize-only":  # the measured child of a finalize run
-        finalize_units(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "--finalize-only":  # the measured child of a finalize run
+        finalize_units(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int((sys.argv[5:] or [0])[0]))
     else:
         main(cli(Args, description=__doc__))

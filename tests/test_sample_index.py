@@ -72,7 +72,7 @@ def test_a_byte_changed_in_the_index_is_refused_by_its_seal(copy):
 
 def test_an_index_sealed_again_over_a_wrong_crc_is_refused_at_the_read(copy):
     """Sealed again, the CRC-32 is a number like any other: the read of that sample stops in one line naming the
-    tar, sample and member; `check` names the index's disagreement with the shard JSON."""
+    tar, sample and member, and so does `check` (which verifies the index against the tars)."""
     edit_index(copy, lambda rows: rows["crc32"].__setitem__((0, 0), rows["crc32"][0, 0] ^ 1))
     index = open_index(copy)
     key, name = index.table.key(0), index.table.record(0).members[0].name
@@ -80,7 +80,10 @@ def test_an_index_sealed_again_over_a_wrong_crc_is_refused_at_the_read(copy):
     with pytest.raises(ShardFormatError, match=f"^{re.escape(str(tar))}: sample {key}: member {re.escape(name)} "
                                                f"checksum mismatch"):
         SampleReader(index, preset("tiny")).raw_row(0)
-    assert any(p.startswith("samples.npy: the samples of shard-") and "differ from" in p for p in check(copy))
+    assert any(p.startswith(f"{tar.name}: sample {key}: member {name} checksum mismatch") for p in check(copy))
+    # with the shard JSONs read too, their disagreement with the index is named as well
+    assert any(p.startswith("samples.npy: the samples of shard-") and "differ from" in p
+               for p in check(copy, shard_jsons=True))
 
 
 @pytest.mark.parametrize("edit, reason", [
@@ -143,9 +146,9 @@ def test_a_loader_worker_maps_the_index_instead_of_copying_it(tiny_shards):
     assert isinstance(again.rows, np.memmap) and np.array_equal(again.rows, table.rows)
 
 
-def test_the_trainer_reads_no_shard_json_from_object_storage(tmp_path, s3_bucket, s3_server):
+def test_the_trainer_and_check_read_no_shard_json_from_object_storage(tmp_path, s3_bucket, s3_server):
     """Two builds of 3 and 12 shards: opening either for training reads the same files (manifest, index, statistics,
-    text table) and lists once, whatever the shard count; no shard JSON is read."""
+    text table) and lists once, whatever the shard count; no shard JSON is read, by the trainer or by `check`."""
     reads = []
     for shards in (3, 12):
         root = tmp_path / f"s{shards}"
@@ -158,6 +161,11 @@ def test_the_trainer_reads_no_shard_json_from_object_storage(tmp_path, s3_bucket
                for m, p, _ in s3_server.requests()[before:]]
         assert not [p for _, p in got if re.fullmatch(r"shard-\d+\.json", p)]
         reads.append(sorted(got))
+        before = len(s3_server.requests())
+        assert check(url) == []
+        checked = [p for m, p, _ in s3_server.requests()[before:] if m == "GET"]
+        assert sum(p.endswith(".tar") for p in checked) >= shards  # every tar read through...
+        assert not [p for p in checked if re.search(r"shard-\d+\.json$", p)]  # ... and no shard JSON
     assert reads[0] == reads[1]
     assert json.dumps(reads[0]).count("samples.npy") >= 1
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from tests.conftest import reindex
 from wampipe.preprocess.check import Args, check, run, tar_samples
 from wampipe.preprocess.write import shard_done
 from wampipe.shardformat.files import atomic_write_bytes, atomic_writer
@@ -153,15 +154,21 @@ def test_check_catches_edits_the_hashes_alone_would_not(shards, tmp_path):
 
     record = ShardRecord.read(copy / "shard-000001.json")
     key = record.keys[0]
+    # readers use the sample index, which check verifies against the tars; the shard JSONs only with shard_jsons
     _edit_sealed(copy / "shard-000001.json", lambda o: o["samples"][key]["members"][0].__setitem__(1, 0))
-    problems = check(copy)
+    assert check(copy) == []
+    problems = check(copy, shard_jsons=True)
     assert f"shard-000001.json: sample {key}: members and offsets differ from the tar's headers" in problems
+    reindex(copy)  # the index written anew from the edited JSONs, as anyone who edits a directory can
+    assert (f"samples.npy: sample {key}: members and offsets differ from the tar's headers of shard-000001.tar"
+            in check(copy))
     _edit_sealed(copy / "shard-000001.json", lambda o: o["samples"][key].update(
         anchor_multiplicity=o["samples"][key]["anchor_multiplicity"] + 1,
         members=[[m.name, m.offset, m.size, m.crc32] for m in record.samples[0].members]))
+    reindex(copy)
     assert any(f"shard-000001.tar: sample {key}: anchor_multiplicity" in p for p in check(copy))
     (copy / "shard-000001.json").write_bytes(b"\xff\xfe")
-    assert any(p.startswith(f"{copy / 'shard-000001.json'}: unreadable") for p in check(copy))
+    assert any(p.startswith(f"{copy / 'shard-000001.json'}: unreadable") for p in check(copy, shard_jsons=True))
     (copy / "wids.json").write_text(json.dumps({"wids_version": 1, "shardlist": []}))
     assert "wids.json: disagrees with manifest.json" in check(copy)
 
