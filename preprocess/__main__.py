@@ -34,13 +34,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     from wampipe.preprocess.errors import OutOfSpace, out_of_space
 
     try:
-        module.run(args)
+        status = module.run(args)  # an exit status (check, inspect) or None
     except WampipeError as err:  # bad input, a broken encoder, a killed process, a full disk: one line, no traceback
         raise SystemExit(str(err)) from None
     except OSError as err:
         if not out_of_space(err):
             raise
         raise SystemExit(str(OutOfSpace.from_os_error(err))) from None
+    if status:
+        raise SystemExit(status)
 
 
 def command_main(name: str):

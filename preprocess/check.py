@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Annotated, BinaryIO, Iterator
 import numpy as np
 import tyro
 
+from wampipe.errors import UsageError
 from wampipe.preprocess.executors import LazyTasks, auto_workers, run_tasks
 from wampipe.shardformat.files import NotRegularFile, open_regular, sha256_regular
 from wampipe.shardformat.keys import parse_key
@@ -386,16 +387,17 @@ def check_image(manifest: Manifest) -> list[str]:
     return []
 
 
-def run(args: Args) -> None:
+def run(args: Args) -> int:
+    """Prints the problems, or OK per split; returns the exit status (1: a problem)."""
     try:
         problems = check(args.root, decode=args.members, workers=args.workers, shard_jsons=args.shard_jsons)
     except STORE_ERRORS as err:  # the storage failed midway (network, permissions): one line, no traceback
-        raise SystemExit(f"{args.root}: {err}") from None
+        raise UsageError(f"{args.root}: {err}") from None
     if problems:
         print(f"FAILED: {len(problems)} problem(s) in {args.root}")
         for p in problems:
             print(f"  {p}")
-        raise SystemExit(1)
+        return 1
     manifest = ShardStore(args.root).manifest()
     print(f"OK: {args.root}: {manifest.totals['samples']} samples in {len(manifest.shards)} shards")
     if manifest.validation.get("val_dir"):  # a training split names its validation split; a split itself does not
@@ -403,3 +405,4 @@ def run(args: Args) -> None:
         val = ShardStore(val_dir).manifest()
         print(f"OK: {val_dir}: {val.totals['samples']} samples in {len(val.shards)} shards of the held-out episodes "
               f"{manifest.validation['episodes']}")
+    return 0

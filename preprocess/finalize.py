@@ -11,6 +11,7 @@ from typing import cast, overload
 import numpy as np
 import torch
 
+from wampipe.errors import UsageError
 from wampipe.preprocess import write
 from wampipe.preprocess.executors import auto_workers, run_tasks
 from wampipe.preprocess.lerobot import LeRobotDataset
@@ -46,7 +47,7 @@ def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tu
     out = Path(spec.out)
     missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
     if missing:
-        raise SystemExit(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not "
+        raise UsageError(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not "
                          f"done")
     read: list[dict | None] = [None] * len(units)
     for u, summary in run_tasks(write.summarize_unit, [(out, u) for u in range(len(units))],
@@ -61,7 +62,7 @@ def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tu
                 {"split": "val"} if val else None, spec.dataset, workers, part, ray)
         return None
     if not sum(summary["count"] for summary in summaries):  # before the text encoder loads: nothing to encode
-        raise SystemExit(no_samples(out, summaries))
+        raise UsageError(no_samples(out, summaries))
     prompts = {pid: text for summary in summaries for pid, text in summary["prompts"].items()}
     failures = [f for summary in summaries for f in summary["failures"]]
     shared = {"text_table": encode_text_table(out, prompts, spec), "statistics": write_statistics(out, spec, failures)}
@@ -108,7 +109,7 @@ def write_split(into: Path, summaries: list[dict], spec: BuildSpec, units: list[
             validation=validation or {}, sample_index=sample_index, member_bytes=member_bytes, **shared,
             selection={} if spec.selection is None else read_selection(spec.out, spec.selection).summary())
     except ShardFormatError as err:
-        raise SystemExit(f"cannot finalize {into}: {err}") from None
+        raise UsageError(f"cannot finalize {into}: {err}") from None
     manifest.write(into)
     return manifest.to_dict()
 

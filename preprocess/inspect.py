@@ -13,6 +13,7 @@ from pathlib import Path
 import tyro
 from tqdm import tqdm
 
+from wampipe.errors import UsageError
 from wampipe.preprocess.decode import BACKENDS
 from wampipe.preprocess.errors import DatasetError
 from wampipe.preprocess.lerobot import LeRobotDataset
@@ -30,9 +31,10 @@ class Args:
     """Look at only the first N episodes."""
 
 
-def run(args: Args) -> None:
+def run(args: Args) -> int:
+    """Prints the summary (and the decode's failures); returns the exit status (1: a frame failed to decode)."""
     if args.backend not in BACKENDS:
-        raise SystemExit(f"--backend must be one of {BACKENDS}")
+        raise UsageError(f"--backend must be one of {BACKENDS}")
     ds = LeRobotDataset(args.root)
     print(f"{ds.root}: LeRobot {ds.version}, {len(ds)} episodes, {ds.total_frames} frames, {ds.fps:g} fps")
     for short, key in ds.modality.video.items():
@@ -44,7 +46,7 @@ def run(args: Args) -> None:
     print(f"  annotations: {list(ds.modality.annotation.values()) or ['task_index']}; {len(ds.tasks)} tasks")
     indices = ds.episode_indices[: args.max_episodes]
     if not args.decode:
-        return
+        return 0
     frames, failures, start = 0, [], time.perf_counter()
     for index in tqdm(indices, desc="decode", unit="episode"):
         try:
@@ -57,5 +59,4 @@ def run(args: Args) -> None:
     print(f"decoded {frames} frames from {len(indices)} episodes in {elapsed:.1f} s ({frames / elapsed:.0f} frames/s)")
     for failure in failures:
         print(f"  FAILED {failure}")
-    if failures:
-        raise SystemExit(1)
+    return 1 if failures else 0

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from wampipe.errors import UsageError
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.shardformat.files import atomic_write_json, fsync_dir, is_temporary, lock_directory, temporary_path
 from wampipe.shardformat.layout import (INPUTS, MANIFEST, SAMPLE_INDEX, SELECTION, SHARD_NAME, STATISTICS,
@@ -122,7 +123,7 @@ def local_ownership(out: Path) -> tuple[list[str], list[str]]:
 def refuse_foreign(where: str, foreign: list[str]) -> None:
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise SystemExit(f"{where} holds files that no wampipe build recorded, at names a build writes: {shown}. "
+        raise UsageError(f"{where} holds files that no wampipe build recorded, at names a build writes: {shown}. "
                          f"Nothing was deleted; move them away or use another --out (--overwrite deletes only a "
                          f"build's own files)")
 
@@ -190,7 +191,7 @@ def claim(out: Path, inputs: dict, overwrite: bool) -> None:
         _write_once(out / INPUTS, inputs)  # array jobs starting together race here: one file wins ...
         problems, _ = conflicts(out, inputs)  # ... and the others compare against it
     if problems:
-        raise SystemExit(f"{out} holds a build made from other inputs: {'; '.join(problems)}. Pass the old values to "
+        raise UsageError(f"{out} holds a build made from other inputs: {'; '.join(problems)}. Pass the old values to "
                          f"resume it, or use another --out, or --overwrite to delete the old build")
 
 

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Annotated, Iterator
 import numpy as np
 import tyro
 
+from wampipe.errors import UsageError
 from wampipe.preprocess.windows import Window, window_at
 from wampipe.shardformat.embodiments import Embodiment, get_embodiment
-from wampipe.shardformat.manifest import Manifest, ShardFormatError
+from wampipe.shardformat.manifest import Manifest
 from wampipe.shardformat.storage import STORE_ERRORS
 
 if TYPE_CHECKING:  # torch, the VAE and the reader are imported where used: `--help` without loading torch
@@ -54,22 +55,20 @@ class Args:
 
 def run(args: Args) -> None:
     try:
-        preview(args)
-    except ShardFormatError as err:  # names the file and sample
-        raise SystemExit(str(err)) from None
+        preview(args)  # a ShardFormatError, like every WampipeError, is the command's one line already
     except STORE_ERRORS as err:
-        raise SystemExit(f"{args.shards}: unreadable: {err}") from None
+        raise UsageError(f"{args.shards}: unreadable: {err}") from None
 
 
 def preview(args: Args) -> None:
     if args.samples < 1:
-        raise SystemExit(f"--samples must be at least 1, got {args.samples}")
+        raise UsageError(f"--samples must be at least 1, got {args.samples}")
     if args.out.exists() and not args.out.is_dir():
-        raise SystemExit(f"--out {args.out} is a file; give a folder for the previews")
+        raise UsageError(f"--out {args.out} is a file; give a folder for the previews")
     try:
         import matplotlib  # noqa: F401  (the sheets; asked for before anything is decoded)
     except ImportError:
-        raise SystemExit("preview sheets need matplotlib: pip install 'wampipe[plot]'") from None
+        raise UsageError("preview sheets need matplotlib: pip install 'wampipe[plot]'") from None
     from wampipe.preprocess.decode import encode_mp4
     from wampipe.shardformat.index import ShardIndex, ShardReader
 
@@ -104,12 +103,12 @@ def build_decoder(path: Path, manifest: Manifest, shards: str, device: str) -> W
     from wampipe.encoders.weights import weights_sha256
 
     if not path.exists():
-        raise SystemExit(f"--vae {path}: not found")
+        raise UsageError(f"--vae {path}: not found")
     built_with = manifest.encoders.get("vae")
     if not built_with:
-        raise SystemExit(f"{shards}: the manifest records no VAE (synthetic shards): nothing to decode with")
+        raise UsageError(f"{shards}: the manifest records no VAE (synthetic shards): nothing to decode with")
     if weights_sha256(path)[0] != built_with["sha256"]:
-        raise SystemExit(f"--vae {path}: not the VAE {shards} was built with ({built_with['path']}, sha256 "
+        raise UsageError(f"--vae {path}: not the VAE {shards} was built with ({built_with['path']}, sha256 "
                          f"{built_with['sha256'][:12]}): pass that file")
     return load_vae(path, manifest.transform["vae_variant"], device, torch.float32, keep_decoder=True)
 
@@ -119,10 +118,10 @@ def check_source(src: Path, manifest: Manifest, shards: str) -> None:
     from wampipe.preprocess.outdir import fingerprint
 
     if not (src / "meta").is_dir():
-        raise SystemExit(f"--src {src}: not a LeRobot dataset (no meta/ folder)")
+        raise UsageError(f"--src {src}: not a LeRobot dataset (no meta/ folder)")
     built_from = manifest.source
     if fingerprint(src) != built_from["fingerprint"]:
-        raise SystemExit(f"--src {src}: not the dataset {shards} was built from ({built_from['root']}, fingerprint "
+        raise UsageError(f"--src {src}: not the dataset {shards} was built from ({built_from['root']}, fingerprint "
                          f"{built_from['fingerprint'][:12]}): pass that dataset")
 
 
@@ -158,12 +157,12 @@ def episode_cut(src: Path, manifest: Manifest, episode: int, override: Path | No
         return None
     path = Path(override or stated["path"])
     if not path.is_file() or sha256_file(path) != stated["sha256"]:
-        raise SystemExit(f"--src: the build cut its episodes to the keep ranges of {stated['path']} (sha256 "
+        raise UsageError(f"--src: the build cut its episodes to the keep ranges of {stated['path']} (sha256 "
                          f"{stated['sha256'][:12]}), {'missing' if not path.is_file() else 'changed'} at {path}: "
                          f"pass that file with --keep-ranges")
     facts = read_facts(str(src), Filters(keep_ranges=str(path), keep_ranges_key=stated["key"]), [episode])[0]
     if facts.error is not None or facts.key is None:
-        raise SystemExit(facts.error or f"--src {src}: episode {episode} has no key")
+        raise UsageError(facts.error or f"--src {src}: episode {episode} has no key")
     return read_keep_ranges(path).get(facts.key, ())
 
 

@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 
 from tqdm import tqdm
 
+from wampipe.errors import UsageError, WampipeError
 from wampipe.preprocess import outdir
 from wampipe.shardformat.files import atomic_write_bytes
 from wampipe.shardformat.layout import INPUTS, MANIFEST
@@ -73,9 +74,14 @@ def _private_dir(path: Path) -> Path:
         pass
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise SystemExit(f"{path}: not a private folder of this user (a link, another user's, or open to others), so "
+        raise UsageError(f"{path}: not a private folder of this user (a link, another user's, or open to others), so "
                          f"the default staging folder cannot be used: remove it, or pass --staging-dir")
     return path
+
+
+class RemoteError(WampipeError):
+    """Object storage failed an operation of the build (network, credentials, permissions): names the URL, the
+    operation, the reason and what to do."""
 
 
 @contextmanager
@@ -85,7 +91,7 @@ def failures(url: str, operation: str, advice: str = RESUME) -> Iterator[None]:
         yield
     except FAILURES as err:
         reason = " ".join(str(err).split()).rstrip(".") or type(err).__name__
-        raise SystemExit(f"{url}: {operation} failed: {reason}; {advice}") from None
+        raise RemoteError(f"{url}: {operation} failed: {reason}; {advice}") from None
 
 
 def check_access(url: str) -> None:
@@ -96,7 +102,7 @@ def check_access(url: str) -> None:
         if store.is_local:  # makes the filesystem, reading the WAMPIPE_S3_* timeouts
             return
     except ValueError as err:
-        raise SystemExit(str(err)) from None
+        raise UsageError(str(err)) from None
     if store.protocol in S3_PROTOCOLS:
         bucket, _, prefix = url.split("://", 1)[1].partition("/")
         with failures(url, f"list bucket {bucket}", AT_START):
@@ -127,14 +133,14 @@ def prefetch_remote_state(url: str, staging: Path, overwrite: bool = False) -> N
     if overwrite or not own:
         return
     if remote is None:
-        raise SystemExit(f"{url} holds a build without {INPUTS} (an older wampipe wrote it): pass --overwrite to "
+        raise UsageError(f"{url} holds a build without {INPUTS} (an older wampipe wrote it): pass --overwrite to "
                          f"replace it, or use another --out")
     staging.mkdir(parents=True, exist_ok=True)
     local = staging / INPUTS
     if not local.is_file():
         atomic_write_bytes(local, remote)
     elif local.read_bytes() != remote:
-        raise SystemExit(f"{url}/{INPUTS} differs from {local}: the staging directory holds another build than "
+        raise UsageError(f"{url}/{INPUTS} differs from {local}: the staging directory holds another build than "
                          f"{url}; pass --overwrite to replace the remote build, or use another --staging-dir")
 
 
@@ -169,7 +175,7 @@ def publish(staging: Path, url: str, progress: Callable[[str, str], None] | None
         with failures(url, "upload"):
             own, remote = _remote_state(store)
             if own and remote != local and not overwrite:
-                raise SystemExit(f"{url} holds another build (its {INPUTS} differs from {staging / INPUTS}); nothing "
+                raise UsageError(f"{url} holds another build (its {INPUTS} differs from {staging / INPUTS}); nothing "
                                  f"was uploaded or deleted: pass --overwrite to replace it, or use another --out")
             if MANIFEST in own and store.read_bytes(MANIFEST) != (staging / MANIFEST).read_bytes():
                 store.remove(MANIFEST)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from tqdm import tqdm
 
+from wampipe.errors import UsageError
 from wampipe import configs
 from wampipe.preprocess import outdir, remote, write
 from wampipe.preprocess.lerobot import LeRobotDataset
@@ -205,13 +206,13 @@ def defaults(argv: list[str]) -> Args:
         path = configs.path_of(name_or_file)
         values = configs.section(configs.read(path), "preprocess", path)
         if not values:
-            raise SystemExit(f"{path}: no preprocess section")
+            raise UsageError(f"{path}: no preprocess section")
         args = configs.apply(Args(config=name_or_file), values, f"{path}: preprocess")
     if args.official_filters or "--official-filters" in argv:  # the preset's choice, below the given flags
         dataset = configs.flag_value(argv, "--dataset") or args.dataset
         chosen = DATASETS[dataset].official_filters if dataset in DATASETS else {}
         if not chosen:
-            raise SystemExit(f"--official-filters: the {dataset} dataset preset names no official filters "
+            raise UsageError(f"--official-filters: the {dataset} dataset preset names no official filters "
                              f"(configs/datasets.yaml); give the filter flags themselves")
         args = configs.apply(args, {**chosen, "official_filters": True}, f"configs/datasets.yaml: {dataset}")
     return args
@@ -222,7 +223,7 @@ def prepare_defaults(args: Args) -> Args:
     an encoder."""
     preset = DATASETS[args.dataset]
     if args.src is None:
-        raise SystemExit("--src is required: the LeRobot dataset root (sample data and tiny encoders to try it on: "
+        raise UsageError("--src is required: the LeRobot dataset root (sample data and tiny encoders to try it on: "
                          "make demo-data, or scripts/make_sample_dataset.py and scripts/make_tiny_checkpoints.py)")
     if args.out is None:
         args.out = str(Path("shards") / args.dataset)  # beside the user, never inside an installed package
@@ -238,7 +239,7 @@ def prepare_defaults(args: Args) -> Args:
             os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wampipe" / "compile")
     missing = [f"--{n.replace('_', '-')}" for n in ENCODERS if getattr(args, n) is None]
     if missing:
-        raise SystemExit(f"also give the encoder weights: {' '.join(missing)} (see docs/WEIGHTS.md)")
+        raise UsageError(f"also give the encoder weights: {' '.join(missing)} (see docs/WEIGHTS.md)")
     return args
 
 
@@ -274,7 +275,7 @@ def choose_episodes(args: Args, ds: LeRobotDataset) -> tuple[list[int], LeRobotD
     for index, error in list(chosen.errors.items())[:10]:
         print(f"  UNREADABLE episode {index}: {error}")
     if not chosen.kept:
-        raise SystemExit(f"{args.src}: the filters keep no episode ({dropped})")
+        raise UsageError(f"{args.src}: the filters keep no episode ({dropped})")
     return list(chosen.kept), LeRobotDataset(ds.root, chosen.kept), chosen
 
 
@@ -285,30 +286,30 @@ def check_arguments(args: Args) -> None:
     for name, least in AT_LEAST.items():
         value = getattr(args, name)
         if value is not None and value < least:
-            raise SystemExit(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+            raise UsageError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if (args.unit_index is None) != (args.num_units is None):
-        raise SystemExit("--unit-index and --num-units go together")
+        raise UsageError("--unit-index and --num-units go together")
     if args.num_units is not None and args.unit_index is not None and args.unit_index >= args.num_units:
-        raise SystemExit(f"--unit-index must be in [0, {args.num_units})")
+        raise UsageError(f"--unit-index must be in [0, {args.num_units})")
     if args.num_units is not None and args.overwrite:
-        raise SystemExit("--overwrite cannot be used by array jobs (they share OUT); run it once without --unit-index")
+        raise UsageError("--overwrite cannot be used by array jobs (they share OUT); run it once without --unit-index")
     if args.val_episodes is not None:
         args.val_episodes = canonical(args.val_episodes)
     for flag in ("episodes", "exclude_episodes"):  # recorded in one spelling: 3,4,5 and 3-5 are one input
         if getattr(args, flag) is not None:
             setattr(args, flag, show_ids(parse_ids(getattr(args, flag), f"--{flag.replace('_', '-')}")))
     if args.official_filters and args.keep_ranges is None:
-        raise SystemExit("--official-filters: also give --keep-ranges, the non-idle ranges of the dataset's "
+        raise UsageError("--official-filters: also give --keep-ranges, the non-idle ranges of the dataset's "
                          "episodes (DROID: openpi's droid_sample_ranges_v1_0_1.json)")
     if args.keep_ranges is not None:
         key_fields(args.keep_ranges_key)  # a malformed key stops the run here
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        raise SystemExit(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.device.startswith("cuda"):
         import torch  # here: `--help` does without it
 
         if not torch.cuda.is_available():
-            raise SystemExit(f"--device {args.device}: no CUDA device is visible")
+            raise UsageError(f"--device {args.device}: no CUDA device is visible")
 
 
 def check_held_out_windows(choice: str | None, held: tuple[int, ...], ds: LeRobotDataset, need: int) -> None:
@@ -320,7 +321,7 @@ def check_held_out_windows(choice: str | None, held: tuple[int, ...], ds: LeRobo
         return
     shown = ", ".join(f"{e} ({n} rows)" for e, n in short[:5]) + (f" and {len(short) - 5} more" if len(short) > 5
                                                                    else "")
-    raise SystemExit(f"--val-episodes {choice}: episodes {shown} give no window (a window needs {need} rows); "
+    raise UsageError(f"--val-episodes {choice}: episodes {shown} give no window (a window needs {need} rows); "
                      f"hold out longer episodes")
 
 
@@ -332,10 +333,10 @@ def check_metadata(path: Path, emb, ds: LeRobotDataset) -> None:
     try:
         statistics = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise SystemExit(f"--metadata {path}: unreadable ({err})") from None
+        raise UsageError(f"--metadata {path}: unreadable ({err})") from None
     if not isinstance(statistics, dict) or emb.tag not in statistics:
         held = sorted(statistics) if isinstance(statistics, dict) else type(statistics).__name__
-        raise SystemExit(f"--metadata {path}: no statistics for {emb.tag} (it holds {held})")
+        raise UsageError(f"--metadata {path}: no statistics for {emb.tag} (it holds {held})")
     for modality, keys, entries in (("state", emb.state_keys, ds.modality.state),
                                     ("action", emb.action_keys, ds.modality.action)):
         for key in keys:
@@ -345,10 +346,10 @@ def check_metadata(path: Path, emb, ds: LeRobotDataset) -> None:
                     values = stat_vector(statistics[emb.tag]["statistics"], modality, [key], stat)
                 except (KeyError, TypeError, ValueError) as err:
                     reason = err.args[0] if isinstance(err, KeyError) and err.args else err  # KeyError quotes itself
-                    raise SystemExit(f"--metadata {path}: {emb.tag}: {modality}.{key}.{stat} unusable "
+                    raise UsageError(f"--metadata {path}: {emb.tag}: {modality}.{key}.{stat} unusable "
                                      f"({reason})") from None
                 if (width is not None and values.size != width) or not np.isfinite(values).all():
-                    raise SystemExit(f"--metadata {path}: {emb.tag}: {modality}.{key}.{stat} has {values.size} "
+                    raise UsageError(f"--metadata {path}: {emb.tag}: {modality}.{key}.{stat} has {values.size} "
                                      f"values{'' if np.isfinite(values).all() else ' (not all finite)'}, the "
                                      f"dataset's {key} is {width} wide")
 

@@ -23,6 +23,7 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
+from wampipe.errors import UsageError
 from wampipe.preprocess.errors import DatasetError
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.shardformat.embodiments import Embodiment, get_embodiment
@@ -48,24 +49,24 @@ class Args:
 
 def run(args: Args) -> None:
     if not args.src:
-        raise SystemExit("give at least one --src dataset")
+        raise UsageError("give at least one --src dataset")
     try:
         embodiment = get_embodiment(args.embodiment)
     except KeyError as err:
-        raise SystemExit(f"--embodiment: {err.args[0]}") from None
+        raise UsageError(f"--embodiment: {err.args[0]}") from None
     out = args.out.resolve()
     if out.is_dir():
-        raise SystemExit(f"--out {args.out} is a directory; give the path of the metadata.json to write")
+        raise UsageError(f"--out {args.out} is a directory; give the path of the metadata.json to write")
     bad = [w for w in args.weights if not (math.isfinite(w) and w > 0)]
     if bad:
-        raise SystemExit(f"--weights must be positive, finite numbers (a dataset's share of the mixture), got {bad[0]}")
+        raise UsageError(f"--weights must be positive, finite numbers (a dataset's share of the mixture), got {bad[0]}")
     if args.max_relative_episodes < 0:
-        raise SystemExit(f"--max-relative-episodes must be 0 (all) or more, got {args.max_relative_episodes}")
+        raise UsageError(f"--max-relative-episodes must be 0 (all) or more, got {args.max_relative_episodes}")
     for src in args.src:
         if out.is_relative_to(Path(src).resolve()):
-            raise SystemExit(f"--out {args.out} lies inside the source dataset {src}; write it elsewhere")
+            raise UsageError(f"--out {args.out} lies inside the source dataset {src}; write it elsewhere")
     if args.weights and len(args.weights) != len(args.src):
-        raise SystemExit(f"{len(args.weights)} --weights for {len(args.src)} --src")
+        raise UsageError(f"{len(args.weights)} --weights for {len(args.src)} --src")
     skipped: list[dict] = []
     metadata = build_metadata(args.src, embodiment, args.weights or None, args.max_relative_episodes, skipped=skipped)
     for bad in skipped:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
+from wampipe.errors import UsageError
 from wampipe.errors import WampipeError
 from wampipe.preprocess import write
 from wampipe.preprocess.errors import OutOfSpace, out_of_space
@@ -56,7 +57,7 @@ def encoder_devices(device: str) -> list[str]:
     if device == "cuda":
         count = torch.cuda.device_count()
         if count == 0:
-            raise SystemExit("--device cuda: no CUDA device is visible")
+            raise UsageError("--device cuda: no CUDA device is visible")
         return [f"cuda:{i}" for i in range(count)]
     return [device]
 
@@ -310,13 +311,13 @@ def run_ray(spec: BuildSpec, units: dict[int, list[int]], address: str | None) -
     try:
         import ray
     except ImportError:
-        raise SystemExit("--executor ray needs ray: pip install 'wampipe[ray]'") from None
+        raise UsageError("--executor ray needs ray: pip install 'wampipe[ray]'") from None
 
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     gpu = spec.device.startswith("cuda")
     count = int(ray.cluster_resources().get("GPU", 0)) if gpu else 1
     if count == 0:
-        raise SystemExit("--executor ray --device cuda: the Ray cluster has no GPU")
+        raise UsageError("--executor ray --device cuda: the Ray cluster has no GPU")
     # a CPU actor asks for no CPU of its own: the unit tasks' CPU requests would otherwise starve it
     actor_cls = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0)(EncoderActor)
     actors = [actor_cls.remote(spec) for _ in range(count)]

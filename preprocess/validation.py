@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 
+from wampipe.errors import UsageError
+
 
 HELD_OUT = "held out for validation (--val-episodes)"  # the statistics' reason for leaving an episode out
 USAGE = "a fraction in (0, 1) like 0.05, or a comma list of episode ids like 3,17,42"
@@ -28,7 +30,7 @@ def parse(spec: str) -> float | list[int]:
             return float(text)
     except ValueError:
         pass
-    raise SystemExit(f"--val-episodes {spec!r}: not {USAGE}")
+    raise UsageError(f"--val-episodes {spec!r}: not {USAGE}")
 
 
 def canonical(spec: str) -> str:
@@ -51,14 +53,14 @@ def held_out(spec: str, dataset: str, episodes: list[int], src) -> list[int]:
     if isinstance(choice, list):  # (as in canonical)
         missing = sorted(set(choice) - set(episodes))
         if missing:
-            raise SystemExit(f"--val-episodes {spec}: episodes {missing[:10]} are not among the {len(episodes)} "
+            raise UsageError(f"--val-episodes {spec}: episodes {missing[:10]} are not among the {len(episodes)} "
                              f"episodes this build reads from {src} (ids {min(episodes)}..{max(episodes)})")
         held = choice
     else:
         held = [e for e in episodes if in_fraction(dataset, e, choice)]
     if not held or len(held) == len(episodes):
         which = "none" if not held else "every one"
-        raise SystemExit(f"--val-episodes {spec} holds out {which} of the {len(episodes)} episodes this build reads "
+        raise UsageError(f"--val-episodes {spec} holds out {which} of the {len(episodes)} episodes this build reads "
                          f"from {src}: give {USAGE} that leaves episodes in both splits")
     return held
 

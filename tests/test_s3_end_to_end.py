@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from devtools import synthetic
+from wampipe.errors import UsageError
 from wampipe.preprocess import outdir
 from wampipe.preprocess.__main__ import main as preprocess_main
 from wampipe.preprocess.check import check
@@ -144,7 +145,7 @@ def test_publish_killed_midway_resumes_refuses_other_inputs_and_replaces_a_build
     fresh = staging_dir(url, tmp_path / "fresh")
     prefetch_remote_state(url, fresh)
     assert (fresh / "inputs.json").read_bytes() == (staging / "inputs.json").read_bytes()
-    with pytest.raises(SystemExit, match="--seed: 1 -> 2"):
+    with pytest.raises(UsageError, match="--seed: 1 -> 2"):
         outdir.claim(fresh, {**inputs, "seed": 2}, overwrite=False)
     outdir.claim(fresh, inputs, overwrite=False)
     assert published(url, fresh)
@@ -153,7 +154,7 @@ def test_publish_killed_midway_resumes_refuses_other_inputs_and_replaces_a_build
     small = tmp_path / "small"
     synthetic.make_synthetic_shards(small, "tiny", episodes=2, windows_per_episode=3, samples_per_shard=4, seed=1)
     atomic_write_json(small / outdir.INPUTS, {**inputs, "samples_per_shard": 4})
-    with pytest.raises(SystemExit, match="pass --overwrite to replace the remote build"):
+    with pytest.raises(UsageError, match="pass --overwrite to replace the remote build"):
         prefetch_remote_state(url, small)
     prefetch_remote_state(url, small, overwrite=True)
     publish(small, url, lambda path, action: None, overwrite=True)

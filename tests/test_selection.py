@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import ROOT, build, manifest, shards_cmd
+from wampipe.errors import UsageError
 from wampipe.preprocess.errors import DatasetError
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.selection import Filters, parse_ids, read_keep_ranges, select, show_ids
@@ -312,7 +313,7 @@ def test_preview_shows_the_recorded_frames_a_kept_window_came_from(raw_shards, r
     moved.write_bytes(ranges_file.read_bytes())
     ranges_file.rename(tmp_path / "away.json")
     try:
-        with pytest.raises(SystemExit, match=r"--src: the build cut its episodes to the keep ranges of .*missing"):
+        with pytest.raises(UsageError, match=r"--src: the build cut its episodes to the keep ranges of .*missing"):
             episode_cut(raw_root, m, 7, None)
         assert episode_cut(raw_root, m, 7, moved) == cut
     finally:

@@ -20,6 +20,7 @@ import pytest
 from s3fs import S3FileSystem
 
 from devtools import synthetic
+from wampipe.errors import UsageError
 from wampipe.preprocess import outdir
 from wampipe.preprocess.__main__ import main
 from wampipe.preprocess.check import check
@@ -81,7 +82,7 @@ def test_the_default_staging_folder_is_private_to_the_user_and_a_planted_one_is_
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / name))
         planted = tmp_path / name / f"wampipe-staging-{os.getuid()}"
         plant(planted)
-        with pytest.raises(SystemExit) as exc:
+        with pytest.raises(UsageError) as exc:
             staging_dir(url)
         assert str(exc.value) == (f"{planted}: not a private folder of this user (a link, another user's, or open to "
                                   f"others), so the default staging folder cannot be used: remove it, or pass "
@@ -150,7 +151,7 @@ def test_publishing_over_another_build_needs_overwrite_and_deletes_only_that_bui
     store.fs.pipe_file(store.path("notes.txt"), b"mine\n")  # a user's file beside the build
     before = {name: store.read_bytes(name) for name in store.list()}
 
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UsageError) as exc:
         publish(second, url, lambda path, action: None)
     assert str(exc.value) == (f"{url} holds another build (its inputs.json differs from {second / 'inputs.json'}); "
                               f"nothing was uploaded or deleted: pass --overwrite to replace it, or use another --out")

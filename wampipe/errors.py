@@ -5,3 +5,8 @@ child process that died, a full disk); only the entry points turn one into an ex
 
 class WampipeError(Exception):
     """Base of every error the tools report in one line, without a traceback."""
+
+
+class UsageError(WampipeError):
+    """A flag, argument or file given to a command that cannot be used (a value out of range, a missing file, another
+    build's directory): the message names it and says what to give instead."""
