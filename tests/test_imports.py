@@ -60,6 +60,25 @@ def test_no_import_statement_names_a_package_it_must_not_import(package):
     assert found == []
 
 
+def test_no_product_file_uses_a_private_name_of_another_file():
+    """`from wampipe.x import _name` or `x._name` of an imported product module: a private name is the file's own."""
+    found = []
+    for path in sorted(p for package in FORBIDDEN for p in (ROOT / package).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("wampipe"):
+                found += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+                modules |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name for a in node.names if a.name.startswith("wampipe")}
+        found += [f"{path.relative_to(ROOT)}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                  and node.attr.startswith("_") and not node.attr.startswith("__")]
+    assert found == []
+
+
 def test_the_wheel_ships_every_product_package_under_wampipe_and_no_fixture():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     shipped = {name.split(".")[1] for name in setuptools["packages"] if name != "wampipe"}

@@ -23,7 +23,7 @@ from torch.multiprocessing.spawn import start_processes
 from wampipe.train.config import ParallelConfig
 from wampipe.train.model import DiTConfig, build_model
 from wampipe.train.parallel import parallelize
-from wampipe.train.weights import DREAMZERO_PREFIX, WeightsError, _allowed_absent, load_weights, save_weights
+from wampipe.train.weights import DREAMZERO_PREFIX, WeightsError, allowed_absent, load_weights, save_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -69,7 +69,7 @@ def _worker(rank: int, tmp: str, cases: dict, dit: DiTConfig) -> None:
 @pytest.mark.e2e
 def test_sharded_load_equals_unsharded_and_refuses_bad_keys(official_base, small_dit, tmp_path):
     plain = build_model(small_dit)
-    wan = {k: v.to(torch.bfloat16) for k, v in plain.state_dict().items() if not _allowed_absent(plain, k)}
+    wan = {k: v.to(torch.bfloat16) for k, v in plain.state_dict().items() if not allowed_absent(plain, k)}
     torch.save(wan, tmp_path / "wan.pth")  # a Wan base: the DreamZero additions absent
     save_weights(build_model(small_dit), tmp_path / "export", max_shard_bytes=100_000)
     missing = _rewrite(official_base, tmp_path / "missing", lambda sd: {k: v for k, v in sd.items()
@@ -95,7 +95,7 @@ def test_sharded_load_equals_unsharded_and_refuses_bad_keys(official_base, small
         for n, rows in local.items():
             full = sd[n.replace("_checkpoint_wrapped_module.", "")].shape[0]
             assert (rows, other[n]) == (min(full, -(-full // 2)), full - min(full, -(-full // 2))), n
-    assert ranks[0]["wan"][2] and all(_allowed_absent(reference, k) for k in ranks[0]["wan"][2])
+    assert ranks[0]["wan"][2] and all(allowed_absent(reference, k) for k in ranks[0]["wan"][2])
 
     for r in range(WORLD):
         status, message = ranks[r]["missing"]

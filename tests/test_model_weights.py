@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from wampipe.train.model import build_model
-from wampipe.train.weights import Checkpoint, WeightsError, _allowed_absent, load_weights, save_weights
+from wampipe.train.weights import Checkpoint, WeightsError, allowed_absent, load_weights, save_weights
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -39,7 +39,7 @@ def test_official_names_and_shapes_load_strictly(preset, keys_file, n_params, n_
     assert sum(p.numel() for p in model.parameters()) == n_params
     # what a Wan base lacks (docs/REFERENCE.md#7-dit-token-layout-rope-and-timesteps): enc/dec for both, plus the CLIP
     # branch for the ti2v 5B
-    assert sum(math.prod(s) for k, s in keys.items() if _allowed_absent(model, k)) == n_new
+    assert sum(math.prod(s) for k, s in keys.items() if allowed_absent(model, k)) == n_new
 
 
 def _tiny(**kw):
@@ -82,7 +82,7 @@ def test_full_dreamzero_checkpoint_pt(tmp_path):
 
 def test_wan_base_cold_start_ti2v(tmp_path, caplog):
     src = _tiny()
-    base = {k: v.to(torch.bfloat16) for k, v in src.state_dict().items() if not _allowed_absent(src, k)}
+    base = {k: v.to(torch.bfloat16) for k, v in src.state_dict().items() if not allowed_absent(src, k)}
     # Wan's on-disk layout: sharded safetensors + diffusion_pytorch_model.safetensors.index.json
     names = sorted(base)
     half = len(names) // 2

@@ -366,8 +366,8 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
     sd = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp_load(sd, storage_reader=_DataOnlyReader(path), planner=_DataOnlyPlanner())
-    except CheckpointException as e:  # a rank's failure, e.g. a non-data pickle refused by _DataOnlyPlanner
+        dcp_load(sd, storage_reader=DataOnlyReader(path), planner=DataOnlyPlanner())
+    except CheckpointException as e:  # a rank's failure, e.g. a non-data pickle refused by DataOnlyPlanner
         cause = next(iter(e.failures.values()), (e,))[0]
         raise RunError(f"{path}: refusing to load: {_first_line(cause)}") from None
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
@@ -396,7 +396,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata")
 
 
-class _DataOnlyReader(FileSystemReader):
+class DataOnlyReader(FileSystemReader):
     """FileSystemReader whose metadata comes through `_MetadataUnpickler` (the stock reader uses pickle.load)."""
 
     def __init__(self, path: Path):
@@ -415,7 +415,7 @@ class _DataOnlyReader(FileSystemReader):
         return self.metadata
 
 
-class _DataOnlyPlanner(DefaultLoadPlanner):
+class DataOnlyPlanner(DefaultLoadPlanner):
     """DCP stores non-tensor state (the optimizer's lr, betas, ...) as pickles and loads them with weights_only=False;
     check each with weights_only=True (plain data only) first."""
 

@@ -66,7 +66,7 @@ def load_checkpoint(run: Path, step: int | None, dims: dict, shards: str) -> tup
     """The DiT of a run directory's checkpoint, read on this one process (DCP without a process group)."""
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from wampipe.train.checkpoint import _DataOnlyPlanner, _DataOnlyReader, complete_checkpoints
+    from wampipe.train.checkpoint import DataOnlyPlanner, DataOnlyReader, complete_checkpoints
 
     found = dict(complete_checkpoints(run))
     if not found or (step is not None and step not in found):
@@ -83,7 +83,7 @@ def load_checkpoint(run: Path, step: int | None, dims: dict, shards: str) -> tup
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP's note that it loads in this one process: the intent here
         warnings.simplefilter("ignore", UserWarning)
-        dcp_load(state, storage_reader=_DataOnlyReader(path), planner=_DataOnlyPlanner())
+        dcp_load(state, storage_reader=DataOnlyReader(path), planner=DataOnlyPlanner())
     model.load_state_dict(state["model"])
     return model, str(path)
 

@@ -50,7 +50,7 @@ from wampipe import configs
 from wampipe.train.checkpoint import RunError, free_space
 from wampipe.train.config import LoRAConfig
 from wampipe.train.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
-from wampipe.train.weights import (DREAMZERO_PREFIX, WeightsError, _allowed_absent, model_tensors, shard_file_names,
+from wampipe.train.weights import (DREAMZERO_PREFIX, WeightsError, allowed_absent, model_tensors, shard_file_names,
                            shard_groups, write_index)
 
 log = logging.getLogger(__name__)
@@ -464,7 +464,7 @@ def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None 
         metadata_json = mixture_statistics(shards)
         layout = check_base(base, model, list(metadata_json))
     stage = _Staging(out)
-    absent = tuple(k for k in model_tensors(model) if _allowed_absent(model, k))
+    absent = tuple(k for k in model_tensors(model) if allowed_absent(model, k))
     meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
     _write_plain(lora_only_tensors(model, also=absent), stage, PEFT_PREFIX, dtype, meta, 5 << 30)
 

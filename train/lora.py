@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from wampipe.train.config import LoRAConfig
-from wampipe.train.weights import _fill, model_tensors, official_name
+from wampipe.train.weights import fill_rows, model_tensors, official_name
 
 ADAPTERS = ("lora_A", "lora_B")
 # the official recipe re-enables these (new in DreamZero) after freezing the DiT
@@ -84,7 +84,7 @@ def init_lora(model: nn.Module, seed: int) -> None:
 
 
 def _copy_rows(t: torch.Tensor, full: torch.Tensor) -> None:
-    _fill(t, lambda rows: full if rows is None else full[rows[0]:rows[1]])
+    fill_rows(t, lambda rows: full if rows is None else full[rows[0]:rows[1]])
 
 
 def lora_fields(model: nn.Module) -> dict:

@@ -188,7 +188,7 @@ def reference_init(owner: nn.Module, leaf: str, tensor: torch.Tensor, generator:
     return tensor.zero_()  # biases
 
 
-def _allowed_absent(model: nn.Module, key: str) -> bool:
+def allowed_absent(model: nn.Module, key: str) -> bool:
     if _NEW_IN_DREAMZERO.match(key):
         return True
     cfg = cast("DiTConfig", model.cfg)  # the trainer's models (train/model.py CausalWanModel) carry their config
@@ -219,8 +219,8 @@ def match_keys(model: nn.Module, ckpt: Checkpoint, source: str = "auto") -> tupl
     unexpected = sorted(set(names) - set(expected))
     missing = sorted(set(expected) - set(names))
     if source == "auto":
-        source = "wan" if missing and all(_allowed_absent(model, k) for k in missing) else "export"
-    required = [k for k in missing if source != "wan" or not _allowed_absent(model, k)]
+        source = "wan" if missing and all(allowed_absent(model, k) for k in missing) else "export"
+    required = [k for k in missing if source != "wan" or not allowed_absent(model, k)]
     if required or unexpected:
         raise _key_error(ckpt.path, "Wan base" if source == "wan" else source, required, unexpected)
     for k, raw in names.items():
@@ -229,7 +229,7 @@ def match_keys(model: nn.Module, ckpt: Checkpoint, source: str = "auto") -> tupl
     return names, missing, source
 
 
-def _fill(t: torch.Tensor, read) -> None:
+def fill_rows(t: torch.Tensor, read) -> None:
     """Copy this rank's rows of `t` from `read(rows)` (a CPU tensor of the file's dtype)."""
     rows = local_rows(t)
     local = t.to_local() if isinstance(t, DTensor) else t
@@ -249,14 +249,14 @@ def load_weights(model: nn.Module, path: str | Path, source: str = "auto", seed:
     tensors = model_tensors(model)
     try:
         for key in sorted(names, key=lambda k: (str(ckpt.file_of[names[k]]), k)):  # one file mapped at a time
-            _fill(tensors[key][0], lambda rows, raw=names[key]: ckpt.read(raw, rows))
+            fill_rows(tensors[key][0], lambda rows, raw=names[key]: ckpt.read(raw, rows))
     finally:
         ckpt.close()
     for key in missing:
         t, owner = tensors[key]
         gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (1 << 63))
         full = reference_init(owner, key.rsplit(".", 1)[1], torch.empty(t.shape), gen)
-        _fill(t, lambda rows, full=full: full if rows is None else full[rows[0]:rows[1]])
+        fill_rows(t, lambda rows, full=full: full if rows is None else full[rows[0]:rows[1]])
     if missing:
         groups = sorted({re.sub(r"\.\d+\.", ".*.", k).rsplit(".", 1)[0] for k in missing})
         n = sum(tensors[k][0].numel() for k in missing)
