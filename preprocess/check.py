@@ -35,7 +35,7 @@ import numpy as np
 import tyro
 
 from wampipe.errors import UsageError
-from wampipe.preprocess.executors import LazyTasks, auto_workers, run_tasks
+from wampipe.preprocess.tasks import LazyTasks, auto_workers, run_tasks
 from wampipe.shardformat.files import NotRegularFile, open_regular, sha256_regular
 from wampipe.shardformat.keys import parse_key
 from wampipe.shardformat.layout import CLIP_PIXELS, MANIFEST, SAMPLE_INDEX, SHARD_NAME, WIDS_INDEX
@@ -245,7 +245,7 @@ def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None
 def check_one_shard(store: ShardStore, entry: ShardEntry, has_json: bool, indexed: list | None, prompt_ids: set[str],
                     decode: bool, schema: dict, held: set[int], held_in: bool, shard_json: bool = False) -> list[str]:
     """The problems of one shard (its JSON when `shard_json` or the index is unusable, then its tar): a task of its
-    own (preprocess.executors.run_tasks)."""
+    own (preprocess.tasks.run_tasks)."""
     problems: list[str] = []
     record = None
     if shard_json or indexed is None:
@@ -256,7 +256,7 @@ def check_one_shard(store: ShardStore, entry: ShardEntry, has_json: bool, indexe
 def check(root: str | os.PathLike, decode: bool = True, workers: int = 0, shard_jsons: bool = False) -> list[str]:
     """All problems found in the shard directory at `root` (a path or URL) and in its validation split, as messages
     naming the file and sample; empty when the directory is sound. `workers` processes read the shards (0: auto,
-    preprocess.executors.auto_workers); `shard_jsons`: verify each shard's JSON too."""
+    preprocess.tasks.auto_workers); `shard_jsons`: verify each shard's JSON too."""
     try:
         held = ShardStore(root).manifest().validation
     except ShardFormatError:  # named by check_split

@@ -13,7 +13,7 @@ import torch
 
 from wampipe.errors import UsageError
 from wampipe.preprocess import write
-from wampipe.preprocess.executors import auto_workers, run_tasks
+from wampipe.preprocess.tasks import auto_workers, run_tasks
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.pipeline import VAE_OF_MODEL
 from wampipe.preprocess.selection import read_selection, source
@@ -39,7 +39,7 @@ def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tu
     """Shards, text table, statistics and manifest from the finished units; returns the training split's manifest.
     With held-out episodes (`spec.held_out`), their samples go into the validation split OUT/val, a sealed shard
     directory of its own (the same text table and statistics), written before the training split's manifest.
-    `workers` processes (0: executors.auto_workers) write the shards, each a task of its own
+    `workers` processes (0: tasks.auto_workers) write the shards, each a task of its own
     (write.write_planned_shard), or with `on_ray` as Ray tasks of the cluster at `ray_address`. `part` (i, n): one
     job of an array writes only the shards k with k % n == i of each split and returns None; a run without it keeps
     them and writes the rest."""

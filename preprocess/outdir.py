@@ -22,7 +22,6 @@ their inputs. Any other file at those names is foreign: the run refuses to start
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -129,17 +128,6 @@ def refuse_foreign(where: str, foreign: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- what a build is made from
-
-
-def fingerprint(root: Path) -> str:
-    """Hash of the source's metadata files plus the names and sizes of all its data and video files."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        digest.update(f"{rel}\0{path.stat().st_size}\0".encode())
-        if rel.startswith("meta/"):
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def differences(recorded: dict, inputs: dict) -> list[str]:

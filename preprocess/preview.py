@@ -115,7 +115,7 @@ def build_decoder(path: Path, manifest: Manifest, shards: str, device: str) -> W
 
 def check_source(src: Path, manifest: Manifest, shards: str) -> None:
     """Refuse, in one line, a dataset other than the one the shards were built from: its frames would mislead."""
-    from wampipe.preprocess.outdir import fingerprint
+    from wampipe.preprocess.spec import fingerprint
 
     if not (src / "meta").is_dir():
         raise UsageError(f"--src {src}: not a LeRobot dataset (no meta/ folder)")

@@ -205,7 +205,7 @@ def needs_parquet(ds: LeRobotDataset, filters: Filters) -> tuple[list[str], list
 
 
 def read_facts(root: str, filters: Filters, episodes: list[int]) -> list[Facts]:
-    """Facts of `episodes` of the dataset at `root` (a task of executors.run_tasks)."""
+    """Facts of `episodes` of the dataset at `root` (a task of tasks.run_tasks)."""
     ds = LeRobotDataset(root)
     columns, _ = needs_parquet(ds, filters)
     read_rows = bool(columns) or filters.require_language != "off"
@@ -286,7 +286,7 @@ def select(ds: LeRobotDataset, filters: Filters, episodes: list[int], workers: i
            sha256: dict[str, str | None] | None = None) -> Selection:
     """The selection of `episodes` (in index order) of `ds`: read what the filters need of each (`workers`
     processes), then apply the rules in order. `sha256`: of each file a filter read (the manifest states it)."""
-    from wampipe.preprocess.executors import auto_workers, run_tasks
+    from wampipe.preprocess.tasks import auto_workers, run_tasks
 
     ranges = read_keep_ranges(filters.keep_ranges) if filters.keep_ranges is not None else None
     needs_parquet(ds, filters)  # a missing field stops here, not in every task

@@ -8,6 +8,7 @@ arguments in one place (`from_args`) and is picklable for worker processes and R
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -101,7 +102,6 @@ class BuildSpec:
         """The spec of checked and completed `args` (preprocess.shards.run) and what the run `derived` from them
         (embodiment, held_out); hashes the source and every file recorded as its sha256."""
         from wampipe.encoders.weights import weights_sha256
-        from wampipe.preprocess.outdir import fingerprint
         from wampipe.shardformat.files import sha256_file
 
         assert args.src is not None  # completed: prepare_defaults refused a run without --src
@@ -137,3 +137,14 @@ class BuildSpec:
                     value = {"path": value, "sha256": self.digests[f.name]}
                 (stated[block] if block else stated)[f.name] = value
         return stated
+
+
+def fingerprint(root: Path) -> str:
+    """Hash of the source's metadata files plus the names and sizes of all its data and video files."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        digest.update(f"{rel}\0{path.stat().st_size}\0".encode())
+        if rel.startswith("meta/"):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()

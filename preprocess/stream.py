@@ -36,7 +36,7 @@ from wampipe.errors import UsageError
 from wampipe.errors import WampipeError
 from wampipe.preprocess import write
 from wampipe.preprocess.errors import OutOfSpace, out_of_space
-from wampipe.preprocess.executors import ChildDied, die_with_parent, leave_child
+from wampipe.preprocess.tasks import ChildDied, die_with_parent, leave_child
 from wampipe.preprocess.pipeline import Encoders, WindowSample, stack_clips, timed, unit_report, unit_samples
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.shardformat.members import encode_sample

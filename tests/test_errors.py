@@ -9,7 +9,7 @@ from wampipe.encoders.weights import WeightsError as EncoderWeightsError
 from wampipe.errors import UsageError, WampipeError
 from wampipe.preprocess.__main__ import main
 from wampipe.preprocess.errors import DatasetError, EncoderOutputError, OutOfSpace
-from wampipe.preprocess.executors import ChildDied
+from wampipe.preprocess.tasks import ChildDied
 from wampipe.preprocess.remote import RemoteError
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.schema import SchemaError

@@ -29,9 +29,8 @@ from torch.multiprocessing.spawn import start_processes
 from tests.test_init_load import ROOT, _rewrite
 from devtools import tiny_base
 from wampipe.shardformat.index import Window
-from wampipe.train import checkpoint
 from wampipe.train.config import CheckpointConfig, Config, DataConfig, ModelConfig
-from wampipe.train.export import check_base, export_weights
+from wampipe.train.export import check_base, export_run, export_weights
 from wampipe.train.model import build_model
 from wampipe.train.weights import DREAMZERO_PREFIX, WeightsError, load_weights
 
@@ -82,7 +81,7 @@ def _worker(rank: int, tmp: str, shards: Path, init_from: Path, cases: dict) -> 
             with torch.no_grad():
                 for p in model.parameters():
                     cast(DTensor, p).to_local().add_(SHIFT)
-            checkpoint.export(cfg.checkpoint, model, metadata={"step": 7}, shards=shards)
+            export_run(cfg.checkpoint, model, metadata={"step": 7}, shards=shards)
     finally:
         dist.destroy_process_group()
 

@@ -60,6 +60,53 @@ def test_no_import_statement_names_a_package_it_must_not_import(package):
     assert found == []
 
 
+def product_modules() -> dict[str, Path]:
+    """Every product module by its installed name."""
+    out = {}
+    for path in sorted(p for package in FORBIDDEN for p in (ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(("wampipe",) + (parts[:-1] if parts[-1] == "__init__" else parts))] = path
+    return out
+
+
+def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The product modules a file imports, at its top or inside a function (a lazy import is an edge too), but not
+    under `if TYPE_CHECKING:` (names for the checker only)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(
+        node.test) for part in node.body for n in ast.walk(part)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("wampipe"):
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            found |= {name for name in names if name in modules}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules}
+    return found
+
+
+def test_no_product_module_imports_itself_through_others():
+    modules = product_modules()
+    graph = {name: imported_modules(path, modules) - {name} for name, path in modules.items()}
+    cycles, state = [], {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            if state.get(other) == "open":
+                cycles.append(" -> ".join(path[path.index(other):] + [name, other]) if other in path else other)
+            elif other not in state:
+                visit(other, path + [name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert cycles == []
+
+
 def test_no_product_file_uses_a_private_name_of_another_file():
     """`from wampipe.x import _name` or `x._name` of an imported product module: a private name is the file's own."""
     found = []

@@ -93,6 +93,20 @@ def _stop_if_any(error: str | None, remove: Path | None = None, describe=lambda 
     raise RunError(message)
 
 
+# every name an export folder can hold: replacing a folder with any other file in it is refused, not done
+EXPORT_FILES = ("model.safetensors", "model-?????-of-?????.safetensors", "model.safetensors.index.json", "config.json",
+                "experiment_cfg", "experiment_cfg/conf.yaml", "experiment_cfg/metadata.json")
+
+
+def foreign_files(out: Path) -> list[str]:
+    """What folder `out` holds that no export writes (EXPORT_FILES), which replacing it would delete."""
+    out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        return [out.name]
+    found = (p.relative_to(out).as_posix() for p in out.rglob("*")) if out.is_dir() else ()
+    return sorted(rel for rel in found if not any(fnmatch(rel, pattern) for pattern in EXPORT_FILES))
+
+
 def claim_run_dir(cfg: CheckpointConfig) -> None:
     """Collective, before any work: rank 0 makes `cfg.dir` this run's directory (module docstring) and locks it for
     the process's life; a directory in use by another run, or holding files the trainer did not write, stops every
@@ -144,8 +158,6 @@ def start_over(root: Path) -> None:
 
 
 def _claim(root: Path, export: bool) -> int:
-    from wampipe.train.export import foreign_files
-
     root.mkdir(parents=True, exist_ok=True)
     marked = (root / MARKER).is_file()
     if not marked:
@@ -425,18 +437,3 @@ class DataOnlyPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-def export(cfg: CheckpointConfig, model: nn.Module, out: Path | None = None, metadata: dict | None = None,
-           shards: str | Path | list[str] | None = None) -> Path:
-    """Collective: the final weights in `out` (default <dir>/export): with `cfg.export_base`, an eval-ready DreamZero
-    checkpoint folder carrying the statistics of `shards`; else plain safetensors, official key names. A LoRA model
-    exports merged weights, or with `cfg.export_lora` lora-only its trained tensors under PEFT names."""
-    from wampipe.train.export import export_lora_only, export_official, export_weights
-
-    out = Path(out or Path(cfg.dir) / "export")
-    dtype = getattr(torch, cfg.export_dtype)
-    if cfg.export_lora == "lora-only":
-        return export_lora_only(model, out, cfg.export_base, shards, dtype=dtype, metadata=metadata)
-    if cfg.export_base is not None:
-        assert shards is not None, "an export with a base carries the shards' statistics: pass shards"
-        return export_official(model, out, cfg.export_base, shards, dtype=dtype, metadata=metadata)
-    return export_weights(model, out, prefix=cfg.export_prefix, dtype=dtype, metadata=metadata)

@@ -37,7 +37,6 @@ import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from pathlib import Path
 from typing import cast
 
@@ -47,7 +46,8 @@ import torch.nn as nn
 from safetensors import SafetensorError
 
 from wampipe import configs
-from wampipe.train.checkpoint import RunError, free_space
+from wampipe.train.checkpoint import RunError, foreign_files, free_space
+from wampipe.train.config import CheckpointConfig
 from wampipe.train.config import LoRAConfig
 from wampipe.train.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
 from wampipe.train.weights import (DREAMZERO_PREFIX, WeightsError, allowed_absent, model_tensors, shard_file_names,
@@ -68,9 +68,6 @@ HEAD_FIELDS = {"action_dim": "action_dim", "max_action_dim": "action_dim", "max_
 OFFICIAL_CLIP_DIM = 1280
 # the DiT comes from the checkpoint, fully fine-tuned (no PEFT wrapping, no base Wan weights read first)
 FULL_WEIGHTS = {"skip_component_loading": True, "defer_lora_injection": False, "train_architecture": "full"}
-# every name an export folder can hold: replacing a folder with any other file in it is refused, not done
-EXPORT_FILES = ("model.safetensors", "model-?????-of-?????.safetensors", "model.safetensors.index.json", "config.json",
-                "experiment_cfg", "experiment_cfg/conf.yaml", "experiment_cfg/metadata.json")
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
@@ -309,15 +306,6 @@ def _write_from_base(tensors: dict, stage: "_Staging", base: Base, metadata: dic
         stage.write(lambda folder: write_index(folder, index["weight_map"], total, extra))
 
 
-def foreign_files(out: Path) -> list[str]:
-    """What folder `out` holds that no export writes (EXPORT_FILES), which replacing it would delete."""
-    out = Path(out)
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        return [out.name]
-    found = (p.relative_to(out).as_posix() for p in out.rglob("*")) if out.is_dir() else ()
-    return sorted(rel for rel in found if not any(fnmatch(rel, pattern) for pattern in EXPORT_FILES))
-
-
 class _Staging:
     """Rank 0's new export folder, built under a hidden name beside `out` and swapped in when complete. The first
     error (a full disk, a previous folder holding files no export writes) ends rank 0's writing but not the
@@ -483,3 +471,18 @@ def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None 
     if layout is not None:
         stage.write(load_lora_files)
     return stage.finish()
+
+
+def export_run(cfg: CheckpointConfig, model: nn.Module, out: Path | None = None, metadata: dict | None = None,
+               shards: str | Path | list[str] | None = None) -> Path:
+    """Collective: the final weights in `out` (default <dir>/export): with `cfg.export_base`, an eval-ready DreamZero
+    checkpoint folder carrying the statistics of `shards`; else plain safetensors, official key names. A LoRA model
+    exports merged weights, or with `cfg.export_lora` lora-only its trained tensors under PEFT names."""
+    out = Path(out or Path(cfg.dir) / "export")
+    dtype = getattr(torch, cfg.export_dtype)
+    if cfg.export_lora == "lora-only":
+        return export_lora_only(model, out, cfg.export_base, shards, dtype=dtype, metadata=metadata)
+    if cfg.export_base is not None:
+        assert shards is not None, "an export with a base carries the shards' statistics: pass shards"
+        return export_official(model, out, cfg.export_base, shards, dtype=dtype, metadata=metadata)
+    return export_weights(model, out, prefix=cfg.export_prefix, dtype=dtype, metadata=metadata)

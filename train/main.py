@@ -120,6 +120,7 @@ def checkpoint_due(cfg: Config, step: int) -> bool:
 def finish(cfg: Config, run: Run, start: int, preempted: bool, samples_per_step: int) -> dict:
     """This rank's summary (summary-rankN.json), and the export after the last step."""
     from wampipe.train import checkpoint
+    from wampipe.train.export import export_run
 
     rank, step, loader = run.state.rank, run.state.step, run.loader
     summary = {"rank": rank, "steps": step - start, "last_step": step, "next_batch": loader.next_batch,
@@ -128,9 +129,9 @@ def finish(cfg: Config, run: Run, start: int, preempted: bool, samples_per_step:
     (Path(cfg.checkpoint.dir) / f"summary-rank{rank:05d}.json").write_text(json.dumps(summary) + "\n")
     if step == cfg.steps and cfg.checkpoint.export and not preempted:  # after a SIGTERM, the next run exports
         checkpoint.require_finite(run.model, "export")
-        path = checkpoint.export(cfg.checkpoint, run.model, metadata={"step": step, "preset": cfg.preset,
-                                                                      "model": cfg.model.name},
-                                 shards=[s.shards for s in cfg.data.sets()])
+        path = export_run(cfg.checkpoint, run.model, metadata={"step": step, "preset": cfg.preset,
+                                                               "model": cfg.model.name},
+                          shards=[s.shards for s in cfg.data.sets()])
         if rank == 0:
             print(f"exported {path}", flush=True)
     return summary
