@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from wampipe.errors import UsageError
+
 
 class NotRegularFile(OSError):
     """A path that is a link, pipe, device or folder where a regular file belongs."""
@@ -119,17 +121,17 @@ def lock_directory(lock: Path, what: str, instead: str, shared: bool = False) ->
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as err:
         why = "a symbolic link" if os.path.islink(lock) else err.strerror
-        raise SystemExit(f"{lock}: cannot be the lock file ({why}): remove it, or {instead}") from None
+        raise UsageError(f"{lock}: cannot be the lock file ({why}): remove it, or {instead}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
-            raise SystemExit(f"{lock}: not a plain file of its own (a device, pipe or hard link): remove it, or "
+            raise UsageError(f"{lock}: not a plain file of its own (a device, pipe or hard link): remove it, or "
                              f"{instead}")
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            raise SystemExit(f"{lock.parent} is in use by another {what} (pid {holder}): wait for it to end, or "
+            raise UsageError(f"{lock.parent} is in use by another {what} (pid {holder}): wait for it to end, or "
                              f"{instead}") from None
         os.ftruncate(fd, 0)  # every holder names itself: the pid shown is a process that holds the directory now
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

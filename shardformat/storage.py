@@ -50,6 +50,7 @@ from fsspec.exceptions import FSTimeoutError
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.utils import get_protocol
 
+from wampipe.errors import UsageError
 from wampipe.shardformat.files import atomic_writer, open_regular, sha256_file
 from wampipe.shardformat.layout import INPUTS, MANIFEST, WORK_DIR
 from wampipe.shardformat.manifest import (MAX_JSON_BYTES, Manifest, ShardFormatError, check_json_size,
@@ -144,7 +145,7 @@ class ShardStore:
                                                  **options)
             except ImportError as err:  # the filesystem's package is missing; fsspec's message names no extra
                 need = "s3:// URLs need s3fs: pip install 'wampipe[s3]'" if self.protocol in S3_PROTOCOLS else err
-                raise SystemExit(f"{self.url}: {need}") from None
+                raise UsageError(f"{self.url}: {need}") from None
             self._state = _ProcessState(os.getpid(), fs, root.rstrip("/"))
         return self._state
 

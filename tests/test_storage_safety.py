@@ -57,7 +57,7 @@ def test_a_planted_lock_link_is_refused_and_its_target_untouched(droid_root, tin
     for plant in (lambda lock: os.link(victim, lock), os.mkfifo):  # a second name of the file, a pipe
         (out / outdir.LOCK).unlink()
         plant(out / outdir.LOCK)
-        with pytest.raises(SystemExit) as exc, outdir.hold(out):
+        with pytest.raises(UsageError) as exc, outdir.hold(out):
             pass
         assert str(exc.value) == (f"{out / outdir.LOCK}: not a plain file of its own (a device, pipe or hard link): "
                                   f"remove it, or use another --out")

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
+from wampipe.errors import WampipeError
 from wampipe.shardformat.files import atomic_write_bytes, lock_directory
 from wampipe.train.config import CheckpointConfig
 from wampipe.train.lora import lora_fields
@@ -118,8 +119,10 @@ def claim_run_dir(cfg: CheckpointConfig) -> None:
             if not cfg.resume:
                 start_over(Path(cfg.dir))
             identity = [_identity(Path(cfg.dir), fresh=not cfg.resume)]
-        except SystemExit as e:  # RunError, or the lock's own one line
+        except SystemExit as e:  # RunError
             error = str(e.code)
+        except WampipeError as e:  # the lock's own one line
+            error = str(e)
         except OSError as e:
             error = f"{cfg.dir}: cannot claim the run directory ({e}): pass another --checkpoint.dir"
     _stop_if_any(error)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterator, NoReturn, cast
 import torch
 import torch.distributed as dist
 
+from wampipe.errors import WampipeError
 from wampipe.shardformat.storage import remove_temporary_copies
 from wampipe.train import checkpoint
 from wampipe.train.auto import device_memory_gib, resolve_auto
@@ -80,6 +81,8 @@ def alike(rank: int) -> Iterator[None]:
         yield
     except SystemExit as refusal:
         raise SystemExit(refusal.code if rank == 0 else 1) from None
+    except WampipeError as refusal:  # the project's errors are their one line too
+        raise SystemExit(str(refusal) if rank == 0 else 1) from None
 
 
 def settle(cfg: Config, device: torch.device, world: int, rank: int) -> tuple[Config, BatchPlan]:
@@ -199,6 +202,9 @@ def leave_now(failure: BaseException) -> NoReturn:
         if not isinstance(code, int):  # a message: printed, exit status 1
             print(code, file=sys.stderr)
             code = 1
+    elif isinstance(failure, WampipeError):  # the project's errors: their one line, no traceback
+        print(failure, file=sys.stderr)
+        code = 1
     else:
         traceback.print_exception(failure)
         code = 1
