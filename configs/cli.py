@@ -16,6 +16,8 @@ from typing import Any, NoReturn, TypeVar
 import tyro
 from tyro import _docstrings
 
+from wampipe.errors import UsageError
+
 T = TypeVar("T")
 _field_docstring = getattr(_docstrings, "get_field_docstring", None)  # tyro's own, private: absent, help is as tyro's
 
@@ -44,3 +46,11 @@ def refuse(message: str) -> NoReturn:
     """Flags that do not go together: one line on stderr and exit status 2, as for a flag tyro rejects."""
     sys.stderr.write(message + "\n")
     raise SystemExit(2)
+
+
+def check_at_least(*checks: tuple[str, int | None, int]) -> None:
+    """(flag, value, lower bound) each: the first value below its bound is refused in one line naming the flag (None
+    means not given)."""
+    for flag, value, least in checks:
+        if value is not None and value < least:
+            raise UsageError(f"{flag} must be at least {least}, got {value}")

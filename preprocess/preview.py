@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Iterator
 import numpy as np
 import tyro
 
+from wampipe.configs.cli import check_at_least
 from wampipe.errors import UsageError
 from wampipe.preprocess.windows import Window, window_at
 from wampipe.shardformat.embodiments import Embodiment, get_embodiment
@@ -61,8 +62,7 @@ def run(args: Args) -> None:
 
 
 def preview(args: Args) -> None:
-    if args.samples < 1:
-        raise UsageError(f"--samples must be at least 1, got {args.samples}")
+    check_at_least(("--samples", args.samples, 1))
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out} is a file; give a folder for the previews")
     try:

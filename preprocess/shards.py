@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from wampipe.errors import UsageError
 from wampipe import configs
+from wampipe.configs.cli import check_at_least
 from wampipe.preprocess import outdir, remote, write
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.selection import (Filters, Selection, key_fields, parse_ids, select, show_ids,
@@ -283,10 +284,7 @@ def choose_episodes(args: Args, ds: LeRobotDataset) -> tuple[list[int], LeRobotD
 
 
 def check_arguments(args: Args) -> None:
-    for name, least in AT_LEAST.items():
-        value = getattr(args, name)
-        if value is not None and value < least:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+    check_at_least(*((f"--{name.replace('_', '-')}", getattr(args, name), least) for name, least in AT_LEAST.items()))
     if (args.unit_index is None) != (args.num_units is None):
         raise UsageError("--unit-index and --num-units go together")
     if args.num_units is not None and args.unit_index is not None and args.unit_index >= args.num_units:
@@ -306,10 +304,9 @@ def check_arguments(args: Args) -> None:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.device.startswith("cuda"):
-        import torch  # here: `--help` does without it
+        from wampipe.preprocess.stream import encoder_devices  # here: `--help` does without torch
 
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {args.device}: no CUDA device is visible")
+        encoder_devices(args.device)  # the GPUs it names are visible
 
 
 def check_held_out_windows(choice: str | None, held: tuple[int, ...], ds: LeRobotDataset, need: int) -> None:

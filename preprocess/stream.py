@@ -53,12 +53,17 @@ _RUN_QUEUES: list = []
 
 
 def encoder_devices(device: str) -> list[str]:
-    """`cuda` = every local GPU, one encoder process each; `cuda:N` or `cpu` = that device alone."""
+    """`cuda` = every local GPU, one encoder process each; `cuda:N` or `cpu` = that device alone. A GPU that is not
+    visible is refused in one line naming the flag."""
+    if device == "cpu":
+        return [device]
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise UsageError(f"--device {device}: no CUDA device is visible")
     if device == "cuda":
-        count = torch.cuda.device_count()
-        if count == 0:
-            raise UsageError("--device cuda: no CUDA device is visible")
         return [f"cuda:{i}" for i in range(count)]
+    if int(device.partition(":")[2]) >= count:
+        raise UsageError(f"--device {device}: only {count} CUDA device{'s are' if count > 1 else ' is'} visible")
     return [device]
 
 

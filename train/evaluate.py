@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import tyro
 
+from wampipe.configs.cli import check_at_least
+from wampipe.errors import WampipeError
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.stats import unnormalize_q99
 from wampipe.train.data import data_dims, open_index
@@ -177,10 +179,8 @@ def read_negative_text(path: Path, model_cfg: DiTConfig) -> torch.Tensor:
 
 def check_args(args: Args) -> None:
     """Refuse a bad flag in one line before a checkpoint or a shard is opened."""
-    for flag, value, least in (("--samples", args.samples, 1), ("--batch-size", args.batch_size, 1),
-                               ("--plot-samples", args.plot_samples, 0)):
-        if value < least:
-            raise SystemExit(f"{flag} must be at least {least}, got {value}")
+    check_at_least(("--samples", args.samples, 1), ("--batch-size", args.batch_size, 1),
+                   ("--plot-samples", args.plot_samples, 0))
     if args.out.exists() and not args.out.is_dir():
         raise SystemExit(f"--out {args.out} is a file; give a directory for open_loop.json and open_loop.png")
     try:
@@ -237,7 +237,10 @@ def evaluate(args: Args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(Args, args=argv, prog="python -m train.evaluate", description=__doc__)
-    report = evaluate(args)
+    try:
+        report = evaluate(args)
+    except WampipeError as err:  # a bad flag or file: its one line, no traceback
+        raise SystemExit(str(err)) from None
     print(f"{report['samples']} samples: action MSE {report['chunk']['mean']:.6g} (normalised), "
           f"{report['chunk_raw']['mean']:.6g} (raw); first action {report['first']['mean']:.6g} / "
           f"{report['first_raw']['mean']:.6g}; wrote {args.out / 'open_loop.json'}")
