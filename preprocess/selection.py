@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Literal, Mapping
 
 import numpy as np
+from tqdm import tqdm
 
 from wampipe.errors import WampipeError
 from wampipe.preprocess.errors import DatasetError
@@ -182,32 +183,36 @@ class Facts:
     error: str | None = None
 
 
-def needs_parquet(ds: LeRobotDataset, filters: Filters) -> tuple[list[str], list[str]]:
-    """(parquet columns the filters read, key fields found in meta/episodes). One line for a field that is in
-    neither meta/episodes nor the parquet's features."""
+def needs_parquet(ds: LeRobotDataset, filters: Filters) -> list[str]:
+    """The parquet columns the filters read (a field of meta/episodes is read from there). One line for a field that
+    is in neither meta/episodes nor the parquet's features."""
     some = ds.episode_info(ds.episode_indices[0]).fields if len(ds) else {}
-    columns, in_meta = [], []
-    wanted = []
+    columns, wanted = [], []
     if filters.keep_ranges is not None:
         wanted += [f for f in key_fields(filters.keep_ranges_key) if f != "episode_index"]
     if filters.drop_failed:
         wanted.append(filters.reward_field)
     for name in dict.fromkeys(wanted):
         if name in some:
-            in_meta.append(name)
-        elif name in ds.features:
+            continue
+        if name in ds.features:
             columns.append(name)
         else:
             flag = "--reward-field" if name == filters.reward_field and filters.drop_failed else "--keep-ranges-key"
             raise DatasetError(ds.root / "meta", None, f"{flag}: no field {name!r} in meta/episodes or the parquet "
                                                        f"features of this dataset")
-    return columns, in_meta
+    return columns
 
 
 def read_facts(root: str, filters: Filters, episodes: list[int]) -> list[Facts]:
-    """Facts of `episodes` of the dataset at `root` (a task of tasks.run_tasks)."""
+    """Facts of `episodes` of the dataset at `root` (a task of tasks.run_tasks, which opens the dataset's meta/ once
+    per task)."""
     ds = LeRobotDataset(root)
-    columns, _ = needs_parquet(ds, filters)
+    return facts_of(ds, filters, episodes, needs_parquet(ds, filters))
+
+
+def facts_of(ds: LeRobotDataset, filters: Filters, episodes: Iterable[int], columns: list[str]) -> list[Facts]:
+    """Facts of `episodes` of `ds`, reading `columns` (needs_parquet) of each when the filters need any row."""
     read_rows = bool(columns) or filters.require_language != "off"
     return [_facts(ds, filters, index, columns, read_rows) for index in episodes]
 
@@ -289,15 +294,16 @@ def select(ds: LeRobotDataset, filters: Filters, episodes: list[int], workers: i
     from wampipe.preprocess.tasks import auto_workers, run_tasks
 
     ranges = read_keep_ranges(filters.keep_ranges) if filters.keep_ranges is not None else None
-    needs_parquet(ds, filters)  # a missing field stops here, not in every task
-    chunks = [episodes[i : i + 256] for i in range(0, len(episodes), 256)]
-    facts: list[Facts] = []
-    results: dict[int, list[Facts]] = {}
-    for i, part in run_tasks(read_facts, [(str(ds.root), filters, chunk) for chunk in chunks],
-                             auto_workers(workers, len(chunks) * 8), "selecting episodes"):
-        results[i] = part
-    for i in range(len(chunks)):
-        facts += results[i]
+    columns = needs_parquet(ds, filters)  # a missing field stops here, not in every task
+    workers = auto_workers(workers, len(episodes) // 32)  # auto: one process per ~1 000 episodes (at most 8)
+    if workers <= 1:  # here, with the dataset already open
+        facts = facts_of(ds, filters, tqdm(episodes, desc="selecting episodes", unit="episode"), columns)
+    else:  # a few tasks per process: each task opens the dataset's meta/ again
+        size = -(-len(episodes) // (4 * workers))
+        chunks = [episodes[i : i + size] for i in range(0, len(episodes), size)]
+        results = dict(run_tasks(read_facts, [(str(ds.root), filters, chunk) for chunk in chunks], workers,
+                                 "selecting episodes"))
+        facts = [fact for i in range(len(chunks)) for fact in results[i]]
     by_episode = dict(zip(episodes, facts))
     if ranges is not None:
         assert filters.keep_ranges is not None
