@@ -41,3 +41,7 @@ def test_a_bad_flag_is_one_line_at_the_entry_point(tmp_path):
     with pytest.raises(SystemExit) as stop:
         main(["shards", "--src", str(tmp_path), "--episodes", "3,x"])
     assert stop.value.code == "--episodes 3,x: 'x' is not an episode id or a range like 10-19"
+    with pytest.raises(SystemExit) as stop:  # refused while the defaults are made, before the flags are parsed
+        main(["shards", "--dataset", "libero", "--official-filters", "--src", str(tmp_path)])
+    assert stop.value.code == ("--official-filters: the libero dataset preset names no official filters "
+                               "(configs/datasets.yaml); give the filter flags themselves")
