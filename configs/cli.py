@@ -3,23 +3,27 @@ help text.
 
 A field docstring spans several source lines, its continuation lines indented with the class body. tyro keeps a line
 break before every line that does not start with a letter, an indented one included, so `--help` broke sentences at
-the source's line ends. `cli` flows each paragraph of a field's help into one sentence-wrapped text; blank lines
-still separate paragraphs.
+the source's line ends. `cli` parses through a tyro constructor registry (tyro's public extension point) whose one
+rule takes tyro's own description of each dataclass and flows each field's help into one sentence-wrapped text;
+blank lines still separate paragraphs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
-from typing import Any, NoReturn, TypeVar
+import threading
+from typing import Any, Callable, NoReturn, TypeVar
 
 import tyro
-from tyro import _docstrings
+from tyro.constructors import ConstructorRegistry, StructConstructorSpec, StructTypeInfo
 
 from wampipe.errors import UsageError
 
 T = TypeVar("T")
-_field_docstring = getattr(_docstrings, "get_field_docstring", None)  # tyro's own, private: absent, help is as tyro's
+REGISTRY = ConstructorRegistry()
+_asking_tyro = threading.local()  # set while the rule asks tyro's own rules, so it does not answer itself
 
 
 def flowing(text: str | None) -> str | None:
@@ -30,16 +34,32 @@ def flowing(text: str | None) -> str | None:
                        for paragraph in re.split(r"\n\s*\n", text))
 
 
-def _flowing_field_docstring(*args: Any) -> str | None:
-    assert _field_docstring is not None  # cli installs this function only when tyro has its own
-    return flowing(_field_docstring(*args))
+def _flowed(helptext: str | Callable[[], str | None] | None) -> str | Callable[[], str | None] | None:
+    """`helptext` flowing; tyro reads a docstring lazily (a callable), so this stays lazy too."""
+    if callable(helptext):
+        return lambda: flowing(helptext())
+    return flowing(helptext)
+
+
+@REGISTRY.struct_rule
+def _flowing_help(info: StructTypeInfo) -> Any:
+    """A dataclass as tyro's own rules describe it, each field's help flowing; None (tyro decides) otherwise."""
+    if getattr(_asking_tyro, "now", False) or not dataclasses.is_dataclass(info.type):
+        return None
+    _asking_tyro.now = True
+    try:
+        spec = ConstructorRegistry.get_struct_spec(info)
+    finally:
+        _asking_tyro.now = False
+    if not isinstance(spec, StructConstructorSpec):
+        return spec
+    return dataclasses.replace(spec, fields=tuple(dataclasses.replace(f, helptext=_flowed(f.helptext))
+                                                  for f in spec.fields))
 
 
 def cli(cls: type[T], **kwargs: Any) -> T:
     """`tyro.cli(cls, **kwargs)` with each field's help flowing as sentences."""
-    if _field_docstring is not None:
-        _docstrings.get_field_docstring = _flowing_field_docstring
-    return tyro.cli(cls, **kwargs)
+    return tyro.cli(cls, registry=REGISTRY, **kwargs)
 
 
 def refuse(message: str) -> NoReturn:
