@@ -76,7 +76,7 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
 @contextmanager
 def alike() -> Iterator[None]:
     """Checks every rank makes alike (the same files, the same flags): a refusal (any WampipeError) leaves as a
-    RunError of the same line and exit status, which rank 0 alone prints; the other ranks exit in silence."""
+    RunError of the same line and exit status, which rank 0 alone prints; the other ranks exit 1 in silence."""
     try:
         yield
     except checkpoint.RunError:
