@@ -24,6 +24,8 @@ from typing import Any, Literal, Union
 import yaml
 from yaml.composer import ComposerError
 
+from wampipe.errors import UsageError
+
 DIR = Path(__file__).resolve().parent
 DATASETS_FILE = DIR / "datasets.yaml"
 
@@ -75,9 +77,9 @@ class _BoundedLoader(yaml.SafeLoader):
             raise yaml.constructor.ConstructorError(None, None, str(err), node.start_mark) from None
 
 
-def read(path: Path, error: type[BaseException] = SystemExit) -> dict:
-    """The YAML mapping in `path`, read within the bounds above; anything else raises `error` with one line naming
-    the file (and the line) and what is wrong."""
+def read(path: Path, error: type[Exception] = UsageError) -> dict:
+    """The YAML mapping in `path`, read within the bounds above; anything else raises `error` (a WampipeError subclass
+    that takes one message) with one line naming the file (and the line) and what is wrong."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_BYTES + 1)
@@ -119,20 +121,20 @@ def path_of(name_or_file: str) -> Path:
         return DIR / f"{name_or_file}.yaml"
     if Path(name_or_file).is_file():
         return Path(name_or_file)
-    raise SystemExit(f"--config {name_or_file}: no such file and no such recipe (recipes: {', '.join(names())})")
+    raise UsageError(f"--config {name_or_file}: no such file and no such recipe (recipes: {', '.join(names())})")
 
 
 def recipe(name: str) -> dict:
     """The sections of a named recipe; one line with the choices for an unknown name."""
     if name not in names():
-        raise SystemExit(f"unknown recipe {name!r}; choose one of {names()}")
+        raise UsageError(f"unknown recipe {name!r}; choose one of {names()}")
     return read(DIR / f"{name}.yaml")
 
 
 def section(data: dict, key: str, where: Path | str) -> dict:
     value = data.get(key) or {}
     if not isinstance(value, dict):
-        raise SystemExit(f"{where}: section {key!r} is not a mapping")
+        raise UsageError(f"{where}: section {key!r} is not a mapping")
     return value
 
 
@@ -158,18 +160,18 @@ def build(cls: type, values: dict, where: str) -> Any:
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in (values or {})
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise SystemExit(f"{where}: missing key {missing[0]!r}")
+        raise UsageError(f"{where}: missing key {missing[0]!r}")
     return cls(**_fields(cls, values, where))
 
 
 def _fields(cls: type, values: dict, where: str, current: Any = None) -> dict:
     if not isinstance(values, dict):
-        raise SystemExit(f"{where}: expected a mapping, got {shown(values)}")
+        raise UsageError(f"{where}: expected a mapping, got {shown(values)}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise SystemExit(f"{where}: unknown key {shown(unknown[0])} (known: {', '.join(sorted(known))})")
+        raise UsageError(f"{where}: unknown key {shown(unknown[0])} (known: {', '.join(sorted(known))})")
     out = {}
     for key, value in values.items():
         nested = getattr(current, key, None)
@@ -186,12 +188,12 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _convert(arg, value, where)
-            except SystemExit:
+            except UsageError:
                 continue
     elif origin is Literal:
         if value in args:
             return value
-        raise SystemExit(f"{where}: {shown(value)} is not one of {list(args)}")
+        raise UsageError(f"{where}: {shown(value)} is not one of {list(args)}")
     elif origin in (tuple, list) and isinstance(value, (list, tuple)):
         items = args[:1] * len(value) if origin is list or (len(args) == 2 and args[1] is Ellipsis) else args
         if len(items) == len(value):
@@ -207,11 +209,11 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             number = None
         if number is not None:
             if not math.isfinite(number):
-                raise SystemExit(f"{where}: {shown(value)} is not a finite number")
+                raise UsageError(f"{where}: {shown(value)} is not a finite number")
             return number
     elif tp is Any or (isinstance(tp, type) and isinstance(value, tp) and (tp is bool or not isinstance(value, bool))):
         return value
-    raise SystemExit(f"{where}: {shown(value)} is not of type {getattr(tp, '__name__', tp)}")
+    raise UsageError(f"{where}: {shown(value)} is not of type {getattr(tp, '__name__', tp)}")
 
 
 def nonfinite(instance: Any, prefix: str = "--") -> list[str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 import threading
 from typing import Any, Callable, NoReturn, TypeVar
 
@@ -62,10 +61,16 @@ def cli(cls: type[T], **kwargs: Any) -> T:
     return tyro.cli(cls, registry=REGISTRY, **kwargs)
 
 
+class FlagError(UsageError):
+    """Flags that do not go together, or a value out of a command's range that the parser took: at the entry point
+    one line on stderr and exit status 2, as for a flag tyro rejects."""
+
+    exit_status = 2
+
+
 def refuse(message: str) -> NoReturn:
-    """Flags that do not go together: one line on stderr and exit status 2, as for a flag tyro rejects."""
-    sys.stderr.write(message + "\n")
-    raise SystemExit(2)
+    """Refuse the command's flags in one line (`FlagError`: exit status 2, as for a flag tyro rejects)."""
+    raise FlagError(message)
 
 
 def check_at_least(*checks: tuple[str, int | None, int]) -> None:

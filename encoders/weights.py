@@ -41,15 +41,17 @@ KIND_NAMES = {kind: name for kind, name, _ in KINDS}
 
 
 class WeightsError(WampipeError):
-    """A weight file cannot be used. `str(err)` reads `<file>: <reason>`."""
+    """A weight file (or folder) cannot be used: the one type for the frozen encoders' weights and the trainer's (a
+    DiT checkpoint, --model.init-from, an export's base folder; train/weights.py). `WeightsError(path, reason)` reads
+    `<file>: <reason>`; `WeightsError(message)` is a line that names the file itself (as `configs.read` raises it)."""
 
-    def __init__(self, path: str | Path, reason: str):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, reason: str | None = None):
+        self.path = Path(path) if reason is not None else None
         self.reason = reason
-        super().__init__(f"{self.path}: {reason}")
+        super().__init__(str(path) if reason is None else f"{Path(path)}: {reason}")
 
     def __reduce__(self):  # rebuilt from its parts when raised in a worker process
-        return WeightsError, (self.path, self.reason)
+        return WeightsError, (self.args[0],) if self.reason is None else (self.path, self.reason)
 
 
 def recognize(state: dict[str, torch.Tensor]) -> str | None:

@@ -27,21 +27,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         print("usage: python -m preprocess <command> [--help]\n\ncommands:\n" + "\n".join(lines))
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     module = importlib.import_module(available[argv[0]][0])
-    from wampipe.errors import WampipeError
+    from wampipe.errors import entry_point
     from wampipe.preprocess.errors import OutOfSpace, out_of_space
 
-    try:
-        # the defaults too (shards' --config and --official-filters) refuse with the project's errors
-        default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None
-        args = cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
-                   description=module.__doc__)
-        status = module.run(args)  # an exit status (check, inspect) or None
-    except WampipeError as err:  # bad input, a broken encoder, a killed process, a full disk: one line, no traceback
-        raise SystemExit(str(err)) from None
-    except OSError as err:
-        if not out_of_space(err):
-            raise
-        raise SystemExit(str(OutOfSpace.from_os_error(err))) from None
+    with entry_point():  # bad input, a broken encoder, a killed process, a full disk: one line, no traceback
+        try:
+            # the defaults too (shards' --config and --official-filters) refuse with the project's errors
+            default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None
+            args = cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
+                       description=module.__doc__)
+            status = module.run(args)  # an exit status (check, inspect) or None
+        except OSError as err:
+            if not out_of_space(err):
+                raise
+            raise OutOfSpace.from_os_error(err) from None
     if status:
         raise SystemExit(status)
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from wampipe.train.attention import count_allowed_pairs, dense_mask, flex_block_mask
 from wampipe.train.model import preset
 
@@ -120,4 +121,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from devtools.sample_data import encode_mp4, render, simulate
 from wampipe.preprocess.decode import BACKENDS, decode_video
 
@@ -85,4 +86,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

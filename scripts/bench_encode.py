@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from wampipe.encoders.image_encoder import VIT_H_14, ImageEncoder
 from wampipe.encoders.text_encoder import UMT5_XXL, TextEncoder
 from wampipe.encoders.vae import VARIANTS, VaeInfo, WanVAE
@@ -139,4 +140,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtu
 
 from wampipe import configs
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from devtools.sample_data import write_sample_dataset
 from devtools.tiny_checkpoints import write_tiny_checkpoints
 from wampipe.preprocess.shards import DATASETS
@@ -277,4 +278,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

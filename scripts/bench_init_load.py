@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 
 GIB = 1 << 30
 
@@ -150,5 +151,6 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    parsed = cli(Args, description=__doc__)
-    worker(parsed) if parsed.worker else main(parsed)
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        parsed = cli(Args, description=__doc__)
+        worker(parsed) if parsed.worker else main(parsed)

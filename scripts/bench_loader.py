@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtu
 
 from wampipe import configs
 from wampipe.configs.cli import cli, refuse
+from wampipe.errors import entry_point
 from devtools.bench import emit, provenance, write_shards
 from wampipe.preprocess.remote import remote_url
 from wampipe.shardformat.layout import MANIFEST
@@ -155,4 +156,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

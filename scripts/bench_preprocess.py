@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from devtools.sample_data import write_sample_dataset
 from devtools.synthetic import SHAPES
 from wampipe.preprocess.lerobot import LeRobotDataset
@@ -105,4 +106,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtu
 import numpy as np
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOWS_PER_EPISODE = 100
@@ -358,7 +359,8 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) in (5, 6) and sys.argv[1] == "--finalize-only":  # the measured child of a finalize run
-        finalize_units(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int((sys.argv[5:] or [0])[0]))
-    else:
-        main(cli(Args, description=__doc__))
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        if len(sys.argv) in (5, 6) and sys.argv[1] == "--finalize-only":  # the measured child of a finalize run
+            finalize_units(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int((sys.argv[5:] or [0])[0]))
+        else:
+            main(cli(Args, description=__doc__))

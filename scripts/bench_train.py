@@ -39,6 +39,7 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from wampipe.configs.cli import cli, refuse
+from wampipe.errors import entry_point
 from devtools import synthetic
 from devtools.bench import (check_same_resolution, device_name, emit, measured_window, provenance,
                          run_trainer, split_passthrough, trainer_argv, trainer_device, write_shards)
@@ -347,4 +348,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from wampipe.encoders.vae import VARIANTS, VaeInfo, WanVAE
 
 SHAPES = {  # recipe -> (VAE variant, frames, height, width): the clips preprocessing encodes
@@ -179,4 +180,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from wampipe.configs.cli import cli, refuse
+from wampipe.errors import entry_point
 from devtools import bench, synthetic
 from wampipe.train.auto import device_memory_gib, resolve_auto
 from wampipe.train.config import batch_plan
@@ -147,4 +148,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

@@ -18,6 +18,7 @@ from typing import cast
 import torch
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from wampipe.train.attention import dense_mask, flex_block_mask, masked_attention
 from wampipe.train.flops import dit_flops
 from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
@@ -179,4 +180,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(cli(Args, description=__doc__))
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main(cli(Args, description=__doc__))

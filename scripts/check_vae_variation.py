@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from scripts.bench_vae import SHAPES, build_vae
 from wampipe.encoders.vae import compile_options
 
@@ -250,4 +251,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

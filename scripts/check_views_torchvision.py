@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from wampipe.preprocess import views
 
 
@@ -65,4 +66,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

@@ -15,6 +15,7 @@ from typing import Literal
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from wampipe.configs.cli import cli, refuse
+from wampipe.errors import entry_point
 from devtools.sample_data import LAYOUTS, write_sample_dataset
 
 
@@ -48,4 +49,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

@@ -13,6 +13,7 @@ from typing import Literal
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from devtools.synthetic import SHAPES, make_synthetic_shards
 
 
@@ -45,4 +46,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(cli(Args, description=__doc__))
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main(cli(Args, description=__doc__))

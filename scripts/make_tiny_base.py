@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from devtools.tiny_base import Args, write_base
 
 
@@ -24,4 +25,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(cli(Args, description=__doc__))
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main(cli(Args, description=__doc__))

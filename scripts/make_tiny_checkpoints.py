@@ -14,6 +14,7 @@ from typing import Literal
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtures of a checkout, not installed
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from devtools.tiny_checkpoints import write_tiny_checkpoints
 
 
@@ -34,4 +35,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

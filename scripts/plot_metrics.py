@@ -16,6 +16,7 @@ from typing import Annotated
 import tyro
 
 from wampipe.configs.cli import cli
+from wampipe.errors import entry_point
 from wampipe.train.curves import plot_run
 
 
@@ -35,4 +36,5 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    with entry_point():  # the project's errors: their one line and exit status, no traceback
+        main()

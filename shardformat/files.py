@@ -115,7 +115,7 @@ def lock_directory(lock: Path, what: str, instead: str, shared: bool = False) ->
     """Lock the directory of the file `lock` for this process: an flock (shared, for the array jobs of one build) on
     `lock`, which then names this process's pid; the returned descriptor holds it until closed (or the process ends,
     however it ends). The lock file is never a link (a planted one would make this truncate the file it points to)
-    nor anything but a plain file of its own. SystemExit in one line where it cannot be the lock, or another `what`
+    nor anything but a plain file of its own. UsageError in one line where it cannot be the lock, or another `what`
     holds it; both name `instead`, what to do otherwise."""
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)

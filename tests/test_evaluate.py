@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from wampipe.errors import UsageError
 from wampipe.train.curves import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,5 +123,5 @@ def test_a_bad_input_stops_with_one_line(run, small_shards, other_dit_shards, tm
 def test_bad_action_flags_are_refused(flag, value):
     from wampipe.train.config import Config, MetricsConfig, validate
 
-    with pytest.raises(SystemExit, match=f"--metrics.{flag.replace('_', '-')} {value} "):
+    with pytest.raises(UsageError, match=f"--metrics.{flag.replace('_', '-')} {value} "):
         validate(Config(metrics=MetricsConfig(**{flag: value})))

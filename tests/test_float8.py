@@ -26,6 +26,7 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from devtools import bench, synthetic
 from tests.conftest import tiny_model
+from wampipe.errors import UsageError
 from wampipe.train import checkpoint
 from wampipe.train.auto import resolve_auto
 from wampipe.train.builder import sharded_model
@@ -87,13 +88,13 @@ def test_float8_trains_close_to_bf16_and_selective_recompute_keeps_its_gradients
 def test_refusals_name_the_flag_in_one_line(monkeypatch):
     check_float8("none", None)
     check_float8("tensorwise", (9, 0))  # H100: runs
-    with pytest.raises(SystemExit, match=r"^--parallel.float8 tensorwise needs a CUDA GPU of compute capability >= "
+    with pytest.raises(UsageError, match=r"^--parallel.float8 tensorwise needs a CUDA GPU of compute capability >= "
                                          r"8.9 \(float8 matmuls\), found no CUDA device$"):
         check_float8("tensorwise", None)
-    with pytest.raises(SystemExit, match=r"^--parallel.float8 rowwise needs .* found compute capability 8.0$"):
+    with pytest.raises(UsageError, match=r"^--parallel.float8 rowwise needs .* found compute capability 8.0$"):
         check_float8("rowwise", (8, 0))  # A100
     monkeypatch.setitem(sys.modules, "torchao", None)  # torchao not installed
-    with pytest.raises(SystemExit, match=r"^--parallel.float8 rowwise needs torchao: pip install 'wampipe\[fp8\]'$"):
+    with pytest.raises(UsageError, match=r"^--parallel.float8 rowwise needs torchao: pip install 'wampipe\[fp8\]'$"):
         check_float8("rowwise", (9, 0))
 
 

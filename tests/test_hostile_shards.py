@@ -51,7 +51,7 @@ def reseal(path: Path, edit) -> None:
 
 def refused(root, cache_dir=None) -> str:
     """The one line the trainer's data entry stops with."""
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(ShardFormatError) as stop:
         open_index(root, cache_dir)
     message = str(stop.value)
     assert "\n" not in message
@@ -115,7 +115,7 @@ def test_edited_statistics_stop_the_trainer_at_start(copy, tmp_path):
     (copy / "metadata.json").write_text(json.dumps(metadata))
     message = f"{copy / 'metadata.json'}: sha256 differs from the manifest"
     assert refused(copy) == message
-    with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
+    with pytest.raises(ShardFormatError, match=f"^{re.escape(message)}$"):
         ShardLoader(DataConfig(shards=copy, micro_batch_size=1), preset("tiny"), 0, 1, torch.device("cpu"))
     assert check(copy) == ["metadata.json: sha256 differs from the manifest"]
     with pytest.raises(WeightsError, match=f"^{re.escape(message)}$"):  # nor copied into an export or a tiny base
@@ -259,8 +259,9 @@ def test_a_pipe_or_a_device_in_the_directory_never_blocks_a_reader(copy, name, k
         os.mkfifo(target)
     else:
         target.symlink_to("/dev/zero")
-    code = ("import sys\nfrom wampipe.preprocess.check import check\nfrom wampipe.train.data import open_index\n"
-            "try:\n    open_index(sys.argv[1])\n    print('opened')\nexcept SystemExit as e:\n    print(e)\n"
+    code = ("import sys\nfrom wampipe.preprocess.check import check\nfrom wampipe.shardformat.manifest import "
+            "ShardFormatError\nfrom wampipe.train.data import open_index\n"
+            "try:\n    open_index(sys.argv[1])\n    print('opened')\nexcept ShardFormatError as e:\n    print(e)\n"
             "for p in check(sys.argv[1], shard_jsons=True):\n    print(p)\n")
     done = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from wampipe.encoders.image_encoder import load_image_encoder
+from wampipe.errors import UsageError
 from wampipe.preprocess import outdir
 from wampipe.preprocess.check import check
 from wampipe.shardformat.manifest import MANIFEST, read_sealed_json, write_sealed_json
@@ -110,15 +111,15 @@ def test_the_trainer_refuses_pixel_shards_without_their_clip_weights(pixel_shard
     needs = "holds CLIP's input pixels, not its features (preprocess --image-features pixels): pass the CLIP weights"
     cfg = parse_args(["--data.shards", str(pixel_shards)])
     for refused in (lambda: frozen_image_encoder(cfg, cpu), lambda: model_config(cfg)):
-        with pytest.raises(SystemExit, match=rf"^{pixel_shards} {re.escape(needs)}"):
+        with pytest.raises(UsageError, match=rf"^{pixel_shards} {re.escape(needs)}"):
             refused()
     # the same CLIP weights in the other layout are another file: their features need not be the same bits
     folder = Path(clip_path(pixel_shards)).parent / "image_encoder"
     other = parse_args(["--data.shards", str(pixel_shards), "--model.image-encoder", str(folder)])
-    with pytest.raises(SystemExit, match="not the CLIP weights .* was built with .*: its features would differ"):
+    with pytest.raises(UsageError, match="not the CLIP weights .* was built with .*: its features would differ"):
         frozen_image_encoder(other, cpu)
     missing = parse_args(["--data.shards", str(pixel_shards), "--model.image-encoder", str(folder / "nothing.pth")])
-    with pytest.raises(SystemExit, match="nothing.pth: not found"):
+    with pytest.raises(UsageError, match="nothing.pth: not found"):
         frozen_image_encoder(missing, cpu)
 
 

@@ -5,13 +5,15 @@ import of a product package goes through the one `wampipe` namespace (an install
 Each package is walked in a fresh interpreter that imports every one of its modules and lists what got loaded; the
 source is read too, so an import inside a function (one that runs only when it is called) is caught as well. The
 wheel ships those five packages under wampipe, not devtools/. A module moved out of the product is gone from it, and
-no import anywhere in the checkout names its old place."""
+no import anywhere in the checkout names its old place. Only the commands' entry points end the process: library code
+raises the project's errors."""
 
 import ast
 import json
 import re
 import subprocess
 import sys
+import textwrap
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -232,3 +234,73 @@ def test_a_module_moved_out_of_the_product_is_gone_and_imported_from_its_new_pla
              if name.removeprefix("wampipe.") == old.removeprefix("wampipe.")
              or name.removeprefix("wampipe.").startswith(f"{old.removeprefix('wampipe.')}.")]
     assert found == [], f"{old} is {MOVED[old]} now"
+
+
+# The functions that end a command's process for its entry point: they may end it, and only an entry point may call
+# them. (os._exit also ends a spawned child or a pool worker of preprocess/tasks.py, which are no commands: unchecked.)
+EXIT_HELPERS = {"wampipe/errors.py": ("entry_point",), "train/runtime.py": ("leave_now", "leave_finished")}
+EXITS = {"sys.exit", "exit", "quit"}
+
+
+def exits_outside_entry_points(relative: str, source: str) -> list[str]:
+    """`file:line what` for each place in a product file that ends the process (`raise SystemExit`, sys.exit) or
+    calls an EXIT_HELPERS function outside an entry point: a function named `main` (and what it nests), the
+    `if __name__ == "__main__":` block, a whole `__main__.py`. Inside a helper, ending it is its job."""
+    helpers = {name for names in EXIT_HELPERS.values() for name in names}
+    found = []
+
+    def walk(node: ast.AST, entry: bool, helper: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner_entry, inner_helper = entry, helper
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner_entry |= child.name == "main"
+                inner_helper |= child.name in EXIT_HELPERS.get(relative, ())
+            elif isinstance(child, ast.If) and isinstance(node, ast.Module):
+                inner_entry |= ast.unparse(child.test) in ("__name__ == '__main__'", '__name__ == "__main__"')
+            if isinstance(child, ast.Raise) and child.exc is not None and not inner_entry and not inner_helper:
+                if ast.unparse(child.exc.func if isinstance(child.exc, ast.Call) else child.exc) == "SystemExit":
+                    found.append(f"{relative}:{child.lineno} raise SystemExit")
+            elif isinstance(child, ast.Call) and not inner_entry:
+                name = ast.unparse(child.func)
+                if name.rpartition(".")[2] in helpers or (name in EXITS and not inner_helper):
+                    found.append(f"{relative}:{child.lineno} {name}")
+            walk(child, inner_entry, inner_helper)
+
+    walk(ast.parse(source), entry=Path(relative).name == "__main__.py", helper=False)
+    return found
+
+
+def test_the_exit_check_finds_what_ends_the_process_outside_an_entry_point():
+    source = textwrap.dedent("""
+        import sys
+        from wampipe.errors import entry_point
+        def load(path):
+            if not path:
+                raise SystemExit(f"{path}: missing")
+            raise SystemExit
+        def main():
+            with entry_point():
+                raise SystemExit(load(""))
+        def check():
+            sys.exit(2)
+        def run(runtime):
+            with entry_point():
+                runtime.leave_now(None)
+        def entry_point():
+            raise SystemExit(1)
+        if __name__ == "__main__":
+            sys.exit(main())
+    """)
+    assert exits_outside_entry_points("train/x.py", source) == [
+        "train/x.py:6 raise SystemExit", "train/x.py:7 raise SystemExit", "train/x.py:12 sys.exit",
+        "train/x.py:14 entry_point", "train/x.py:15 runtime.leave_now", "train/x.py:17 raise SystemExit"]
+    assert exits_outside_entry_points("wampipe/errors.py", source)[-1] == "wampipe/errors.py:15 runtime.leave_now"
+    assert exits_outside_entry_points("preprocess/__main__.py", source) == []
+
+
+def test_only_the_entry_points_end_the_process():
+    """Library code raises the project's errors (wampipe/errors.py); a command's `main` (or its module's
+    `if __name__ == "__main__":`, or a `__main__.py`) turns one into its exit status, through the EXIT_HELPERS."""
+    found = [where for package in (*FORBIDDEN, "wampipe") for path in sorted((ROOT / package).rglob("*.py"))
+             for where in exits_outside_entry_points(path.relative_to(ROOT).as_posix(), path.read_text())]
+    assert found == []

@@ -3,6 +3,7 @@ and the choices and refusals it makes for every card size."""
 
 import pytest
 
+from wampipe.errors import UsageError
 from wampipe.train.auto import resolve_auto
 from wampipe.train.config import parse_args
 from wampipe.train.lora import LoRAConfig
@@ -74,9 +75,9 @@ def _cfg(tmp_path, preset, *flags):
     ("droid-14b", H200, 1, [], ["--lora.rank 16", "--parallel.cpu-offload", "2 GPUs"]),
 ])
 def test_what_cannot_fit_is_refused_in_one_line_naming_what_would(tmp_path, preset, gib, gpus, flags, options):
-    with pytest.raises(SystemExit) as refusal:
+    with pytest.raises(UsageError) as refusal:
         resolve_auto(_cfg(tmp_path, preset, *flags), gib, gpus)
-    line = str(refusal.value.code)
+    line = str(refusal.value)
     assert line.startswith(f"{preset} does not fit {gpus} GPU") and "\n" not in line
     assert "of weights, moments and gradients" in line and all(option in line for option in options)
 
@@ -120,7 +121,7 @@ def test_an_auto_part_trades_speed_for_memory_before_refusing(tmp_path):
     assert line is not None
     assert cfg.parallel.reduce_every_micro_batch is True and "gradients reduced every micro-batch" in line
     # a given micro-batch is never shrunk: what else fits is chosen, or the run is refused
-    with pytest.raises(SystemExit, match="does not fit"):
+    with pytest.raises(UsageError, match="does not fit"):
         resolve_auto(_cfg(tmp_path, "libero-5b", "--data.micro-batch-size", "32", "--parallel.activation-checkpoint",
                           "none"), H100, 2)
 

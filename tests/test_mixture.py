@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 
 from devtools import synthetic
+from wampipe.errors import UsageError
 from wampipe.shardformat.index import Window
 from wampipe.shardformat.manifest import Manifest
 from wampipe.shardformat.samples import write_index
@@ -137,14 +138,14 @@ def test_another_mixture_is_refused_at_resume_unless_changed_on_purpose(droid_sh
     indexes = open_sets(data)
     state = {**ShardLoader(data, model, 0, 2, CPU, indexes).state_dict(), "next_batch": 5}
     other = _data(droid_shards, libero_shards, (1.0, 1.0))
-    with pytest.raises(SystemExit) as refused:
+    with pytest.raises(UsageError) as refused:
         ShardLoader(other, model, 0, 2, CPU, indexes).load_state_dict(state)
     assert str(refused.value) == (
         f"checkpoint data (mixture by set of {droid_shards}=3 (10 windows), {libero_shards}=1 (10 windows)) differs "
         f"from this run's (mixture by set of {droid_shards}=1 (10 windows), {libero_shards}=1 (10 windows)); pass "
         f"--data.mixture-changed to continue with this run's data")
     single = {k: v for k, v in state.items() if k != "mixture"}  # a checkpoint of a --data.shards run
-    with pytest.raises(SystemExit, match=r"^checkpoint data \(one set, --data.shards\) differs"):
+    with pytest.raises(UsageError, match=r"^checkpoint data \(one set, --data.shards\) differs"):
         ShardLoader(data, model, 0, 2, CPU, indexes).load_state_dict(single)
     other.mixture_changed = True
     changed = ShardLoader(other, model, 0, 2, CPU, indexes)
@@ -169,7 +170,7 @@ def test_the_mixture_round_trips_through_a_config_file(droid_shards, libero_shar
     (["a", "b=2", "a/"], "invalid settings: --data.mixture a/: listed twice (one weight per set)"),
 ])
 def test_bad_weights_and_duplicated_sets_stop_with_one_line(flags, error):
-    with pytest.raises(SystemExit) as stopped:
+    with pytest.raises(UsageError) as stopped:
         parse_args(["--data.mixture", *flags])
     assert str(stopped.value) == error
 
@@ -177,7 +178,7 @@ def test_bad_weights_and_duplicated_sets_stop_with_one_line(flags, error):
 def test_sets_of_another_dit_recipe_or_empty_sets_are_refused_naming_the_set(droid_shards, tmp_path):
     other = tmp_path / "tiny"  # the tiny recipe's synthetic shards: 4 latent channels, not 48
     synthetic.make_synthetic_shards(other, "tiny", episodes=2, windows_per_episode=2, samples_per_shard=4, seed=1)
-    with pytest.raises(SystemExit) as refused:
+    with pytest.raises(UsageError) as refused:
         open_sets(DataConfig(mixture=(ShardSet(str(droid_shards)), ShardSet(str(other)))))
     assert str(refused.value) == (f"{other}: built for another DiT recipe than {droid_shards}: in_dim 4 vs 48; the "
                                   f"sets of a mixture share the encoders and the DiT's widths")
@@ -188,7 +189,7 @@ def test_sets_of_another_dit_recipe_or_empty_sets_are_refused_naming_the_set(dro
     rows = np.load(empty / "samples.npy")[:0]
     manifest.sample_index = {**manifest.sample_index, **write_index(empty / "samples.npy", rows, [])}
     manifest.write(empty)
-    with pytest.raises(SystemExit) as refused:
+    with pytest.raises(UsageError) as refused:
         open_sets(DataConfig(mixture=(ShardSet(str(other)), ShardSet(str(empty)))))
     assert str(refused.value) == f"{empty}: no windows (an empty shard set)"
 

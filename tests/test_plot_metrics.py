@@ -6,6 +6,7 @@ import json
 import pytest
 from PIL import Image
 
+from wampipe.errors import UsageError
 from wampipe.train.curves import panels_of, plot_run, read_metrics
 
 
@@ -30,10 +31,10 @@ def test_writes_a_png_and_the_resumed_run_wins(tmp_path):
 
 
 def test_missing_or_broken_metrics_name_the_file(tmp_path):
-    with pytest.raises(SystemExit, match="metrics.jsonl: missing"):
+    with pytest.raises(UsageError, match="metrics.jsonl: missing"):
         plot_run(tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\n{"step": 2, "lo\n')
-    with pytest.raises(SystemExit, match=r"metrics.jsonl:2: not a JSON row"):
+    with pytest.raises(UsageError, match=r"metrics.jsonl:2: not a JSON row"):
         plot_run(tmp_path)
 
 

@@ -13,6 +13,7 @@ import tyro
 
 from wampipe import configs
 from devtools.synthetic import SHAPES, SUBKEY_DIMS, make_synthetic_shards
+from wampipe.errors import UsageError
 from wampipe.preprocess import shards as preprocess_shards
 from wampipe.preprocess.__main__ import main as preprocess_main
 from wampipe.preprocess.pipeline import VAE_OF_MODEL
@@ -91,14 +92,14 @@ def test_preprocess_config_sets_the_defaults_of_its_flags(tmp_path):
 ])
 def test_bad_trainer_files_stop_with_one_line(tmp_path, text, error):
     (tmp_path / "mine.yaml").write_text(text)
-    with pytest.raises(SystemExit, match=error):
+    with pytest.raises(UsageError, match=error):
         parse_args(["--config", str(tmp_path / "mine.yaml"), "--data.shards", "s"])
 
 
 def test_unknown_names_stop_with_one_line():
-    with pytest.raises(SystemExit, match=r"^--config nope: no such file and no such recipe \(recipes: droid-14b, "):
+    with pytest.raises(UsageError, match=r"^--config nope: no such file and no such recipe \(recipes: droid-14b, "):
         parse_args(["--config", "nope"])
-    with pytest.raises(SystemExit, match=r"^unknown DiT preset '14b'; choose one of"):
+    with pytest.raises(UsageError, match=r"^unknown DiT preset '14b'; choose one of"):
         preset("14b")
     with pytest.raises(SystemExit, match=r"^unknown recipe 'libero'; choose one of"):
         make_synthetic_shards(Path("unused"), "libero")

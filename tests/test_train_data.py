@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from devtools import synthetic
+from wampipe.errors import UsageError
 from wampipe.preprocess.check import check
 from wampipe.shardformat.index import Window
 from wampipe.shardformat.keys import parse_key
@@ -162,12 +163,12 @@ def test_world_size_change_is_refused_unless_reshuffle(shards):
     it = iter(first)
     _take(it, 3)
     state = first.state_dict()
-    with pytest.raises(SystemExit, match="reshuffle-on-resize"):
+    with pytest.raises(UsageError, match="reshuffle-on-resize"):
         _loader(shards, world=1).load_state_dict(state)
     single = _loader(shards, world=1, reshuffle_on_resize=True)
     single.load_state_dict(state)
     assert single.next_batch == single.batches_per_epoch  # the next epoch's permutation, under the new world size
-    with pytest.raises(SystemExit, match="anchor sampling of 40 visits"):
+    with pytest.raises(UsageError, match="anchor sampling of 40 visits"):
         _loader(shards, sampling="uniform").load_state_dict(state)
     before_weights = {k: v for k, v in state.items() if k not in ("sampling", "epoch_length")}  # an older checkpoint
     uniform = _loader(shards, sampling="uniform")
@@ -258,7 +259,7 @@ def test_a_flipped_byte_stops_training_with_the_member_named(shards, tmp_path, w
     assert str(err.value) == message
     reader.close()
     loader = _loader(corrupt, workers=workers, variant=parse_key(key).variant)
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(ShardFormatError) as stop:
         _take(iter(loader), 40)  # 4 epochs of rank 0: the corrupt sample's window comes up (at the latest) there
     assert str(stop.value) == message
 
@@ -270,10 +271,11 @@ def test_old_or_edited_manifests_are_refused_in_one_line(shards, tmp_path):
     shutil.copytree(shards, old)
     manifest = json.loads((old / "manifest.json").read_text())
     (old / "manifest.json").write_text(json.dumps({**manifest, "format": "wampipe-shards/1"}))
-    with pytest.raises(SystemExit, match=r"format 'wampipe-shards/1', this code reads 'wampipe-shards/4': rebuild"):
+    with pytest.raises(ShardFormatError,
+                       match=r"format 'wampipe-shards/1', this code reads 'wampipe-shards/4': rebuild"):
         _loader(old)
     (old / "manifest.json").write_text(json.dumps({**manifest, "seed": manifest["seed"] + 1}))
-    with pytest.raises(SystemExit, match="content_sha256 does not match the content"):
+    with pytest.raises(ShardFormatError, match="content_sha256 does not match the content"):
         _loader(old)
 
 
@@ -291,7 +293,7 @@ def test_a_resume_over_rebuilt_shards_is_refused_unless_said(tmp_path):
     shutil.rmtree(root)
     synthetic.make_synthetic_shards(root, "tiny", episodes=3, windows_per_episode=2, samples_per_shard=4, seed=2)
     again = ShardLoader(cfg, TINY, 0, 1, torch.device("cpu"))
-    with pytest.raises(SystemExit, match=f"checkpoint data was read from other builds of {root} \\(manifest "
+    with pytest.raises(UsageError, match=f"checkpoint data was read from other builds of {root} \\(manifest "
                                          f"{state['builds'][0]} -> {again.index.store.build}\\): the shards were "
                                          f"rebuilt since; pass --data.mixture-changed to continue with them"):
         again.load_state_dict(state)

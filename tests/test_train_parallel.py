@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import start_processes
 
 from tests.conftest import tiny_model
+from wampipe.errors import UsageError
 from wampipe.train import checkpoint
 from wampipe.train.config import CheckpointConfig, OptimConfig, ParallelConfig
 from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
@@ -260,7 +261,7 @@ def test_offload_estimate_pads_shards_and_rounds_pinned_ones_and_refuses_what_do
     assert offload_host_bytes(linear, 2, pinned=True) == 64 + 2 * 16 + 2 * 12
     check_host_memory(80 * 10**9, 4, 400 * 10**9)
     check_host_memory(80 * 10**9, 4, None)  # no /proc/meminfo: not checked
-    with pytest.raises(SystemExit, match=r"--parallel.cpu-offload: this node's 4 rank\(s\) need ~344 GB of host "
+    with pytest.raises(UsageError, match=r"--parallel.cpu-offload: this node's 4 rank\(s\) need ~344 GB of host "
                                          r"memory \(84.0 GB each .*2 GB for the process\), 340 GB is available"):
         check_host_memory(84 * 10**9, 4, 340 * 10**9)  # the state alone (336 GB) would fit
     available = host_memory_available()

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from devtools import synthetic
+from wampipe.errors import UsageError
 from wampipe.shardformat.index import Window
 from wampipe.shardformat.members import checksum, npy_bytes
 from wampipe.shardformat.shard import ShardRecord, json_path
@@ -118,7 +119,9 @@ def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
 
 @pytest.mark.parametrize("failure, code, message", [
     ("RuntimeError('CUDA out of memory')", 1, "RuntimeError: CUDA out of memory"),  # with its traceback
-    ("SystemExit('step 5: non-finite loss')", 1, "step 5: non-finite loss"),  # the trainer's one-line errors
+    ("RunError('step 5: non-finite loss')", 1, "step 5: non-finite loss"),  # the trainer's one-line errors
+    ("UsageError('--data.shards x: no windows')", 1, "--data.shards x: no windows"),
+    ("SystemExit('step 5: non-finite loss')", 1, "step 5: non-finite loss"),
     ("SystemExit(3)", 3, None),
 ])
 @pytest.mark.e2e
@@ -128,6 +131,8 @@ def test_a_failed_rank_leaves_at_once_with_its_error(failure, code, message):
     printed, what it printed before flushed, and its exit status."""
     script = textwrap.dedent(f"""
         import threading
+        from wampipe.errors import UsageError
+        from wampipe.train.checkpoint import RunError
         from wampipe.train.runtime import leave_now
         threading.Thread(target=threading.Event().wait).start()
         print("step 4 | loss 2.61", flush=False)  # stdout is a pipe here: block-buffered
@@ -170,9 +175,9 @@ def test_nonfinite_weights_are_never_saved_or_exported(process_group, tmp_path):
     name, param = next(model.named_parameters())
     with torch.no_grad():
         cast(DTensor, param).to_local().view(-1)[0] = float("inf")  # FSDP2 sharded it
-    with pytest.raises(SystemExit, match=rf"^refusing to save step 3: non-finite weights in {name}$"):
+    with pytest.raises(checkpoint.RunError, match=rf"^refusing to save step 3: non-finite weights in {name}$"):
         _save(tmp_path, 3, model, optimizer)
-    with pytest.raises(SystemExit, match="refusing to export: non-finite weights"):
+    with pytest.raises(checkpoint.RunError, match="refusing to export: non-finite weights"):
         checkpoint.require_finite(model, "export")
     assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path)] == [1, 2]  # keep-last 2 rotated nothing out
     assert not checkpoint.step_dir(tmp_path, 3).exists()
@@ -181,7 +186,8 @@ def test_nonfinite_weights_are_never_saved_or_exported(process_group, tmp_path):
 def test_resume_with_another_model_shape_is_refused(process_group, tmp_path):
     path = _save(tmp_path, 1, *_trained_model())
     deeper, optimizer = _trained_model(num_layers=3)
-    with pytest.raises(SystemExit, match=r"a checkpoint of another model \(num_layers: checkpoint 2, this run 3\)"):
+    with pytest.raises(checkpoint.RunError,
+                       match=r"a checkpoint of another model \(num_layers: checkpoint 2, this run 3\)"):
         checkpoint.load(path, deeper, optimizer)
     state = checkpoint.load(path, *_trained_model())
     assert state["step"] == 1 and state["same_rank"] and state["rng"].dtype == torch.uint8
@@ -237,13 +243,13 @@ def test_loading_a_checkpoint_runs_no_code_from_it(process_group, tmp_path):
 
     state = path / "rank-00000.json"
     state.rename(path / "kept.json")  # the pickle alone is not read either
-    with pytest.raises(SystemExit, match=r"no rank-00000\.json$"):
+    with pytest.raises(checkpoint.RunError, match=r"no rank-00000\.json$"):
         checkpoint.load(path, model, optimizer)
     (path / "kept.json").rename(state)
 
     metadata = (path / ".metadata").read_bytes()
     (path / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
-    with pytest.raises(SystemExit, match=r"\.metadata: refusing to load: \w+\.open is not part of checkpoint"):
+    with pytest.raises(checkpoint.RunError, match=r"\.metadata: refusing to load: \w+\.open is not part of checkpoint"):
         checkpoint.load(path, model, optimizer)
     (path / ".metadata").write_bytes(metadata)
 
@@ -254,7 +260,7 @@ def test_loading_a_checkpoint_runs_no_code_from_it(process_group, tmp_path):
     dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=crafted)
     for state in path.glob("rank-00000.*"):
         shutil.copy(state, crafted)
-    with pytest.raises(SystemExit, match="refusing to load: Weights only load failed"):
+    with pytest.raises(checkpoint.RunError, match="refusing to load: Weights only load failed"):
         checkpoint.load(crafted, model, optimizer)
     assert not marker.exists()
 
@@ -269,12 +275,12 @@ def test_bad_settings_and_missing_shards_are_refused_at_start(tmp_path, monkeypa
         (["--checkpoint.keep-last", "0", "--metrics.interval", "0"],
          r"--checkpoint.keep-last 0 \(must be >= 1\); --metrics.interval 0 \(must be >= 1\)"),
     ]:
-        with pytest.raises(SystemExit, match=r"^invalid settings: " + message + "$"):
+        with pytest.raises(UsageError, match=r"^invalid settings: " + message + "$"):
             parse_args(argv + shards)
     assert parse_args(["--preset", "droid-5b"] + shards).optim.warmup_ratio == 0.05  # both references' 5B recipes
 
     monkeypatch.chdir(tmp_path)  # `torchrun train/main.py` with no flags: `make shards`' output, or what to pass
-    with pytest.raises(SystemExit, match=r"no shards given and shards/droid/manifest.json does not exist: pass "
+    with pytest.raises(UsageError, match=r"no shards given and shards/droid/manifest.json does not exist: pass "
                                          r"--data.shards DIR"):
         parse_args([])
     (tmp_path / "shards" / "droid").mkdir(parents=True)

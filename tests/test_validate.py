@@ -92,11 +92,12 @@ def test_the_same_weights_give_the_same_loss_on_one_rank_or_two(full_run, val_sh
 
 
 def test_bad_validation_flags_are_one_line(tmp_path):
+    from wampipe.errors import UsageError
     from wampipe.train.config import parse_args
 
     argv = ["--data.shards", str(tmp_path), "--metrics.val-interval", "-1", "--metrics.val-samples", "0",
             "--metrics.val-batch", "-2"]
-    with pytest.raises(SystemExit, match=r"^invalid settings: --metrics.val-interval -1 \(must be >= 0\); "
+    with pytest.raises(UsageError, match=r"^invalid settings: --metrics.val-interval -1 \(must be >= 0\); "
                                          r"--metrics.val-samples 0 \(must be >= 1\); --metrics.val-batch -2 "
                                          r"\(must be >= 0\)$"):
         parse_args(argv)

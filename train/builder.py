@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 
-from wampipe.shardformat.manifest import ShardFormatError
+from wampipe.errors import UsageError
 from wampipe.shardformat.storage import ShardStore
 from wampipe.train import checkpoint
 from wampipe.train.config import BatchPlan, Config, batch_plan, save_config
@@ -47,22 +47,19 @@ def frozen_image_encoder(cfg: Config, device: torch.device):
     Every rank holds all of it (small; never sharded, never trained) in the encoders' dtype the shards record, so it
     gives the features preprocessing would have stored. Refuses missing weights, or others than the shards' own."""
     shards = cfg.data.sets()[0].shards  # the sets of a mixture agree on it (train/data.py mixture_dims)
-    try:
-        manifest = ShardStore(shards).manifest()
-    except ShardFormatError as err:
-        raise SystemExit(str(err)) from None
+    manifest = ShardStore(shards).manifest()  # a ShardFormatError names the file
     if manifest.image_features == "encoded":
         return None
     built_with, path = manifest.encoders["image_encoder"], cfg.model.image_encoder
     if path is None:
-        raise SystemExit(NEEDS_CLIP.format(shards=shards, path=built_with["path"]))
+        raise UsageError(NEEDS_CLIP.format(shards=shards, path=built_with["path"]))
     from wampipe.encoders.image_encoder import load_image_encoder  # transformers' CLIP only for these shards
     from wampipe.encoders.weights import weights_sha256
 
     if not path.exists():
-        raise SystemExit(f"--model.image-encoder {path}: not found")
+        raise UsageError(f"--model.image-encoder {path}: not found")
     if weights_sha256(path)[0] != built_with["sha256"]:
-        raise SystemExit(f"--model.image-encoder {path}: not the CLIP weights {shards} was built with "
+        raise UsageError(f"--model.image-encoder {path}: not the CLIP weights {shards} was built with "
                          f"({built_with['path']}, sha256 {built_with['sha256'][:12]}): its features would differ")
     return load_image_encoder(path, device=device, dtype=getattr(torch, manifest.encoders["dtype"]))
 
@@ -79,7 +76,7 @@ def model_config(cfg: Config, image_encoder=None, indexes: list[ShardIndex] | No
     if image_encoder is not None:
         dims |= dict(zip(("image_len", "image_dim"), image_encoder.feature_shape))
     elif "image_dim" not in dims:
-        raise SystemExit(NEEDS_CLIP.format(shards=shards, path="the file they were built with"))
+        raise UsageError(NEEDS_CLIP.format(shards=shards, path="the file they were built with"))
     model_cfg = preset(cfg.model.name)
     if cfg.model.num_layers:
         model_cfg = replace(model_cfg, num_layers=cfg.model.num_layers)
@@ -91,7 +88,7 @@ def model_config(cfg: Config, image_encoder=None, indexes: list[ShardIndex] | No
         details = ", ".join(f"{k}: model {m}, shards {d}" for k, (m, d) in wrong.items())
         if text_len > model_cfg.text_len:
             details += f"{', ' if details else ''}longest prompt {text_len} tokens > text_len {model_cfg.text_len}"
-        raise SystemExit(f"{shards} does not fit --model.name {cfg.model.name}: {details}")
+        raise UsageError(f"{shards} does not fit --model.name {cfg.model.name}: {details}")
     return model_cfg
 
 
@@ -119,7 +116,7 @@ def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
         try:
             load_weights(model, cfg.model.init_from, seed=cfg.seed)
         except WeightsError as e:
-            raise SystemExit(f"--model.init-from {e}") from None
+            raise WeightsError(f"--model.init-from {e}") from None
     elif meta:
         with torch.no_grad():
             model.init_weights()
@@ -169,7 +166,7 @@ def build(cfg: Config, device: torch.device, image_encoder=None, indexes: list[S
             check_base(cfg.checkpoint.export_base, model,
                        list(mixture_statistics([s.shards for s in cfg.data.sets()])))
         except WeightsError as e:
-            raise SystemExit(f"--checkpoint.export-base {e}") from None
+            raise WeightsError(f"--checkpoint.export-base {e}") from None
     model.attention_backend = cfg.model.attention
     model.flex_mask_options = cfg.model.flex_mask_options()
     return model
@@ -213,14 +210,13 @@ class Run:
 
 def build_run(cfg: Config, rank: int, world: int, device: torch.device) -> Run:
     """Every part of the run on this rank, at the newest complete checkpoint's step with --checkpoint.resume."""
-    from wampipe.encoders.weights import WeightsError
     from wampipe.train.runtime import alike
 
-    with alike(rank):  # every rank reads the same files: a bad one is one line, from rank 0
+    with alike():  # every rank reads the same files: a bad one is one line, from rank 0
         try:
             image_encoder = frozen_image_encoder(cfg, device)
         except WeightsError as err:
-            raise SystemExit(f"--model.image-encoder: {err}") from None
+            raise WeightsError(f"--model.image-encoder: {err}") from None
         indexes = open_sets(cfg.data)  # once: the model's widths and the loader both read them
     found = checkpoint.resumable(Path(cfg.checkpoint.dir)) if cfg.checkpoint.resume else []
     holds_all = bool(found) and cfg.lora.rank == 0  # a LoRA checkpoint holds the adapters only: the base is re-read

@@ -73,11 +73,14 @@ _held_locks: list[int] = []  # the run directory's lock, open (held) until the p
 _run: list[str] = []  # this process's run identity, once claim_run_dir has shared it
 
 
-class RunError(SystemExit):
-    """Stops every rank with exit code 1; only rank 0 prints the one-line reason (not one copy per rank)."""
-
-    def __init__(self, message: str):
-        super().__init__(message if not dist.is_initialized() or dist.get_rank() == 0 else 1)
+class RunError(WampipeError):
+    """A training run's own refusal, which every rank raises alike once the process group is up (a checkpoint of
+    another model, non-finite weights, a run directory in use, a failed save; `runtime.alike` turns any refusal of
+    its block into one): the trainer's entry points print its line on rank 0 only, the other ranks exit with status 1
+    in silence (`runtime.report`), so a run stops with one line, not one copy per rank; without a process group
+    (before it exists, or in `python -m train.evaluate`) the process prints it. It lives here, with the collectives
+    that raise it for every rank at once (`_stop_if_any`), and not in wampipe/errors.py, because its rank rule is
+    the trainer's alone: only train/ runs ranks."""
 
 
 def _stop_if_any(error: str | None, remove: Path | None = None, describe=lambda first: first) -> None:
@@ -119,9 +122,7 @@ def claim_run_dir(cfg: CheckpointConfig) -> None:
             if not cfg.resume:
                 start_over(Path(cfg.dir))
             identity = [_identity(Path(cfg.dir), fresh=not cfg.resume)]
-        except SystemExit as e:  # RunError
-            error = str(e.code)
-        except WampipeError as e:  # the lock's own one line
+        except WampipeError as e:  # a RunError, or the lock's own one line
             error = str(e)
         except OSError as e:
             error = f"{cfg.dir}: cannot claim the run directory ({e}): pass another --checkpoint.dir"

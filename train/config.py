@@ -21,6 +21,7 @@ import tyro
 
 from wampipe import configs
 from wampipe.configs.cli import cli
+from wampipe.errors import UsageError
 from wampipe.shardformat.layout import MANIFEST
 
 if TYPE_CHECKING:  # the recipe names are files, known only at run time
@@ -372,7 +373,7 @@ def recipe_config(name: str) -> Config:
 def preset_config(name: str) -> Config:
     """A fresh copy of the preset `name` (its recipe read on first use)."""
     if name not in configs.names():
-        raise SystemExit(f"unknown preset {name!r}; choose one of {configs.names()}")
+        raise UsageError(f"unknown preset {name!r}; choose one of {configs.names()}")
     return copy.deepcopy(recipe_config(name))
 
 
@@ -382,7 +383,7 @@ def file_config(name_or_file: str, preset: str | None = None) -> Config:
     path = configs.path_of(name_or_file)
     data = configs.read(path)
     if "train" not in data:
-        raise SystemExit(f"{path}: no train section")
+        raise UsageError(f"{path}: no train section")
     train = configs.section(data, "train", path)
     own = path.stem if path.parent.resolve() == configs.DIR else "tiny"
     return configs.apply(preset_config(preset or train.get("preset") or own), train, f"{path}: train")
@@ -409,7 +410,7 @@ def batch_plan(cfg: Config, world_size: int) -> BatchPlan:
     global_batch = cfg.parallel.global_batch_size or micro * world_size
     accum, rem = divmod(global_batch, micro * world_size)
     if rem or accum < 1:
-        raise SystemExit(f"global batch {global_batch} is not a multiple of micro-batch {micro} x {world_size} ranks")
+        raise UsageError(f"global batch {global_batch} is not a multiple of micro-batch {micro} x {world_size} ranks")
     return BatchPlan(micro, global_batch, accum)
 
 
@@ -419,7 +420,7 @@ DEFAULT_SHARDS = Path("shards/droid")  # where `make shards` writes
 def default_shards() -> Path:
     if (DEFAULT_SHARDS / MANIFEST).is_file():
         return DEFAULT_SHARDS
-    raise SystemExit(f"no shards given and {DEFAULT_SHARDS / MANIFEST} does not exist: pass --data.shards DIR (a "
+    raise UsageError(f"no shards given and {DEFAULT_SHARDS / MANIFEST} does not exist: pass --data.shards DIR (a "
                      f"directory written by `python -m preprocess shards` or `make shards`)")
 
 
@@ -442,10 +443,10 @@ def validate(cfg: Config) -> None:
     """Refuse settings the trainer cannot run with, in one line, before anything starts."""
     nonfinite = configs.nonfinite(cfg)
     if nonfinite:
-        raise SystemExit("invalid settings: " + "; ".join(f"{flag} (must be a finite number)" for flag in nonfinite))
+        raise UsageError("invalid settings: " + "; ".join(f"{flag} (must be a finite number)" for flag in nonfinite))
     d, o, p, c, m = cfg.data, cfg.optim, cfg.parallel, cfg.checkpoint, cfg.metrics
     if problem := mixture_problem(d):
-        raise SystemExit(f"invalid settings: {problem}")
+        raise UsageError(f"invalid settings: {problem}")
     rules = [
         ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"),
         ("--stop-after", cfg.stop_after, cfg.stop_after >= 0, ">= 0"),
@@ -497,7 +498,7 @@ def validate(cfg: Config) -> None:
     ]
     bad = [f"{flag} {value} (must be {need})" for flag, value, ok, need in rules if not ok]
     if bad:
-        raise SystemExit("invalid settings: " + "; ".join(bad))
+        raise UsageError("invalid settings: " + "; ".join(bad))
 
 
 def parse_args(argv: list[str] | None = None) -> Config:

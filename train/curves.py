@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from wampipe.errors import UsageError
+
 PANELS = (  # (title, metrics.jsonl fields, y scale)
     ("loss", ("loss", "loss_dynamics", "loss_action", "val_loss", "val_loss_dynamics", "val_loss_action"), "log"),
     ("learning rate", ("lr",), "linear"),
@@ -29,7 +31,7 @@ def read_metrics(path: Path) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise SystemExit(f"{path}:{n}: not a JSON row ({err.msg})") from None
+            raise UsageError(f"{path}:{n}: not a JSON row ({err.msg})") from None
         by_step[int(row["step"])] = by_step.get(int(row["step"]), {}) | row
     return [by_step[s] for s in sorted(by_step)]
 
@@ -45,7 +47,7 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("plotting curves needs matplotlib: pip install 'wampipe[plot]'") from None
+        raise UsageError("plotting curves needs matplotlib: pip install 'wampipe[plot]'") from None
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
@@ -77,8 +79,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     """RUN_DIR/metrics.jsonl -> `out` (default RUN_DIR/metrics.png); a missing or empty file stops with one line."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise SystemExit(f"{path}: missing (is {run_dir} a training run directory?)")
+        raise UsageError(f"{path}: missing (is {run_dir} a training run directory?)")
     rows = read_metrics(path)
     if not rows:
-        raise SystemExit(f"{path}: no rows yet (the trainer logs every --metrics.interval steps)")
+        raise UsageError(f"{path}: no rows yet (the trainer logs every --metrics.interval steps)")
     return plot(rows, out or run_dir / "metrics.png", f"{run_dir} ({len(rows)} logged steps)")

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from wampipe.errors import UsageError
 from wampipe.shardformat.layout import ACTION, LATENTS, MANIFEST, STATE, VAL_DIR, Y
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.stats import normalize_q99, pad_with_mask
@@ -52,11 +53,8 @@ BATCH_KEYS = ("latents", "clip", "text", "state", "actions", "action_mask", "has
 
 
 def open_index(root: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> ShardIndex:
-    """ShardIndex, or a one-line SystemExit naming the file when the directory cannot be read."""
-    try:
-        return ShardIndex(root, cache_dir)
-    except ShardFormatError as err:
-        raise SystemExit(str(err)) from None
+    """ShardIndex, or a ShardFormatError naming the file when the directory cannot be read."""
+    return ShardIndex(root, cache_dir)
 
 
 def epoch_order(weights: np.ndarray, seed: int, epoch: int, stream: int = 0) -> np.ndarray:
@@ -143,10 +141,10 @@ def open_sets(cfg: DataConfig) -> list[ShardIndex]:
     indexes = [open_index(s.shards, cfg.cache_dir) for s in cfg.sets()]
     for s, index in zip(cfg.sets(), indexes):
         if not len(index):
-            raise SystemExit(f"{s.shards}: no windows (an empty shard set)")
+            raise UsageError(f"{s.shards}: no windows (an empty shard set)")
         variants = max(1, int(index.manifest.transform.get("augment_variants", 0)))  # every window holds them all
         if cfg.variant >= variants:
-            raise SystemExit(f"--data.variant {cfg.variant}: {s.shards} holds {variants} variant(s) per window "
+            raise UsageError(f"--data.variant {cfg.variant}: {s.shards} holds {variants} variant(s) per window "
                              f"(0-{variants - 1}; -1 draws one per visit)")
     if len(indexes) > 1:
         mixture_dims(indexes)
@@ -155,9 +153,9 @@ def open_sets(cfg: DataConfig) -> list[ShardIndex]:
 
 def check_alongside(index: ShardIndex, run: Sequence[ShardIndex], role: str) -> None:
     """A validation or action-evaluation set, checked at start against the run's sets: built for the same DiT recipe
-    (`mixture_dims`) and holding windows; SystemExit naming it and the field otherwise."""
+    (`mixture_dims`) and holding windows; UsageError naming it and the field otherwise."""
     if not len(index):
-        raise SystemExit(f"{index.root}: no windows (an empty {role})")
+        raise UsageError(f"{index.root}: no windows (an empty {role})")
     mixture_dims([run[0], index], f"{role} must be built like the data it evaluates")
 
 
@@ -175,7 +173,7 @@ def mixture_dims(indexes: Sequence[ShardIndex],
             "sha256")) for k, name in SHARED_ENCODERS.items()]
         for field, want, got in fields:
             if want != got:
-                raise SystemExit(f"{index.root}: built for another DiT recipe than {first.root}: {field} {got} vs "
+                raise UsageError(f"{index.root}: built for another DiT recipe than {first.root}: {field} {got} vs "
                                  f"{want}; {rule}")
         dims["text_len"] = max(dims["text_len"], own["text_len"])
     return dims
@@ -317,7 +315,7 @@ class ShardLoader:
         """`index`: the index of each set (`open_sets`) when the caller has opened them already (reading every shard
         JSON once per rank, not twice); else they are opened here from cfg."""
         if cfg.shards is None and not cfg.mixture:
-            raise SystemExit(f"--data.shards is required (a directory or URL with {MANIFEST})")
+            raise UsageError(f"--data.shards is required (a directory or URL with {MANIFEST})")
         self.cfg, self.model, self.rank, self.world_size, self.device = cfg, model, rank, world_size, device
         self.indexes = [index] if isinstance(index, ShardIndex) else list(index or open_sets(cfg))
         self.index = self.indexes[0]
@@ -327,11 +325,11 @@ class ShardLoader:
         self.epoch_length = sum(self.epoch_lengths)
         for s, index, length in zip(self.sets, self.indexes, self.epoch_lengths):
             if batches_per_epoch(length, world_size, cfg.micro_batch_size) == 0:
-                raise SystemExit(f"{s.shards}: {length} window visits per epoch cannot fill one micro-batch of "
+                raise UsageError(f"{s.shards}: {length} window visits per epoch cannot fill one micro-batch of "
                                  f"{cfg.micro_batch_size} on each of {world_size} ranks")
             for name, width in ((STATE, model.max_state_dim), (ACTION, model.action_dim)):
                 if index.q01[name].size > width:
-                    raise SystemExit(f"{s.shards}: {name} has {index.q01[name].size} dims, more than the model's "
+                    raise UsageError(f"{s.shards}: {name} has {index.q01[name].size} dims, more than the model's "
                                      f"{width} ({'max_state_dim' if name == 'state' else 'action_dim'})")
         self.probs = set_probabilities(self.sets, self.epoch_lengths, cfg.mixture_weighting)
         self.draws = SetDraws(self.probs, cfg.seed, rank)  # the main process's, for samples_seen
@@ -367,11 +365,11 @@ class ShardLoader:
         changed = [f"{s.shards} (manifest {old} -> {new})" for s, old, new in
                    zip(self.sets, state.get("builds") or mine["builds"], mine["builds"]) if old != new]
         if changed and state["mixture"] == mine["mixture"] and not self.cfg.mixture_changed:
-            raise SystemExit(f"checkpoint data was read from other builds of {', '.join(changed)}: the shards were "
+            raise UsageError(f"checkpoint data was read from other builds of {', '.join(changed)}: the shards were "
                              f"rebuilt since; pass --data.mixture-changed to continue with them")
         if state["mixture"] != mine["mixture"]:
             if not self.cfg.mixture_changed:
-                raise SystemExit(f"checkpoint data ({_describe_mixture(state['mixture'])}) differs from this run's "
+                raise UsageError(f"checkpoint data ({_describe_mixture(state['mixture'])}) differs from this run's "
                                  f"({_describe_mixture(mine['mixture'])}); pass --data.mixture-changed to continue "
                                  f"with this run's data")
             state = {**state, "num_windows": mine["num_windows"], "epoch_length": mine["epoch_length"]}
@@ -380,7 +378,7 @@ class ShardLoader:
             self.next_batch = state["next_batch"]
             return
         if not self.cfg.reshuffle_on_resize:
-            raise SystemExit(
+            raise UsageError(
                 f"checkpoint data state ({_describe(state)}) differs from this run ({_describe(mine)}); pass "
                 f"--data.reshuffle-on-resize to continue at the next epoch")
         old_epoch = state["next_batch"] // batches_per_epoch(state["epoch_length"], state["world_size"],
@@ -411,7 +409,7 @@ class ShardLoader:
             batch = next(source)
             self.wait_s += time.perf_counter() - t0
             if "error" in batch:
-                raise SystemExit(batch["error"])
+                raise ShardFormatError(batch["error"])
             return self._to_device(batch, stream)
 
         pending = fetch()

@@ -21,8 +21,7 @@ import torch
 import tyro
 
 from wampipe.configs.cli import check_at_least
-from wampipe.errors import WampipeError
-from wampipe.shardformat.manifest import ShardFormatError
+from wampipe.errors import UsageError, entry_point
 from wampipe.shardformat.stats import unnormalize_q99
 from wampipe.train.data import data_dims, open_index
 from wampipe.train.model import CausalWanModel, DiTConfig
@@ -61,7 +60,7 @@ def _dit_config(values: dict, where: str) -> DiTConfig:
     try:
         return DiTConfig(**{k: v for k, v in values.items() if k in names})
     except TypeError as err:
-        raise SystemExit(f"{where}: not a DiT configuration ({err})") from None
+        raise UsageError(f"{where}: not a DiT configuration ({err})") from None
 
 
 def load_checkpoint(run: Path, step: int | None, dims: dict, shards: str) -> tuple[CausalWanModel, str]:
@@ -73,12 +72,12 @@ def load_checkpoint(run: Path, step: int | None, dims: dict, shards: str) -> tup
     found = dict(complete_checkpoints(run))
     if not found or (step is not None and step not in found):
         have = f"complete steps {sorted(found)}" if found else "no complete checkpoint"
-        raise SystemExit(f"{run}: {'no checkpoint of step ' + str(step) if step is not None else 'nothing to load'} "
+        raise UsageError(f"{run}: {'no checkpoint of step ' + str(step) if step is not None else 'nothing to load'} "
                          f"({have}); pass a run directory with a saved step, or its export folder")
     path = found[step if step is not None else max(found)]
     recorded = json.loads((path / "rank-00000.json").read_text())["model"]
     if recorded.get("lora"):
-        raise SystemExit(f"{path}: a LoRA checkpoint holds the adapters only; evaluate the run's export folder "
+        raise UsageError(f"{path}: a LoRA checkpoint holds the adapters only; evaluate the run's export folder "
                          f"(merged weights) instead")
     model = CausalWanModel(_dit_config(recorded, str(path / "rank-00000.json")))
     check_fits(model.cfg, dims, str(path), shards)
@@ -93,23 +92,20 @@ def load_checkpoint(run: Path, step: int | None, dims: dict, shards: str) -> tup
 def load_export(folder: Path, dims: dict, shards: str) -> tuple[CausalWanModel, str]:
     """The DiT of an eval-ready export: its widths from config.json, the CLIP widths (not in the official config)
     from the shards it is evaluated on; weights read strictly."""
-    from wampipe.train.weights import WeightsError, load_weights
+    from wampipe.train.weights import load_weights
 
     config = folder / "config.json"
     if not config.is_file():
-        raise SystemExit(f"{folder}: no config.json, so no DiT configuration; evaluate the run directory, or export "
+        raise UsageError(f"{folder}: no config.json, so no DiT configuration; evaluate the run directory, or export "
                          f"with --checkpoint.export-base")
     try:
         dit = json.loads(config.read_text())["action_head_cfg"]["config"]["diffusion_model_cfg"]
     except (KeyError, TypeError, json.JSONDecodeError) as err:
-        raise SystemExit(f"{config}: no action_head_cfg.config.diffusion_model_cfg ({err})") from None
+        raise UsageError(f"{config}: no action_head_cfg.config.diffusion_model_cfg ({err})") from None
     clip = {k: v for k, v in dims.items() if k in ("image_dim", "image_len")}
     model = CausalWanModel(_dit_config(dit | clip, str(config)))
     check_fits(model.cfg, dims, str(folder), shards)
-    try:
-        load_weights(model, folder)
-    except WeightsError as err:
-        raise SystemExit(str(err)) from None
+    load_weights(model, folder)  # a WeightsError names the file and the keys
     return model, str(folder)
 
 
@@ -117,7 +113,7 @@ def load(source: Path, dims: dict, shards: str, step: int | None = None) -> tupl
     """A run directory's checkpoint or an export folder's weights, as a plain model on the CPU, once its DiT is known
     to fit the shards of `data_dims` `dims`."""
     if not source.is_dir():
-        raise SystemExit(f"{source}: not a directory; pass a run directory or an eval-ready export folder")
+        raise UsageError(f"{source}: not a directory; pass a run directory or an eval-ready export folder")
     if (source / "config.json").is_file():
         return load_export(source, dims, shards)
     return load_checkpoint(source, step, dims, shards)
@@ -130,7 +126,7 @@ def check_fits(model_cfg: DiTConfig, dims: dict, source: str, shards: str) -> No
     if dims["text_len"] > model_cfg.text_len:
         wrong.append(f"longest prompt {dims['text_len']} tokens > text_len {model_cfg.text_len}")
     if wrong:
-        raise SystemExit(f"{shards} does not fit the DiT of {source}: {', '.join(wrong)}")
+        raise UsageError(f"{shards} does not fit the DiT of {source}: {', '.join(wrong)}")
 
 
 def plot(pred: np.ndarray, target: np.ndarray, out: Path) -> None:
@@ -140,7 +136,7 @@ def plot(pred: np.ndarray, target: np.ndarray, out: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("open_loop.png needs matplotlib: pip install 'wampipe[plot]' (or pass --plot-samples 0)")
+        raise UsageError("open_loop.png needs matplotlib: pip install 'wampipe[plot]' (or pass --plot-samples 0)")
     n, horizon, dims = pred.shape
     cols = min(dims, 4)
     rows = -(-dims // cols)
@@ -169,10 +165,10 @@ def read_negative_text(path: Path, model_cfg: DiTConfig) -> torch.Tensor:
     try:
         tensors = list(load_file(path).values())
     except (OSError, SafetensorError) as err:
-        raise SystemExit(f"--negative-text {path}: not readable as safetensors ({err})") from None
+        raise UsageError(f"--negative-text {path}: not readable as safetensors ({err})") from None
     shape = tuple(tensors[0].shape) if len(tensors) == 1 else None
     if shape is None or len(shape) != 2 or shape[1] != model_cfg.text_dim or shape[0] > model_cfg.text_len:
-        raise SystemExit(f"--negative-text {path}: needs one [tokens <= {model_cfg.text_len}, {model_cfg.text_dim}] "
+        raise UsageError(f"--negative-text {path}: needs one [tokens <= {model_cfg.text_len}, {model_cfg.text_dim}] "
                          f"tensor (the umT5 output of the negative prompt), has {[tuple(t.shape) for t in tensors]}")
     return pad_text([tensors[0].float()], model_cfg.text_len)
 
@@ -182,13 +178,13 @@ def check_args(args: Args) -> None:
     check_at_least(("--samples", args.samples, 1), ("--batch-size", args.batch_size, 1),
                    ("--plot-samples", args.plot_samples, 0))
     if args.out.exists() and not args.out.is_dir():
-        raise SystemExit(f"--out {args.out} is a file; give a directory for open_loop.json and open_loop.png")
+        raise UsageError(f"--out {args.out} is a file; give a directory for open_loop.json and open_loop.png")
     try:
         torch.device(args.device)
     except RuntimeError as err:
-        raise SystemExit(f"--device {args.device}: {err}") from None
+        raise UsageError(f"--device {args.device}: {err}") from None
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: no CUDA device is visible")
+        raise UsageError(f"--device {args.device}: no CUDA device is visible")
 
 
 def evaluate(args: Args) -> dict:
@@ -196,16 +192,13 @@ def evaluate(args: Args) -> dict:
     try:
         args.sampler.step_mask()
     except ValueError as err:
-        raise SystemExit(str(err)) from None
-    try:
-        index = open_index(args.shards)
-        if index.manifest.image_features != "encoded":
-            raise SystemExit(f"{args.shards}: holds CLIP's input pixels, not its features; evaluate on shards built "
-                             f"with --image-features encoded")
-        dims = data_dims(index)
-        model, source = load(args.source, dims, args.shards, args.step)
-    except ShardFormatError as err:
-        raise SystemExit(str(err)) from None
+        raise UsageError(str(err)) from None
+    index = open_index(args.shards)  # a ShardFormatError names the file
+    if index.manifest.image_features != "encoded":
+        raise UsageError(f"{args.shards}: holds CLIP's input pixels, not its features; evaluate on shards built "
+                         f"with --image-features encoded")
+    dims = data_dims(index)
+    model, source = load(args.source, dims, args.shards, args.step)
     device = torch.device(args.device)
     model.to(device)
     negative = None if args.negative_text is None else read_negative_text(args.negative_text, model.cfg).to(device)
@@ -217,11 +210,8 @@ def evaluate(args: Args) -> dict:
             shown.append((pred.cpu(), target.cpu()))
 
     batches = eval_batches(index, model.cfg, args.samples, args.batch_size, device)
-    try:
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            errors = action_error(model, batches, q01, q99, args.sampler, negative, on_sample=keep)
-    except ShardFormatError as err:
-        raise SystemExit(str(err)) from None
+    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        errors = action_error(model, batches, q01, q99, args.sampler, negative, on_sample=keep)
     report = {"source": source, "shards": str(args.shards), "embodiment": index.manifest.embodiment,
               "samples": int(errors.counts[1].max()), "action_dims": len(q01), "sampler": asdict(args.sampler),
               "guided": negative is not None and args.sampler.cfg_scale != 1.0,
@@ -237,10 +227,8 @@ def evaluate(args: Args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(Args, args=argv, prog="python -m train.evaluate", description=__doc__)
-    try:
+    with entry_point():  # a bad flag or file: its one line, no traceback
         report = evaluate(args)
-    except WampipeError as err:  # a bad flag or file: its one line, no traceback
-        raise SystemExit(str(err)) from None
     print(f"{report['samples']} samples: action MSE {report['chunk']['mean']:.6g} (normalised), "
           f"{report['chunk_raw']['mean']:.6g} (raw); first action {report['first']['mean']:.6g} / "
           f"{report['first_raw']['mean']:.6g}; wrote {args.out / 'open_loop.json'}")

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from wampipe.errors import UsageError
 from wampipe.train.config import LoRAConfig
 from wampipe.train.weights import fill_rows, model_tensors, official_name
 
@@ -58,7 +59,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> int:
     targets = [(name, m) for name, m in model.named_modules()
                if type(m) is nn.Linear and is_target(name, cfg.suffixes())]
     if not targets:
-        raise SystemExit(f"--lora.targets {cfg.targets}: no nn.Linear of the model has a name ending in one")
+        raise UsageError(f"--lora.targets {cfg.targets}: no nn.Linear of the model has a name ending in one")
     model.requires_grad_(False)
     for name in TRAINABLE:
         getattr(model, name).requires_grad_(True)

@@ -24,6 +24,7 @@ if not __package__:  # `torchrun train/main.py` from a checkout: its root leads 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 # torch and all that builds on it load once the flags parse (in `train`, `main`): --help and a bad flag do without
+from wampipe.errors import entry_point  # noqa: E402
 from wampipe.train.config import Config, parse_args  # noqa: E402
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def train(cfg: Config) -> dict:
     model, optimizer, state = run.model, run.optimizer, run.state
     # periodic evaluations after an optimizer step, each (interval in steps, 0 = off; collective hook(step))
     evaluations: list[tuple[int, Callable[[int], None]]] = []
-    with runtime.alike(rank):  # every rank opens and checks the same evaluation sets
+    with runtime.alike():  # every rank opens and checks the same evaluation sets
         probe = ActionProbe.from_config(cfg, model.cfg, rank, world, device, run.loader.indexes, run.image_encoder)
     start, end = state.step, min(cfg.steps, state.step + cfg.stop_after) if cfg.stop_after else cfg.steps
     batches, metrics, stop = iter(run.loader), None, False
@@ -57,7 +58,7 @@ def train(cfg: Config) -> dict:
         metrics, profiler = open_metrics(cfg, run, pending, device)
         if probe is not None:  # the open-loop action error (train/sample.py)
             evaluations.append((cfg.metrics.action_interval, lambda step: metrics.record(probe(model, step))))
-        with runtime.alike(rank):
+        with runtime.alike():
             validation = Validation(cfg, model, run.loader.indexes, run.flow, device, run.image_encoder)
         while state.step < end and not stop:
             micro_batches = []  # (batch, loss terms): kept for the step's checks and the per-set metrics
@@ -138,7 +139,8 @@ def finish(cfg: Config, run: Run, start: int, preempted: bool, samples_per_step:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)  # --help and invalid flags end here
+    with entry_point():  # --help and invalid flags end here, in one line on every rank
+        cfg = parse_args(argv)
     from wampipe.train import runtime
 
     try:

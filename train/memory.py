@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from wampipe import configs
+from wampipe.errors import UsageError
 from wampipe.train.lora import LoRAConfig, apply_lora
 from wampipe.train.model import CausalWanModel, DiTConfig, preset
 
@@ -189,7 +190,7 @@ def _gib(size: ModelSize, plan: Plan) -> str:
 
 def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, world: int):
     """The first of `_candidates` estimated to fit `world` GPUs of `gpu_gib`, with a line saying so; else
-    SystemExit with one line naming what would fit (LoRA, the host offload, more GPUs of this size)."""
+    UsageError with one line naming what would fit (LoRA, the host offload, more GPUs of this size)."""
     p = cfg.parallel
     given = {"ac": None if auto["ac"] else p.activation_checkpoint,
              "micro": None if auto["micro"] else cfg.data.micro_batch_size,
@@ -223,7 +224,7 @@ def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, w
     if more:
         options.append(f"{more} GPUs of this size")
     gpus = f"{world} GPU{'s' if world > 1 else ''} of {gpu_gib:.0f} GiB"
-    raise SystemExit(f"{cfg.preset} does not fit {gpus}: even {candidate.describe()} needs ~{need.gib:.0f} GiB per "
+    raise UsageError(f"{cfg.preset} does not fit {gpus}: even {candidate.describe()} needs ~{need.gib:.0f} GiB per "
                      f"GPU ({(need.state + need.gradients) / GIB:.0f} GiB of weights, moments and gradients); "
                      + (f"would fit: {', '.join(options)}" if options
                         else "neither LoRA, the host offload nor up to 64 such GPUs would fit it"))

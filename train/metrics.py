@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from wampipe.errors import UsageError
 from wampipe.train.config import MetricsConfig
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def check_wandb(cfg: MetricsConfig) -> None:
     try:
         import wandb  # noqa: F401
     except ImportError:
-        raise SystemExit("--metrics.wandb-project needs wandb: pip install 'wampipe[wandb]'") from None
+        raise UsageError("--metrics.wandb-project needs wandb: pip install 'wampipe[wandb]'") from None
 
 
 def start_wandb(cfg: MetricsConfig, run_dir: Path, config: dict | None):

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from wampipe import configs
+from wampipe.errors import UsageError
 from wampipe.train.attention import TokenLayout, make_attention_mask, masked_attention, weighted_key_attention
 
 
@@ -113,7 +114,7 @@ def _recipe_shape(name: str) -> DiTConfig:
 def preset(name: str, **overrides) -> DiTConfig:
     """The DiT shape of recipe `name` (configs/<name>.yaml, section dit; read on first use), with `overrides`."""
     if name not in configs.names():
-        raise SystemExit(f"unknown DiT preset {name!r}; choose one of {configs.names()}")
+        raise UsageError(f"unknown DiT preset {name!r}; choose one of {configs.names()}")
     return replace(_recipe_shape(name), **overrides)
 
 

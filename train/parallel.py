@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from wampipe.errors import UsageError
 from wampipe.train.config import ParallelConfig
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ def check_host_memory(per_rank: int, local_ranks: int, available: int | None) ->
     `available`: the least any rank found (all ranks decide alike)."""
     need = (per_rank + PROCESS_HOST_BYTES) * local_ranks
     if available is not None and need > available:
-        raise SystemExit(f"--parallel.cpu-offload: this node's {local_ranks} rank(s) need ~{need / 1e9:.0f} GB of host "
+        raise UsageError(f"--parallel.cpu-offload: this node's {local_ranks} rank(s) need ~{need / 1e9:.0f} GB of host "
                          f"memory ({per_rank / 1e9:.1f} GB each of fp32 shards, gradients and AdamW moments, "
                          f"{PROCESS_HOST_BYTES / 1e9:.0f} GB for the process), {available / 1e9:.0f} GB is available; "
                          f"use more nodes, or train LoRA adapters (--lora.rank)")
@@ -277,10 +278,10 @@ def check_float8(mode: str, capability: tuple[int, int] | None) -> None:
     try:  # first: the missing extra is named wherever it is asked for, a CPU machine included
         import torchao.float8  # noqa: F401
     except ImportError:
-        raise SystemExit(f"--parallel.float8 {mode} needs torchao: pip install 'wampipe[fp8]'") from None
+        raise UsageError(f"--parallel.float8 {mode} needs torchao: pip install 'wampipe[fp8]'") from None
     if capability is None or tuple(capability) < (8, 9):
         found = "no CUDA device" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
-        raise SystemExit(f"--parallel.float8 {mode} needs a CUDA GPU of compute capability >= 8.9 (float8 matmuls), "
+        raise UsageError(f"--parallel.float8 {mode} needs a CUDA GPU of compute capability >= 8.9 (float8 matmuls), "
                          f"found {found}")
 
 

@@ -74,21 +74,23 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
 
 
 @contextmanager
-def alike(rank: int) -> Iterator[None]:
-    """Checks every rank makes alike (the same files, the same flags): a refusal's one line is printed by rank 0
-    alone, the other ranks exit with status 1 in silence."""
+def alike() -> Iterator[None]:
+    """Checks every rank makes alike (the same files, the same flags): a refusal (any WampipeError) leaves as a
+    RunError of the same line and exit status, which rank 0 alone prints; the other ranks exit 1 in silence."""
     try:
         yield
-    except SystemExit as refusal:
-        raise SystemExit(refusal.code if rank == 0 else 1) from None
-    except WampipeError as refusal:  # the project's errors are their one line too
-        raise SystemExit(str(refusal) if rank == 0 else 1) from None
+    except checkpoint.RunError:
+        raise
+    except WampipeError as refusal:
+        every_rank = checkpoint.RunError(str(refusal))
+        every_rank.exit_status = refusal.exit_status
+        raise every_rank from refusal
 
 
 def settle(cfg: Config, device: torch.device, world: int, rank: int) -> tuple[Config, BatchPlan]:
     """`cfg` with its auto settings resolved for these devices, checked again, and its batch plan; a refusal stops
     every rank (they decide alike) with one line from rank 0."""
-    with alike(rank):
+    with alike():
         cfg, auto = resolve_auto(cfg, device_memory_gib(device), world)
         validate(cfg)  # again: what auto resolved may not go with a given flag
         plan = batch_plan(cfg, world)
@@ -111,7 +113,7 @@ def exit_with_launcher() -> None:
     parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent == 1 or os.getppid() != parent:
-        raise SystemExit("torchrun exited before this rank started")
+        raise checkpoint.RunError("torchrun exited before this rank started")
 
 
 class Preemption:
@@ -191,23 +193,33 @@ def nonfinite_report(step: int, micro_batches: list[tuple[dict, dict]], grad_nor
     return f"step {step}: non-finite loss on {'; '.join(samples[:8])}{more}"
 
 
-def leave_now(failure: BaseException) -> NoReturn:
-    """Report `failure` as Python would at exit, then end the process without Python's teardown. Why: after a
-    failure this rank's GPU may still hold a collective waiting for ranks that will never join it (they failed too,
-    or wait elsewhere), and freeing CUDA memory or the process group at exit then blocks for good: four ranks out of
-    GPU memory printed their errors and stayed alive, so torchrun never ended the job. Checkpoints are complete or
-    absent either way (train/checkpoint.py writes them atomically)."""
+def report(failure: BaseException, rank: int) -> int:
+    """Print what `failure` leaves on this rank's stderr and return the rank's exit status: a RunError's one line on
+    rank 0 alone (every rank raised it alike; the others exit 1 in silence), any other project error's one line (no
+    traceback) on the rank that raised it, a SystemExit as Python reports it, anything else with its traceback."""
     if isinstance(failure, SystemExit):
         code = 0 if failure.code is None else failure.code
         if not isinstance(code, int):  # a message: printed, exit status 1
             print(code, file=sys.stderr)
             code = 1
-    elif isinstance(failure, WampipeError):  # the project's errors: their one line, no traceback
+        return code
+    if isinstance(failure, checkpoint.RunError) and rank != 0:
+        return 1
+    if isinstance(failure, WampipeError):
         print(failure, file=sys.stderr)
-        code = 1
-    else:
-        traceback.print_exception(failure)
-        code = 1
+        return failure.exit_status
+    traceback.print_exception(failure)
+    return 1
+
+
+def leave_now(failure: BaseException) -> NoReturn:
+    """Report `failure` (`report`, for this process's rank in the process group, 0 without one), then end the
+    process without Python's teardown. Why: after a failure this rank's GPU may still hold a collective waiting for
+    ranks that will never join it (they failed too, or wait elsewhere), and freeing CUDA memory or the process group
+    at exit then blocks for good: four ranks out of GPU memory printed their errors and stayed alive, so torchrun
+    never ended the job. Checkpoints are complete or absent either way (train/checkpoint.py writes them
+    atomically)."""
+    code = report(failure, dist.get_rank() if dist.is_initialized() else 0)
     remove_temporary_copies()  # the exit handlers that would delete them are skipped
     sys.stdout.flush()
     sys.stderr.flush()

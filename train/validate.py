@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from wampipe.shardformat.index import ShardIndex
-from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.train.config import Config, ShardSet
 from wampipe.train.data import SampleReader, check_alongside, collate, open_index, set_names
 from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
@@ -164,11 +163,9 @@ class Validation:
     def read(self, s: int, picked: list[tuple[int, str, int]]) -> dict:
         split = self.splits[s]
         reader = SampleReader(split, self.model.cfg)
-        try:
+        try:  # a corrupt sample: a ShardFormatError naming it
             samples = [reader.sample(split.windows[w], np.random.default_rng(key_seed(key)), v,
                                      self.cfg.data.text_column) for w, key, v in picked]
-        except ShardFormatError as err:
-            raise SystemExit(str(err)) from None
         finally:
             reader.close()
         return collate(samples, self.model.cfg.text_len, self.text_rows)
@@ -176,14 +173,16 @@ class Validation:
 
 def main(argv: list[str] | None = None) -> None:
     """The validation loss of a run's newest complete checkpoint (or of the seeded init), printed as JSON by rank 0."""
+    from wampipe.errors import UsageError, WampipeError, entry_point
     from wampipe.train import checkpoint
     from wampipe.train.builder import build, frozen_image_encoder
     from wampipe.train.config import parse_args
     from wampipe.train.data import open_sets
     from wampipe.train.optim import build_optimizer
-    from wampipe.train.runtime import setup_distributed
+    from wampipe.train.runtime import report, setup_distributed
 
-    cfg = parse_args(argv)
+    with entry_point():  # a bad flag or config file: its one line on every rank
+        cfg = parse_args(argv)
     rank, _, device = setup_distributed(cfg)
     try:
         image_encoder = frozen_image_encoder(cfg, device)
@@ -196,10 +195,12 @@ def main(argv: list[str] | None = None) -> None:
         fm = FlowMatchScheduler(cfg.loss.num_train_timesteps, cfg.loss.shift).to(device)
         validation = Validation(cfg, model, indexes, fm, device, image_encoder)
         if not validation.batches:
-            raise SystemExit("nothing to validate: no set has a validation split, or --metrics.val-interval is 0")
+            raise UsageError("nothing to validate: no set has a validation split, or --metrics.val-interval is 0")
         record = {"step": step, **validation.evaluate()}
         if rank == 0:
             print(json.dumps(record), flush=True)
+    except WampipeError as failure:  # its one line, from rank 0 alone for a refusal every rank makes (a RunError)
+        raise SystemExit(report(failure, rank)) from None
     finally:
         dist.destroy_process_group()
     if __name__ == "__main__":

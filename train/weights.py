@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from wampipe.errors import WampipeError
+from wampipe.encoders.weights import WeightsError
 
 if TYPE_CHECKING:
     from safetensors import safe_open
@@ -48,10 +48,6 @@ _NEW_IN_DREAMZERO = re.compile(r"^(action_encoder|state_encoder|action_decoder)\
 _NEW_IN_TI2V = re.compile(r"^(img_emb\.|blocks\.\d+\.cross_attn\.(k_img|v_img|norm_k_img)\.)")
 # module-name parts that activation checkpointing and torch.compile insert; the official names lack them
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-class WeightsError(WampipeError, ValueError):
-    """A checkpoint that does not fit the model; the message names the file and the keys."""
 
 
 @dataclass
