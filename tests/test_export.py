@@ -327,7 +327,9 @@ def test_config_json_carries_every_field_the_official_constructors_read(small_sh
 
     def drop_new_fields(config):  # a base written without them: an export must add them
         head = config.pop("action_horizon") and config["action_head_cfg"]["config"]
-        head.pop("num_frames"), head.pop("action_horizon"), head["diffusion_model_cfg"].pop("hidden_size")
+        for key in ("num_frames", "action_horizon"):
+            head.pop(key)
+        head["diffusion_model_cfg"].pop("hidden_size")
 
     stale = _copy(official_base, tmp_path / "stale")
     _edit_config(stale, drop_new_fields)
