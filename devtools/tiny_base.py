@@ -30,10 +30,10 @@ from safetensors.torch import save_file
 
 from wampipe.shardformat.embodiments import get_embodiment
 from wampipe.train.config import Config, DataConfig, ModelConfig
-from wampipe.train.export import eval_config, shard_statistics
+from wampipe.train.dit.export import eval_config, shard_statistics
 from wampipe.train.builder import model_config
-from wampipe.train.model import CausalWanModel, DiTConfig, preset
-from wampipe.train.weights import DREAMZERO_PREFIX, shard_file_names, shard_groups, write_index
+from wampipe.train.dit.model import CausalWanModel, DiTConfig, preset
+from wampipe.train.dit.weights import DREAMZERO_PREFIX, shard_file_names, shard_groups, write_index
 
 GROOT = "groot.vla.model.dreamzero"
 # frozen-encoder stand-ins: a few keys of each Wan layout, tiny shapes, the dtypes a released checkpoint mixes
@@ -53,7 +53,7 @@ class Args:
     out: Path
     """Folder to write (replaced if it exists)."""
     preset: Literal["tiny", "libero-5b", "droid-5b", "droid-14b"] = "tiny"
-    """DiT preset of train/model.py."""
+    """DiT preset of train/dit/model.py."""
     shards: Path | None = None
     """Shard directory: the DiT fits it as the trainer's does; conf.yaml's embodiment and metadata.json come from it."""
     embodiment: str = "oxe_droid"

@@ -42,8 +42,9 @@ KIND_NAMES = {kind: name for kind, name, _ in KINDS}
 
 class WeightsError(WampipeError):
     """A weight file (or folder) cannot be used: the one type for the frozen encoders' weights and the trainer's (a
-    DiT checkpoint, --model.init-from, an export's base folder; train/weights.py). `WeightsError(path, reason)` reads
-    `<file>: <reason>`; `WeightsError(message)` is a line that names the file itself (as `configs.read` raises it)."""
+    DiT checkpoint, --model.init-from, an export's base folder; train/dit/weights.py). `WeightsError(path, reason)`
+    reads `<file>: <reason>`; `WeightsError(message)` is a line that names the file itself (as `configs.read` raises
+    it)."""
 
     def __init__(self, path: str | Path, reason: str | None = None):
         self.path = Path(path) if reason is not None else None

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from wampipe.configs.cli import cli
 from wampipe.errors import entry_point
-from wampipe.train.attention import count_allowed_pairs, dense_mask, flex_block_mask
-from wampipe.train.model import preset
+from wampipe.train.dit.attention import count_allowed_pairs, dense_mask, flex_block_mask
+from wampipe.train.dit.model import preset
 
 # (model preset, latent frames, tokens per frame, micro-batch): 5B LIBERO 9x10x20, 14B DROID 9x44x80
 Layout = Literal["5b", "14b"]

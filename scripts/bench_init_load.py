@@ -39,7 +39,7 @@ GIB = 1 << 30
 @dataclass
 class Args:
     preset: Literal["tiny", "libero-5b", "droid-5b", "droid-14b"] = "droid-14b"
-    """DiT preset of train/model.py."""
+    """DiT preset of train/dit/model.py."""
     nproc: int = 1
     """Ranks (one per GPU with CUDA)."""
     dir: Path = Path("build/bench-init-load")
@@ -88,7 +88,7 @@ def worker(args: Args) -> None:
 
     from wampipe.train.config import Config, ModelConfig, ParallelConfig
     from wampipe.train.builder import sharded_model
-    from wampipe.train.model import preset
+    from wampipe.train.dit.model import preset
 
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     cuda = torch.cuda.is_available() and args.backend != "gloo"

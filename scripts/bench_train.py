@@ -17,7 +17,8 @@
 
 Everything after `--` is passed to the trainer unchanged (and to the config the bound is built from). The presets'
 auto settings (recompute, micro-batch, resharding) are resolved here as the trainer resolves them on these GPUs
-(train/auto.py resolve_auto), and checked against the trainer's config.yaml. Prints the trainer's own log, then one
+(train/planning/auto.py resolve_auto), and checked against the trainer's config.yaml. Prints the trainer's own log, then
+one
 final JSON line.
 """
 
@@ -43,18 +44,18 @@ from wampipe.errors import entry_point
 from devtools import synthetic
 from devtools.bench import (check_same_resolution, device_name, emit, measured_window, provenance,
                          run_trainer, split_passthrough, trainer_argv, trainer_device, write_shards)
-from wampipe.train.attention import make_attention_mask
-from wampipe.train.auto import device_memory_gib, resolve_auto
+from wampipe.train.dit.attention import make_attention_mask
+from wampipe.train.planning.auto import device_memory_gib, resolve_auto
 from wampipe.train.builder import model_config
 from wampipe.train.config import batch_plan
 from wampipe.train.config import parse_args as parse_trainer_args
 from wampipe.train.data import data_dims
-from wampipe.train.flops import dit_flops
-from wampipe.train.memory import Plan, offload_traffic, run_size
+from wampipe.train.dit.flops import dit_flops
+from wampipe.train.planning.memory import Plan, offload_traffic, run_size
 from wampipe.train.metrics import device_peak_flops
-from wampipe.train.model import Block, DiTConfig, rope_tables, text_key_log_weight
+from wampipe.train.dit.model import Block, DiTConfig, rope_tables, text_key_log_weight
 from wampipe.train.parallel import apply_ac, apply_compile, apply_float8, recomputed_blocks, use_expandable_segments
-from wampipe.train.text import compact_text_rows
+from wampipe.train.dit.text import compact_text_rows
 
 
 if TYPE_CHECKING:  # the names are computed at run time, so a type checker sees a string
@@ -120,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Args, list[str]]:
 # ---------------------------------------------------------------- the bound
 
 class BlockStack(nn.Module):
-    """The DiT's transformer blocks alone (train.model.Block), built in `dtype` on `device` one block at a time."""
+    """The DiT's transformer blocks alone (train.dit.model.Block), built in `dtype` on `device` one block at a time."""
 
     def __init__(self, cfg: DiTConfig, device: torch.device, dtype: torch.dtype):
         super().__init__()
@@ -239,8 +240,8 @@ def pinned_copy_gb_s(device: torch.device, gib: int = 1, reps: int = 3) -> tuple
 
 def offload_split(cfg, plan, world: int, device: torch.device, samples_per_s: float | None) -> dict:
     """Where an offloaded step goes: the state-transfer bound (the bytes one rank copies in and out per step,
-    train/memory.py `offload_traffic`, at this GPU's pinned-copy rates measured alone, so a lower bound when ranks
-    share the host's links) beside the measured step and its CPU-optimizer share (the trainer's log)."""
+    train/planning/memory.py `offload_traffic`, at this GPU's pinned-copy rates measured alone, so a lower bound when
+    ranks share the host's links) beside the measured step and its CPU-optimizer share (the trainer's log)."""
     size = run_size(cfg)
     if size is None:  # a recipe without a sample shape: nothing to count
         return {}

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtu
 from wampipe.configs.cli import cli, refuse
 from wampipe.errors import entry_point
 from devtools import bench, synthetic
-from wampipe.train.auto import device_memory_gib, resolve_auto
+from wampipe.train.planning.auto import device_memory_gib, resolve_auto
 from wampipe.train.config import batch_plan
 from wampipe.train.config import parse_args as parse_trainer_args
 from wampipe.train.parallel import check_float8

@@ -19,11 +19,11 @@ import torch
 
 from wampipe.configs.cli import cli
 from wampipe.errors import entry_point
-from wampipe.train.attention import dense_mask, flex_block_mask, masked_attention
-from wampipe.train.flops import dit_flops
-from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
-from wampipe.train.model import build_model, preset, random_batch
-from wampipe.train.text import compact_text
+from wampipe.train.dit.attention import dense_mask, flex_block_mask, masked_attention
+from wampipe.train.dit.flops import dit_flops
+from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.dit.model import build_model, preset, random_batch
+from wampipe.train.dit.text import compact_text
 
 
 @dataclass

@@ -17,7 +17,7 @@ import tyro
 
 from wampipe.configs.cli import cli
 from wampipe.errors import entry_point
-from wampipe.train.curves import plot_run
+from wampipe.train.evaluation.curves import plot_run
 
 
 @dataclass

@@ -139,3 +139,12 @@ def lock_directory(lock: Path, what: str, instead: str, shared: bool = False) ->
     except BaseException:
         os.close(fd)
         raise
+
+
+def free_space(path: Path) -> str:
+    """How much its file system has left, for the line of a failed write."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return "free space unknown"
+    return f"{fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB free there"

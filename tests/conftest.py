@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from wampipe.train.model import CausalWanModel, DiTConfig, build_model
+from wampipe.train.dit.model import CausalWanModel, DiTConfig, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # what makes a test end-to-end besides its own mark (`e2e`, or `slow`: multi-process trainer runs): a fixture that

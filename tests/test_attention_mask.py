@@ -4,7 +4,7 @@ the vectorised mask."""
 import pytest
 import torch
 
-from wampipe.train.attention import TokenLayout, count_allowed_pairs, dense_mask, flex_block_mask, masked_attention
+from wampipe.train.dit.attention import TokenLayout, count_allowed_pairs, dense_mask, flex_block_mask, masked_attention
 
 
 def table_mask(lay: TokenLayout) -> torch.Tensor:

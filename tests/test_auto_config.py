@@ -3,9 +3,9 @@
 import pytest
 
 from wampipe.errors import UsageError
-from wampipe.train.auto import resolve_auto
+from wampipe.train.planning.auto import resolve_auto
 from wampipe.train.config import ParallelConfig, parse_args, validate
-from wampipe.train.model import build_model
+from wampipe.train.dit.model import build_model
 from wampipe.train.parallel import parallelize, reduce_dtype
 
 H100, H200 = 79.2, 139.8  # GiB that torch reports for the 80 GB and 141 GB cards

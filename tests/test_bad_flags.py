@@ -9,7 +9,7 @@ import torch
 from wampipe.errors import WampipeError
 from wampipe.preprocess import preview, shards, stats
 from wampipe.preprocess.lerobot import LeRobotDataset
-from wampipe.train import evaluate
+from wampipe.train.evaluation import open_loop
 from wampipe.train.config import DataConfig
 from wampipe.train.data import open_sets
 
@@ -52,24 +52,24 @@ def test_stats_out_a_directory(tmp_path):
     ({"device": "foo"}, "--device foo: "),
 ])
 def test_evaluate_flags(extra, message, tmp_path):
-    args = evaluate.Args(source=tmp_path / "run", shards=str(tmp_path / "shards"), out=tmp_path / "out",
+    args = open_loop.Args(source=tmp_path / "run", shards=str(tmp_path / "shards"), out=tmp_path / "out",
                          device="cpu")
-    assert refused(evaluate.evaluate, replace(args, **extra)).startswith(message)
+    assert refused(open_loop.evaluate, replace(args, **extra)).startswith(message)
     assert not (tmp_path / "out").exists()
 
 
 def test_evaluate_out_a_file_is_refused_before_the_work(tmp_path):
     (tmp_path / "taken").write_text("a file of the user's\n")
-    args = evaluate.Args(source=tmp_path / "run", shards=str(tmp_path / "shards"), out=tmp_path / "taken",
+    args = open_loop.Args(source=tmp_path / "run", shards=str(tmp_path / "shards"), out=tmp_path / "taken",
                          device="cpu")
-    assert refused(evaluate.evaluate, args).startswith(f"--out {tmp_path / 'taken'} is a file")
+    assert refused(open_loop.evaluate, args).startswith(f"--out {tmp_path / 'taken'} is a file")
     assert (tmp_path / "taken").read_text() == "a file of the user's\n"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
 def test_cuda_without_a_device(tmp_path):
-    args = evaluate.Args(source=tmp_path, shards=str(tmp_path), device="cuda")
-    assert refused(evaluate.evaluate, args) == "--device cuda: no CUDA device is visible"
+    args = open_loop.Args(source=tmp_path, shards=str(tmp_path), device="cuda")
+    assert refused(open_loop.evaluate, args) == "--device cuda: no CUDA device is visible"
     assert refused(shards.check_arguments, shards.Args(device="cuda")) == "--device cuda: no CUDA device is visible"
 
 

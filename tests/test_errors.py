@@ -17,9 +17,9 @@ from wampipe.preprocess.tasks import ChildDied
 from wampipe.preprocess.remote import RemoteError
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.schema import SchemaError
-from wampipe.train.checkpoint import RunError
+from wampipe.errors import RunError
 from wampipe.train.runtime import alike, report
-from wampipe.train.weights import WeightsError as TrainerWeightsError
+from wampipe.train.dit.weights import WeightsError as TrainerWeightsError
 
 
 @pytest.mark.parametrize("error", [DatasetError, EncoderOutputError, OutOfSpace, ChildDied, ShardFormatError,

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from wampipe.errors import UsageError
-from wampipe.train.curves import read_metrics
+from wampipe.train.evaluation.curves import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29647"}

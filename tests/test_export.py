@@ -1,4 +1,4 @@
-"""The eval-ready export (train/export.py), checked as both official loaders would see it, without their code:
+"""The eval-ready export (train/dit/export.py), checked as both official loaders would see it, without their code:
 files and index, key set, shapes and dtypes equal to the base, frozen-encoder tensors byte-identical, DiT tensors the
 trained ones, config.json describing the DiT, conf.yaml from the base, metadata.json from the shards. Written by two
 real gloo ranks and by the trainer under torchrun; refusals of unusable bases; a SIGKILL mid-export leaves the
@@ -30,9 +30,9 @@ from tests.test_init_load import ROOT, _rewrite
 from devtools import tiny_base
 from wampipe.shardformat.index import Window
 from wampipe.train.config import CheckpointConfig, Config, DataConfig, ModelConfig
-from wampipe.train.export import check_base, export_run, export_weights
-from wampipe.train.model import build_model
-from wampipe.train.weights import DREAMZERO_PREFIX, WeightsError, load_weights
+from wampipe.train.dit.export import check_base, export_run, export_weights
+from wampipe.train.dit.model import build_model
+from wampipe.train.dit.weights import DREAMZERO_PREFIX, WeightsError, load_weights
 
 WORLD = 2
 SHIFT = 0.5  # added to every trained parameter, so each DiT tensor differs from the base
@@ -313,7 +313,7 @@ def _check_official_fields(config: dict, cfg, tag: str, conf: dict, latent_frame
 def test_config_json_carries_every_field_the_official_constructors_read(small_shards, official_base, small_dit,
                                                                           tmp_path):
     from wampipe.train.data import SampleReader, open_index
-    from wampipe.train.export import eval_config, export_official
+    from wampipe.train.dit.export import eval_config, export_official
 
     index = open_index(small_shards)
     reader = SampleReader(index, None)  # pyright: ignore[reportArgumentType]  # raw() decodes no model input

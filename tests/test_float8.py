@@ -28,12 +28,12 @@ from devtools import bench, synthetic
 from tests.conftest import tiny_model
 from wampipe.errors import UsageError
 from wampipe.train import checkpoint
-from wampipe.train.auto import resolve_auto
+from wampipe.train.planning.auto import resolve_auto
 from wampipe.train.builder import sharded_model
 from wampipe.train.config import CheckpointConfig, Config, OptimConfig, parse_args
-from wampipe.train.export import export_weights
-from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
-from wampipe.train.model import Block, build_model, preset, random_batch
+from wampipe.train.dit.export import export_weights
+from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.dit.model import Block, build_model, preset, random_batch
 from wampipe.train.optim import build_optimizer, clip_grad_norm
 from wampipe.train.parallel import apply_ac, apply_float8, check_float8, float8_after_step
 

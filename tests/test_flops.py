@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from wampipe.train.attention import count_allowed_pairs
-from wampipe.train.flops import dit_flops
-from wampipe.train.model import build_model, preset, random_batch
+from wampipe.train.dit.attention import count_allowed_pairs
+from wampipe.train.dit.flops import dit_flops
+from wampipe.train.dit.model import build_model, preset, random_batch
 
 T = 1e12
 

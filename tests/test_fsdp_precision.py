@@ -18,10 +18,10 @@ from torch.multiprocessing.spawn import start_processes
 
 from tests.conftest import tiny_model
 from wampipe.train.config import ParallelConfig
-from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
-from wampipe.train.model import DiTBatch, random_batch
+from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.dit.model import DiTBatch, random_batch
 from wampipe.train.parallel import parallelize
-from wampipe.train.text import compact_text
+from wampipe.train.dit.text import compact_text
 
 WORLD = 2
 

@@ -21,8 +21,8 @@ from wampipe.preprocess.check import check
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.prompts import BadInstruction, instruction_text
 from tests.conftest import build, manifest, tiny_model
-from wampipe.train.loss import FlowMatchScheduler, LossConfig, flow_matching_loss, sample_timestep_ids
-from wampipe.train.model import random_batch
+from wampipe.train.dit.loss import FlowMatchScheduler, LossConfig, flow_matching_loss, sample_timestep_ids
+from wampipe.train.dit.model import random_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY = 4 << 30  # address space of a CLI under test: torch's import fits, an alias bomb's expansion does not

@@ -26,9 +26,9 @@ from wampipe.shardformat.shard import ShardRecord
 from wampipe.shardformat.storage import ShardStore, sync_up
 from wampipe.train.config import DataConfig
 from wampipe.train.data import SampleReader, ShardIndex, ShardLoader, open_index
-from wampipe.train.export import shard_statistics
-from wampipe.train.model import preset
-from wampipe.train.weights import WeightsError
+from wampipe.train.dit.export import shard_statistics
+from wampipe.train.dit.model import preset
+from wampipe.train.dit.weights import WeightsError
 from tests.conftest import edit_index, reindex
 
 ROOT = Path(__file__).resolve().parents[1]

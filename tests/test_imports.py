@@ -304,3 +304,18 @@ def test_only_the_entry_points_end_the_process():
     found = [where for package in (*FORBIDDEN, "wampipe") for path in sorted((ROOT / package).rglob("*.py"))
              for where in exits_outside_entry_points(path.relative_to(ROOT).as_posix(), path.read_text())]
     assert found == []
+
+
+# the trainer's rooms: what each may import of train/ (its own room always)
+ROOMS = {"wampipe.train.dit": ("wampipe.train.config",),
+         "wampipe.train.planning": ("wampipe.train.config", "wampipe.train.dit")}
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_the_dit_and_planning_rooms_import_nothing_of_the_training_loop(room):
+    modules = product_modules()
+    allowed = (room, *ROOMS[room])
+    found = sorted(f"{name} imports {other}" for name, path in modules.items() if name.startswith(room + ".")
+                   or name == room for other in imported_modules(path, modules)
+                   if other.startswith("wampipe.train") and not other.startswith(allowed) and other != "wampipe.train")
+    assert found == []

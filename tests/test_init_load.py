@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import start_processes
 
 from wampipe.train.config import ParallelConfig
-from wampipe.train.model import DiTConfig, build_model
+from wampipe.train.dit.model import DiTConfig, build_model
 from wampipe.train.parallel import parallelize
-from wampipe.train.weights import DREAMZERO_PREFIX, WeightsError, allowed_absent, load_weights, save_weights
+from wampipe.train.dit.weights import DREAMZERO_PREFIX, WeightsError, allowed_absent, load_weights, save_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (train/lora.py): the official recipe's trainable set (5B counts on the meta device), the update
+"""LoRA fine-tuning (train/dit/lora.py): the official recipe's trainable set (5B counts on the meta device), the update
 starting at zero, gradients only where the recipe trains, merging; and the trainer under torchrun with two gloo
 ranks from an official base built on the meta device: a run stopped and resumed logs the uninterrupted run's losses
 exactly, frozen weights stay the base's, a resume with another rank is refused in one line, the merged export equals
@@ -21,11 +21,11 @@ import yaml
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from wampipe.train.export import export_weights
-from wampipe.train.lora import ADAPTERS, PEFT_PREFIX, TRAINABLE, LoRAConfig, LoRALinear, apply_lora, fold, init_lora
-from wampipe.train.loss import FlowMatchScheduler, LossConfig, flow_matching_loss
-from wampipe.train.model import Block, CausalWanModel, build_model, random_batch
-from wampipe.train.weights import DREAMZERO_PREFIX
+from wampipe.train.dit.export import export_weights
+from wampipe.train.dit.lora import ADAPTERS, PEFT_PREFIX, TRAINABLE, LoRAConfig, LoRALinear, apply_lora, fold, init_lora
+from wampipe.train.dit.loss import FlowMatchScheduler, LossConfig, flow_matching_loss
+from wampipe.train.dit.model import Block, CausalWanModel, build_model, random_batch
+from wampipe.train.dit.weights import DREAMZERO_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = LoRAConfig(rank=4, alpha=4.0)

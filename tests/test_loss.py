@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from wampipe.train.loss import FlowMatchScheduler, LossConfig, action_ids, flow_matching_loss, sample_timestep_ids
-from wampipe.train.model import build_model, random_batch
+from wampipe.train.dit.loss import FlowMatchScheduler, LossConfig, action_ids, flow_matching_loss, sample_timestep_ids
+from wampipe.train.dit.model import build_model, random_batch
 
 
 def test_schedule_values():

@@ -1,13 +1,13 @@
-"""The memory model behind the auto settings (train/memory.py): its estimates against the peaks measured on GPUs,
-and the choices and refusals it makes for every card size."""
+"""The memory model behind the auto settings (train/planning/memory.py): its estimates against the peaks measured on
+GPUs, and the choices and refusals it makes for every card size."""
 
 import pytest
 
 from wampipe.errors import UsageError
-from wampipe.train.auto import resolve_auto
+from wampipe.train.planning.auto import resolve_auto
 from wampipe.train.config import parse_args
-from wampipe.train.lora import LoRAConfig
-from wampipe.train.memory import Plan, estimate, recipe_size
+from wampipe.train.dit.lora import LoRAConfig
+from wampipe.train.planning.memory import Plan, estimate, recipe_size
 
 H100, H200 = 79.2, 139.8  # GiB that torch reports for the 80 GB and 141 GB cards
 
@@ -47,7 +47,7 @@ def test_the_estimate_matches_each_measured_peak(recipe, rank, plan, peak):
     size = recipe_size(recipe, LoRAConfig(rank=rank) if rank else None)
     assert size is not None
     # within a few percent below (what fragmentation the model leaves out) to ~10 % above (a safe margin); offloaded
-    # runs at a small micro-batch up to 30 % above (train/memory.py OFFLOADED_WORKING_SET)
+    # runs at a small micro-batch up to 30 % above (train/planning/memory.py OFFLOADED_WORKING_SET)
     assert 0.95 <= estimate(size, plan).gib / peak <= (1.30 if plan.cpu_offload and plan.micro < 64 else 1.10)
 
 

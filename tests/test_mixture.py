@@ -29,7 +29,7 @@ from wampipe.shardformat.samples import write_index
 from wampipe.shardformat.stats import normalize_q99, pad_with_mask
 from wampipe.train.builder import model_config
 from wampipe.train.config import DataConfig, ShardSet, file_config, parse_args, save_config
-from wampipe.train.curves import plot
+from wampipe.train.evaluation.curves import plot
 from wampipe.train.data import SampleReader, ShardLoader, SetDraws, open_sets, set_names
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,9 +6,9 @@ from typing import cast
 import pytest
 import torch
 
-from wampipe.train.model import build_model, preset, random_batch, rope_tables, text_key_log_weight
-from wampipe.train.text import compact_text, compact_text_rows, pad_text
-from wampipe.train.loss import FlowMatchScheduler, action_ids, sample_timestep_ids
+from wampipe.train.dit.model import build_model, preset, random_batch, rope_tables, text_key_log_weight
+from wampipe.train.dit.text import compact_text, compact_text_rows, pad_text
+from wampipe.train.dit.loss import FlowMatchScheduler, action_ids, sample_timestep_ids
 
 
 def _run(model, batch, t_frames=None, t_actions=None, noisy=None, noisy_actions=None):

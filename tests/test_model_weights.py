@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wampipe.train.model import build_model
-from wampipe.train.weights import Checkpoint, WeightsError, allowed_absent, load_weights, save_weights
+from wampipe.train.dit.model import build_model
+from wampipe.train.dit.weights import Checkpoint, WeightsError, allowed_absent, load_weights, save_weights
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -99,7 +99,7 @@ def test_wan_base_cold_start_ti2v(tmp_path, caplog):
     with torch.no_grad():
         for p in dst.parameters():
             p.fill_(7.0)
-    with caplog.at_level(logging.INFO, logger="wampipe.train.weights"):
+    with caplog.at_level(logging.INFO, logger="wampipe.train.dit.weights"):
         report = load_weights(dst, tmp_path, source="wan")
     assert report.source == "wan"
     new = set(report.initialised)

@@ -1,5 +1,5 @@
-"""Curves of a run's metrics.jsonl (train/curves.py, scripts/plot_metrics.py): one PNG with the four panels, resumed
-steps de-duplicated."""
+"""Curves of a run's metrics.jsonl (train/evaluation/curves.py, scripts/plot_metrics.py): one PNG with the four panels,
+resumed steps de-duplicated."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from wampipe.errors import UsageError
-from wampipe.train.curves import panels_of, plot_run, read_metrics
+from wampipe.train.evaluation.curves import panels_of, plot_run, read_metrics
 
 
 def _row(step: int, loss: float) -> dict:

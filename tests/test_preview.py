@@ -91,7 +91,7 @@ def test_preview_writes_the_decoded_window_and_a_sheet(droid_shards, droid_root,
 
 def test_samples_are_the_first_in_manifest_order(droid_shards):
     from wampipe.train.data import SampleReader, ShardIndex
-    from wampipe.train.model import DiTConfig
+    from wampipe.train.dit.model import DiTConfig
 
     built = manifest(droid_shards)
     in_order = [key for s in built["shards"] for key, _ in shard_samples(droid_shards / s["shard"])]
@@ -154,6 +154,6 @@ def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
 
 def test_the_sheet_pads_as_the_model_does():
     from wampipe.preprocess.preview import PADDED_WIDTH
-    from wampipe.train.model import DiTConfig
+    from wampipe.train.dit.model import DiTConfig
 
     assert PADDED_WIDTH == {"state": DiTConfig().max_state_dim, "action": DiTConfig().action_dim}

@@ -20,7 +20,7 @@ from wampipe.preprocess.pipeline import VAE_OF_MODEL
 from wampipe.shardformat.embodiments import get_embodiment
 from wampipe.train.config import Config, parse_args, preset_config
 from wampipe.train.main import main as train_main
-from wampipe.train.model import preset
+from wampipe.train.dit.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 VAE = {"wan2.2": (48, 16), "wan2.1": (16, 8)}  # latent channels, spatial stride (both: 4x in time)

@@ -26,9 +26,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import tiny_model
-from wampipe.train.attention import TokenLayout, dense_mask, flex_block_mask, masked_attention
-from wampipe.train.model import build_model, random_batch
-from wampipe.train.sample import ActionErrors, SamplerConfig, UniPC, action_error, sample_actions, unipc_schedule
+from wampipe.train.dit.attention import TokenLayout, dense_mask, flex_block_mask, masked_attention
+from wampipe.train.dit.model import build_model, random_batch
+from wampipe.train.evaluation.sample import (ActionErrors, SamplerConfig, UniPC, action_error, sample_actions,
+                                             unipc_schedule)
 
 MASK8 = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
 

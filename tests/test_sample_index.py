@@ -17,7 +17,7 @@ from wampipe.shardformat.samples import index_rows
 from wampipe.shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
 from wampipe.shardformat.storage import sync_up
 from wampipe.train.data import SampleReader, ShardIndex, open_index
-from wampipe.train.model import preset
+from wampipe.train.dit.model import preset
 from tests.conftest import edit_index
 from tests.test_hostile_shards import refused, reseal
 

@@ -24,7 +24,7 @@ from wampipe.shardformat.members import checksum, decode_members, encode_sample,
 from wampipe.shardformat.schema import model_dims
 from wampipe.shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
 from wampipe.train.data import SampleReader, ShardIndex, data_dims
-from wampipe.train.model import preset
+from wampipe.train.dit.model import preset
 from tests.conftest import reindex
 
 

@@ -11,7 +11,7 @@ from wampipe.preprocess.stats import build_metadata
 from wampipe.preprocess.windows import episode_windows
 from wampipe.shardformat.embodiments import get_embodiment
 from wampipe.shardformat.stats import normalize_q99, pad_with_mask, stat_vector, unnormalize_q99
-from wampipe.train.model import DiTConfig
+from wampipe.train.dit.model import DiTConfig
 
 MAX_STATE_DIM, MAX_ACTION_DIM = DiTConfig.max_state_dim, DiTConfig.action_dim
 

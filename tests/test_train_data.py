@@ -23,7 +23,7 @@ from wampipe.shardformat.stats import normalize_q99, pad_with_mask
 from wampipe.train.config import DataConfig
 from wampipe.train.data import (SampleReader, ShardIndex, ShardLoader, batch_positions, batches_per_epoch, collate,
                                 epoch_order)
-from wampipe.train.model import preset
+from wampipe.train.dit.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,10 +21,10 @@ import torch
 
 from wampipe.train.checkpoint import complete_checkpoints
 from wampipe.train.config import OptimConfig
-from wampipe.train.memory import ModelSize, Plan, offload_traffic
-from wampipe.train.model import build_model
+from wampipe.train.planning.memory import ModelSize, Plan, offload_traffic
+from wampipe.train.dit.model import build_model
 from wampipe.train.optim import lr_factor, warmup_steps
-from wampipe.train.weights import load_weights
+from wampipe.train.dit.weights import load_weights
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ from tests.conftest import tiny_model
 from wampipe.errors import UsageError
 from wampipe.train import checkpoint
 from wampipe.train.config import CheckpointConfig, OptimConfig, ParallelConfig
-from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
-from wampipe.train.model import Block, build_model, random_batch
+from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.dit.model import Block, build_model, random_batch
 from wampipe.train.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
 from wampipe.train.parallel import (HostGradientSum, ac_block_indices, allocator_settings, apply_ac, check_host_memory,
                                     host_memory_available, offload_host_bytes, parallelize, prepare_micro_batch,

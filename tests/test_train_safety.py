@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from devtools import synthetic
-from wampipe.errors import UsageError
+from wampipe.errors import RunError, UsageError
 from wampipe.shardformat.index import Window
 from wampipe.shardformat.members import checksum, npy_bytes
 from wampipe.shardformat.shard import ShardRecord, json_path
@@ -34,9 +34,9 @@ from wampipe.train import checkpoint
 from wampipe.train.builder import model_config
 from wampipe.train.config import CheckpointConfig, OptimConfig, ParallelConfig, parse_args
 from wampipe.train.data import ShardLoader
-from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
 from wampipe.train.metrics import MetricsLogger
-from wampipe.train.model import random_batch
+from wampipe.train.dit.model import random_batch
 from wampipe.train.optim import build_optimizer
 from wampipe.train.parallel import parallelize
 from wampipe.train.state import TrainState, noise_seed
@@ -132,7 +132,7 @@ def test_a_failed_rank_leaves_at_once_with_its_error(failure, code, message):
     script = textwrap.dedent(f"""
         import threading
         from wampipe.errors import UsageError
-        from wampipe.train.checkpoint import RunError
+        from wampipe.errors import RunError
         from wampipe.train.runtime import leave_now
         threading.Thread(target=threading.Event().wait).start()
         print("step 4 | loss 2.61", flush=False)  # stdout is a pipe here: block-buffered
@@ -175,9 +175,9 @@ def test_nonfinite_weights_are_never_saved_or_exported(process_group, tmp_path):
     name, param = next(model.named_parameters())
     with torch.no_grad():
         cast(DTensor, param).to_local().view(-1)[0] = float("inf")  # FSDP2 sharded it
-    with pytest.raises(checkpoint.RunError, match=rf"^refusing to save step 3: non-finite weights in {name}$"):
+    with pytest.raises(RunError, match=rf"^refusing to save step 3: non-finite weights in {name}$"):
         _save(tmp_path, 3, model, optimizer)
-    with pytest.raises(checkpoint.RunError, match="refusing to export: non-finite weights"):
+    with pytest.raises(RunError, match="refusing to export: non-finite weights"):
         checkpoint.require_finite(model, "export")
     assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path)] == [1, 2]  # keep-last 2 rotated nothing out
     assert not checkpoint.step_dir(tmp_path, 3).exists()
@@ -186,7 +186,7 @@ def test_nonfinite_weights_are_never_saved_or_exported(process_group, tmp_path):
 def test_resume_with_another_model_shape_is_refused(process_group, tmp_path):
     path = _save(tmp_path, 1, *_trained_model())
     deeper, optimizer = _trained_model(num_layers=3)
-    with pytest.raises(checkpoint.RunError,
+    with pytest.raises(RunError,
                        match=r"a checkpoint of another model \(num_layers: checkpoint 2, this run 3\)"):
         checkpoint.load(path, deeper, optimizer)
     state = checkpoint.load(path, *_trained_model())
@@ -244,13 +244,13 @@ def test_loading_a_checkpoint_runs_no_code_from_it(process_group, tmp_path):
 
     state = path / "rank-00000.json"
     state.rename(path / "kept.json")  # the pickle alone is not read either
-    with pytest.raises(checkpoint.RunError, match=r"no rank-00000\.json$"):
+    with pytest.raises(RunError, match=r"no rank-00000\.json$"):
         checkpoint.load(path, model, optimizer)
     (path / "kept.json").rename(state)
 
     metadata = (path / ".metadata").read_bytes()
     (path / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
-    with pytest.raises(checkpoint.RunError, match=r"\.metadata: refusing to load: \w+\.open is not part of checkpoint"):
+    with pytest.raises(RunError, match=r"\.metadata: refusing to load: \w+\.open is not part of checkpoint"):
         checkpoint.load(path, model, optimizer)
     (path / ".metadata").write_bytes(metadata)
 
@@ -261,7 +261,7 @@ def test_loading_a_checkpoint_runs_no_code_from_it(process_group, tmp_path):
     dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=crafted)
     for state in path.glob("rank-00000.*"):
         shutil.copy(state, crafted)
-    with pytest.raises(checkpoint.RunError, match="refusing to load: Weights only load failed"):
+    with pytest.raises(RunError, match="refusing to load: Weights only load failed"):
         checkpoint.load(crafted, model, optimizer)
     assert not marker.exists()
 

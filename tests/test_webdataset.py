@@ -16,7 +16,7 @@ from wampipe.shardformat import ShardFormatError, webdataset_decoder
 from wampipe.shardformat.manifest import Manifest
 from wampipe.shardformat.shard import ShardRecord, json_path
 from wampipe.train.data import SampleReader, ShardIndex
-from wampipe.train.model import preset
+from wampipe.train.dit.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

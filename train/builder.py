@@ -15,23 +15,23 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 
-from wampipe.errors import UsageError
+from wampipe.errors import RunError, UsageError
 from wampipe.shardformat.storage import ShardStore
 from wampipe.train import checkpoint
 from wampipe.train.config import BatchPlan, Config, batch_plan, save_config
 from wampipe.train.data import ShardIndex, ShardLoader, mixture_dims, open_sets
-from wampipe.train.export import check_base, mixture_statistics
-from wampipe.train.flops import dit_flops
-from wampipe.train.lora import apply_lora, init_lora
-from wampipe.train.loss import FlowMatchScheduler, flow_matching_loss
+from wampipe.train.dit.export import check_base, mixture_statistics
+from wampipe.train.dit.flops import dit_flops
+from wampipe.train.dit.lora import apply_lora, init_lora
+from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
 from wampipe.train.metrics import MetricsLogger, StepProfiler, device_peak_flops
-from wampipe.train.model import MODEL_INPUTS, CausalWanModel, DiTBatch, DiTConfig, preset
+from wampipe.train.dit.model import MODEL_INPUTS, CausalWanModel, DiTBatch, DiTConfig, preset
 from wampipe.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, warmup_steps
 from wampipe.train.parallel import (HostGradientSum, check_host_memory, computes_on_cuda, float8_after_step,
                             host_memory_available, offload_host_bytes, parallelize, prepare_micro_batch,
                             recomputed_blocks)
 from wampipe.train.state import TrainState
-from wampipe.train.weights import WeightsError, load_weights
+from wampipe.train.dit.weights import WeightsError, load_weights
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -247,7 +247,7 @@ def resume(cfg: Config, path: Path, model: CausalWanModel, optimizer: torch.opti
     """Model, optimizer and the loop's state from the checkpoint at `path`."""
     state.load_state_dict(checkpoint.load(path, model, optimizer))
     if state.step > cfg.steps:
-        raise checkpoint.RunError(f"{path} is at step {state.step}, beyond --steps {cfg.steps}: pass a larger "
+        raise RunError(f"{path} is at step {state.step}, beyond --steps {cfg.steps}: pass a larger "
                                   f"--steps or another --checkpoint.dir")
     if dist.get_rank() == 0:
         print(f"resumed from {path} at step {state.step} (epoch {state.loader.epoch}, batch "

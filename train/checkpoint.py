@@ -5,7 +5,7 @@
                          rank-00000.json + .safetensors ... (per rank: step, model config, data position, RNG
                          state; written first)
     <dir>/export/        model.safetensors (+ index when sharded), official key names; with --checkpoint.export-base
-                         an eval-ready DreamZero checkpoint folder (train/export.py)
+                         an eval-ready DreamZero checkpoint folder (train/dit/export.py)
 
 A step directory is complete when it holds `.metadata`, every file the metadata names (at least as long as the data it
 places there), and for each of the world size its rank-00000.json records a rank JSON of that step and a sound
@@ -51,13 +51,14 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from wampipe.errors import WampipeError
-from wampipe.shardformat.files import atomic_write_bytes, lock_directory
+from wampipe.errors import RunError, WampipeError
+from wampipe.shardformat.files import atomic_write_bytes, free_space, lock_directory
 from wampipe.train.config import CheckpointConfig
-from wampipe.train.lora import lora_fields
+from wampipe.train.dit.export import foreign_files
+from wampipe.train.dit.lora import lora_fields
 
 if TYPE_CHECKING:
-    from wampipe.train.model import DiTConfig
+    from wampipe.train.dit.model import DiTConfig
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MARKER = ".wampipe-run"
@@ -73,16 +74,6 @@ _held_locks: list[int] = []  # the run directory's lock, open (held) until the p
 _run: list[str] = []  # this process's run identity, once claim_run_dir has shared it
 
 
-class RunError(WampipeError):
-    """A training run's own refusal, which every rank raises alike once the process group is up (a checkpoint of
-    another model, non-finite weights, a run directory in use, a failed save; `runtime.alike` turns any refusal of
-    its block into one): the trainer's entry points print its line on rank 0 only, the other ranks exit with status 1
-    in silence (`runtime.report`), so a run stops with one line, not one copy per rank; without a process group
-    (before it exists, or in `python -m train.evaluate`) the process prints it. It lives here, with the collectives
-    that raise it for every rank at once (`_stop_if_any`), and not in wampipe/errors.py, because its rank rule is
-    the trainer's alone: only train/ runs ranks."""
-
-
 def _stop_if_any(error: str | None, remove: Path | None = None, describe=lambda first: first) -> None:
     """Collective: when any rank reports an error, rank 0 deletes `remove` (what the failed step had begun to write)
     and every rank stops; rank 0 prints `describe(first error)`, one line for the run."""
@@ -95,20 +86,6 @@ def _stop_if_any(error: str | None, remove: Path | None = None, describe=lambda 
     if remove is not None and dist.get_rank() == 0:
         shutil.rmtree(remove, ignore_errors=True)
     raise RunError(message)
-
-
-# every name an export folder can hold: replacing a folder with any other file in it is refused, not done
-EXPORT_FILES = ("model.safetensors", "model-?????-of-?????.safetensors", "model.safetensors.index.json", "config.json",
-                "experiment_cfg", "experiment_cfg/conf.yaml", "experiment_cfg/metadata.json")
-
-
-def foreign_files(out: Path) -> list[str]:
-    """What folder `out` holds that no export writes (EXPORT_FILES), which replacing it would delete."""
-    out = Path(out)
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        return [out.name]
-    found = (p.relative_to(out).as_posix() for p in out.rglob("*")) if out.is_dir() else ()
-    return sorted(rel for rel in found if not any(fnmatch(rel, pattern) for pattern in EXPORT_FILES))
 
 
 def claim_run_dir(cfg: CheckpointConfig) -> None:
@@ -299,7 +276,7 @@ def require_finite(model: nn.Module, action: str) -> None:
 
 def model_fields(model: nn.Module) -> dict:
     """The model config and its LoRA settings as JSON data (what a checkpoint records and a resume must match)."""
-    cfg = cast("DiTConfig", model.cfg)  # the trainer's models (train/model.py CausalWanModel) carry their config
+    cfg = cast("DiTConfig", model.cfg)  # the trainer's models (train/dit/model.py CausalWanModel) carry their config
     return json.loads(json.dumps(asdict(cfg) | lora_fields(model), default=str))
 
 
@@ -345,15 +322,6 @@ def _first_error(write, *args, **kwargs) -> str | None:
     except OSError as e:
         return _first_line(e)
     return None
-
-
-def free_space(path: Path) -> str:
-    """How much its file system has left, for the line of a failed write."""
-    try:
-        fs = os.statvfs(path)
-    except OSError:
-        return "free space unknown"
-    return f"{fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB free there"
 
 
 def _save_failed(path: Path, cause: str) -> str:

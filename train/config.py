@@ -81,7 +81,7 @@ class DataConfig:
     request per sample, straight to the object store. Ignored for local shards."""
     micro_batch_size: int = 1
     """Samples per rank per forward/backward; 0 = auto, chosen with the recompute mode for the GPUs
-    (train/auto.py resolve_auto; the 5B and 14B presets' default), keeping the global batch."""
+    (train/planning/auto.py resolve_auto; the 5B and 14B presets' default), keeping the global batch."""
     num_workers: int = 2
     """Loader worker processes per rank (0 = load in the training process)."""
     prefetch_factor: int = 2
@@ -110,15 +110,15 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The DiT (train/model.py)."""
+    """The DiT (train/dit/model.py)."""
 
     name: RecipeName = "tiny"
-    """DiT shape: the recipe's of this name (configs/<name>.yaml, section dit; train/model.py preset)."""
+    """DiT shape: the recipe's of this name (configs/<name>.yaml, section dit; train/dit/model.py preset)."""
     num_layers: int = 0
     """Override the preset's block count (0 = the preset's): a shallower real-width model for debugging and
     benchmarks on fewer GPUs. Weights from --model.init-from must match."""
     init_from: Path | None = None
-    """Weights to start from (DreamZero checkpoint folder, Wan base or our export; train/weights.py); each rank
+    """Weights to start from (DreamZero checkpoint folder, Wan base or our export; train/dit/weights.py); each rank
     reads only its own shard's rows. None = random init (the references start from a Wan base or a DreamZero
     checkpoint: docs/DIFFERENCES.md)."""
     image_encoder: Path | None = None
@@ -160,7 +160,7 @@ class LossConfig:
 
 @dataclass
 class LoRAConfig:
-    """LoRA fine-tuning (train/lora.py); the official LoRA recipe is --lora.rank 4 --lora.alpha 4."""
+    """LoRA fine-tuning (train/dit/lora.py); the official LoRA recipe is --lora.rank 4 --lora.alpha 4."""
 
     rank: int = 0
     """Rank of the update; 0 = off (full fine-tuning)."""
@@ -218,7 +218,7 @@ class ParallelConfig:
     RLinf's recipe does (the 5B on >= 4 GPUs; loss parity in docs/PERFORMANCE.md)."""
     activation_checkpoint: Literal["auto", "none", "full", "selective"] = "none"
     """Recompute per block: none, full (whole block) or selective (keep matmul/attention outputs); auto = the
-    fastest measured setting that fits the GPUs (train/auto.py `resolve_auto`: the 5B/14B presets' default)."""
+    fastest measured setting that fits the GPUs (train/planning/auto.py `resolve_auto`: the 5B/14B presets' default)."""
     ac_blocks: int = -1
     """How many blocks recompute (spread evenly over the depth); the others do --parallel.ac-others. -1 = all."""
     ac_others: Literal["none", "selective"] = "none"
@@ -284,7 +284,7 @@ class CheckpointConfig:
     export_base: Path | None = None
     """Official DreamZero checkpoint folder the run started from (config.json, experiment_cfg/conf.yaml, weights;
     for a Wan-base start the first two alone): the export becomes an eval-ready folder in its layout with the
-    shards' statistics (train/export.py, docs/EVALUATION.md); checked at start-up. None = plain weights."""
+    shards' statistics (train/dit/export.py, docs/EVALUATION.md); checked at start-up. None = plain weights."""
     export_lora: Literal["merged", "lora-only"] = "merged"
     """A LoRA run's export: merged = plain weights with W + (alpha/rank) B@A folded in (eval-ready as a full
     fine-tune); lora-only = the adapters and the trained encoder/decoder under PEFT names, for the official
@@ -306,7 +306,7 @@ class MetricsConfig:
     profile_steps: int = 0
     """Steps to profile; rank 0 writes <checkpoint.dir>/profile-rank0.txt (top ops) and a gzipped Chrome trace."""
     action_interval: int = 500
-    """Every N steps, the open-loop action error (train/sample.py) on `action_samples` windows of each
+    """Every N steps, the open-loop action error (train/evaluation/sample.py) on `action_samples` windows of each
     `action_shards` set, logged as action_mse/<set> and action_mse_raw/<set> with its seconds as action_s (0 = off)."""
     action_shards: tuple[str, ...] = ()
     """Shard directories the action error is measured on (default: each set's validation split, else the set)."""
@@ -358,7 +358,7 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
-AUTO_MICRO = 0  # --data.micro-batch-size 0: resolved with the recompute mode (train/auto.py)
+AUTO_MICRO = 0  # --data.micro-batch-size 0: resolved with the recompute mode (train/planning/auto.py)
 
 
 @functools.cache

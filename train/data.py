@@ -43,10 +43,10 @@ from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.stats import normalize_q99, pad_with_mask
 from wampipe.shardformat.index import ShardIndex, ShardReader, Window
 from wampipe.train.config import DataConfig, ShardSet
-from wampipe.train.text import compact_text, compact_text_rows, pad_text
+from wampipe.train.dit.text import compact_text, compact_text_rows, pad_text
 
 if TYPE_CHECKING:  # annotations only: the loader never builds the model
-    from wampipe.train.model import DiTConfig
+    from wampipe.train.dit.model import DiTConfig
 
 # + text_lengths; clip_pixels in place of clip when the shards hold CLIP's input (the trainer runs CLIP on it)
 BATCH_KEYS = ("latents", "clip", "text", "state", "actions", "action_mask", "has_real_action")

@@ -37,8 +37,8 @@ def train(cfg: Config) -> dict:
     from wampipe.train import checkpoint, runtime
     from wampipe.train.builder import announce, build_run, open_metrics
     from wampipe.train.optim import clip_grad_norm
-    from wampipe.train.sample import ActionProbe
-    from wampipe.train.validate import Validation
+    from wampipe.train.evaluation.sample import ActionProbe
+    from wampipe.train.evaluation.validation import Validation
 
     preemption, rank, world, device = runtime.start(cfg)
     cfg, plan = runtime.settle(cfg, device, world, rank)
@@ -56,7 +56,7 @@ def train(cfg: Config) -> dict:
         with preemption.shielding_forks():  # the loader forks its workers for the first batch
             pending = next(batches)
         metrics, profiler = open_metrics(cfg, run, pending, device)
-        if probe is not None:  # the open-loop action error (train/sample.py)
+        if probe is not None:  # the open-loop action error (train/evaluation/sample.py)
             evaluations.append((cfg.metrics.action_interval, lambda step: metrics.record(probe(model, step))))
         with runtime.alike():
             validation = Validation(cfg, model, run.loader.indexes, run.flow, device, run.image_encoder)
@@ -121,7 +121,7 @@ def checkpoint_due(cfg: Config, step: int) -> bool:
 def finish(cfg: Config, run: Run, start: int, preempted: bool, samples_per_step: int) -> dict:
     """This rank's summary (summary-rankN.json), and the export after the last step."""
     from wampipe.train import checkpoint
-    from wampipe.train.export import export_run
+    from wampipe.train.dit.export import export_run
 
     rank, step, loader = run.state.rank, run.state.step, run.loader
     summary = {"rank": rank, "steps": step - start, "last_step": step, "next_batch": loader.next_batch,

@@ -73,7 +73,7 @@ def apply_ac(model: nn.Module, mode: str, ac_blocks: int = -1, others: str = "no
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    blocks = cast(nn.ModuleList, model.blocks)  # the DiT's (train/model.py)
+    blocks = cast(nn.ModuleList, model.blocks)  # the DiT's (train/dit/model.py)
     chosen = set(ac_block_indices(len(blocks), ac_blocks))
     for i in range(len(blocks)):
         block_mode = mode if i in chosen else others
@@ -118,7 +118,7 @@ def use_expandable_segments(device: torch.device) -> bool:
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """torch.compile each block separately (all blocks share one graph: same shapes, same code)."""
-    blocks = cast(nn.ModuleList, model.blocks)  # the DiT's (train/model.py)
+    blocks = cast(nn.ModuleList, model.blocks)  # the DiT's (train/dit/model.py)
     for i, block in enumerate(blocks):
         # a compiled module is a module (OptimizedModule), though torch.compile is typed as returning a callable
         blocks.register_module(str(i), cast(nn.Module, torch.compile(block, backend=backend, fullgraph=True)))
@@ -143,7 +143,7 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
                               cast_forward_inputs=False)
     # pinned host memory: asynchronous copies to and from a computing GPU
     offload = CPUOffloadPolicy(pin_memory=computes_on_cuda(cfg)) if cfg.cpu_offload else OffloadPolicy()
-    blocks = list(cast(nn.ModuleList, model.blocks))  # the DiT's (train/model.py)
+    blocks = list(cast(nn.ModuleList, model.blocks))  # the DiT's (train/dit/model.py)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again first in backward: keep them gathered
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
@@ -317,7 +317,7 @@ def float8_after_step(model: nn.Module, mode: str) -> None:
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh=None) -> nn.Module:
     if cfg.activation_checkpoint == "auto" or cfg.reshard_after_forward is None:
-        raise ValueError("auto settings are unresolved: pass the config through train.auto.resolve_auto first")
+        raise ValueError("auto settings are unresolved: pass the config through train.planning.auto.resolve_auto first")
     apply_float8(model, cfg.float8)
     apply_ac(model, cfg.activation_checkpoint, cfg.ac_blocks, cfg.ac_others)
     if cfg.compile:

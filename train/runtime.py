@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Iterator, NoReturn, cast
 import torch
 import torch.distributed as dist
 
-from wampipe.errors import WampipeError
+from wampipe.errors import RunError, WampipeError
 from wampipe.shardformat.storage import remove_temporary_copies
 from wampipe.train import checkpoint
-from wampipe.train.auto import device_memory_gib, resolve_auto
+from wampipe.train.planning.auto import device_memory_gib, resolve_auto
 from wampipe.train.config import BatchPlan, Config, batch_plan, validate
 from wampipe.train.data import ShardIndex
 from wampipe.train.metrics import check_wandb
-from wampipe.train.model import MODEL_INPUTS
+from wampipe.train.dit.model import MODEL_INPUTS
 from wampipe.train.parallel import check_float8, computes_on_cuda, use_expandable_segments
 from wampipe.train.state import TrainState
 
@@ -79,10 +79,10 @@ def alike() -> Iterator[None]:
     RunError of the same line and exit status, which rank 0 alone prints; the other ranks exit 1 in silence."""
     try:
         yield
-    except checkpoint.RunError:
+    except RunError:
         raise
     except WampipeError as refusal:
-        every_rank = checkpoint.RunError(str(refusal))
+        every_rank = RunError(str(refusal))
         every_rank.exit_status = refusal.exit_status
         raise every_rank from refusal
 
@@ -113,7 +113,7 @@ def exit_with_launcher() -> None:
     parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent == 1 or os.getppid() != parent:
-        raise checkpoint.RunError("torchrun exited before this rank started")
+        raise RunError("torchrun exited before this rank started")
 
 
 class Preemption:
@@ -156,7 +156,7 @@ def drop_step(cfg: Config, state: TrainState, micro_batches: list[tuple[dict, di
     report = nonfinite_report(state.step + 1, micro_batches, grad_norm, indexes)
     if state.skipped > cfg.optim.skip_nonfinite:
         last = checkpoint.complete_checkpoints(Path(cfg.checkpoint.dir))
-        raise checkpoint.RunError(f"{report}: stopped, nothing saved (last checkpoint: "
+        raise RunError(f"{report}: stopped, nothing saved (last checkpoint: "
                                   f"{last[-1][1] if last else 'none'}); --optim.skip-nonfinite N skips up to N such "
                                   f"steps")
     if dist.get_rank() == 0:
@@ -203,7 +203,7 @@ def report(failure: BaseException, rank: int) -> int:
             print(code, file=sys.stderr)
             code = 1
         return code
-    if isinstance(failure, checkpoint.RunError) and rank != 0:
+    if isinstance(failure, RunError) and rank != 0:
         return 1
     if isinstance(failure, WampipeError):
         print(failure, file=sys.stderr)

@@ -22,6 +22,15 @@ class UsageError(WampipeError):
     build's directory): the message names it and says what to give instead."""
 
 
+
+class RunError(WampipeError):
+    """A training run's own refusal, which every rank raises alike once the process group is up (a checkpoint of
+    another model, non-finite weights, a run directory in use, a failed save or export): the trainer's entry points
+    print its line on rank 0 only and the other ranks exit with status 1 in silence (train/runtime.py `report`), so a
+    run stops with one line, not one copy per rank. Without a process group (before it exists, or in
+    `python -m train.evaluate`) the process prints it."""
+
+
 @contextmanager
 def entry_point() -> Iterator[None]:
     """A command's entry point (its `main`): a WampipeError raised inside leaves the process with its one line on

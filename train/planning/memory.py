@@ -24,8 +24,8 @@ import torch
 
 from wampipe import configs
 from wampipe.errors import UsageError
-from wampipe.train.lora import LoRAConfig, apply_lora
-from wampipe.train.model import CausalWanModel, DiTConfig, preset
+from wampipe.train.dit.lora import LoRAConfig, apply_lora
+from wampipe.train.dit.model import CausalWanModel, DiTConfig, preset
 
 GIB = 2**30
 # Bytes per sample and block, in bf16 hidden states (tokens x dim x 2 bytes), kept through the forward by mode.
@@ -203,7 +203,7 @@ def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, w
                                                             p.global_batch_size, world, p.cpu_offload)):
         plan = _plan(candidate, cfg, world, p.cpu_offload)
         if fits(size, plan, gpu_gib):
-            return candidate, f"estimated to fit, {_gib(size, plan)} of {gpu_gib:.0f} (train/memory.py)"
+            return candidate, f"estimated to fit, {_gib(size, plan)} of {gpu_gib:.0f} (train/planning/memory.py)"
     need = estimate(size, plan)  # the last candidate's: what trades the most for memory
     options = []
     if not cfg.lora.rank:

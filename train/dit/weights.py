@@ -7,7 +7,7 @@ Sources (`source=` of `load_weights`):
   Keys DreamZero adds (action/state encoder + decoder; for ti2v also the CLIP branch `k_img`, `v_img`,
   `norm_k_img` and `img_emb`) may be absent: they are initialised as the reference initialises them
   and listed in the log and in the returned report. Anything else missing is an error.
-* 'export': our own exports (`save_weights`, train/export.py), plain model keys. Strict.
+* 'export': our own exports (`save_weights`, train/dit/export.py), plain model keys. Strict.
 * 'auto': 'dreamzero' if any key starts with `action_head.model.`, else strict, falling back to 'wan'
   only when every missing key is one the base lacks.
 
@@ -39,7 +39,7 @@ from wampipe.encoders.weights import WeightsError
 if TYPE_CHECKING:
     from safetensors import safe_open
 
-    from wampipe.train.model import DiTConfig
+    from wampipe.train.dit.model import DiTConfig
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def model_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, nn.Module]]
         local: dict[str, torch.Tensor] = dict(mod.named_parameters(recurse=False))
         local.update((n, b) for n, b in mod.named_buffers(recurse=False) if n not in mod._non_persistent_buffers_set)
         for leaf, t in local.items():
-            if leaf in ("lora_A", "lora_B"):  # LoRA adapters (train/lora.py): no tensors of the official layout
+            if leaf in ("lora_A", "lora_B"):  # LoRA adapters (train/dit/lora.py): no tensors of the official layout
                 continue
             out[official_name(f"{mod_name}.{leaf}" if mod_name else leaf)] = (t, mod)
     return out
@@ -187,7 +187,7 @@ def reference_init(owner: nn.Module, leaf: str, tensor: torch.Tensor, generator:
 def allowed_absent(model: nn.Module, key: str) -> bool:
     if _NEW_IN_DREAMZERO.match(key):
         return True
-    cfg = cast("DiTConfig", model.cfg)  # the trainer's models (train/model.py CausalWanModel) carry their config
+    cfg = cast("DiTConfig", model.cfg)  # the trainer's models (train/dit/model.py CausalWanModel) carry their config
     return cfg.model_type == "ti2v" and bool(_NEW_IN_TI2V.match(key))
 
 

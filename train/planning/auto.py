@@ -1,6 +1,6 @@
 """Auto settings: the recompute mode, micro-batch, resharding, gradient reduction and its dtype, gathering and AdamW
 moments a run leaves to `auto` take the fastest setting measured for its recipe (configs/<name>.yaml, section
-throughput) that fits the GPUs, else one the memory model (train/memory.py) estimates to fit. The flags stay in
+throughput) that fits the GPUs, else one the memory model (train/planning/memory.py) estimates to fit. The flags stay in
 train/config.py, which parses them without torch."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from wampipe import configs
-from wampipe.train import memory
+from wampipe.train.planning import memory
 from wampipe.train.config import AUTO_MICRO, Config
 
 

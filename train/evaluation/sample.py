@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from wampipe.shardformat.stats import unnormalize_q99
 from wampipe.train.data import SampleReader, check_alongside, collate, open_index, set_names
-from wampipe.train.model import CausalWanModel, DiTBatch, DiTConfig
+from wampipe.train.dit.model import CausalWanModel, DiTBatch, DiTConfig
 
 # The reference's DiT step masks by NUM_DIT_STEPS (its default 8): at a False step the last prediction is reused.
 DIT_STEP_MASKS = {
@@ -299,7 +299,7 @@ class ActionProbe:
     def from_config(cls, cfg, model_cfg: DiTConfig, rank: int, world: int, device, indexes, image_encoder=None):
         """None when --metrics.action-interval is 0; else on --metrics.action-shards (default: each set's validation
         split, else the set; `indexes`: the run's open set indexes, which name the splits)."""
-        from wampipe.train.validate import val_dir
+        from wampipe.train.evaluation.validation import val_dir
 
         m = cfg.metrics
         if not m.action_interval:

@@ -5,7 +5,7 @@ k_img / v_img), and the action/state encoder and decoder trained in full.
 A targeted `nn.Linear` becomes a `LoRALinear` holding the same `weight` and `bias` objects plus `lora_A` [r, in]
 and `lora_B` [out, r]: output = base(x) + (x A^T B^T) * alpha / r. The base keeps its official names, so
 --model.init-from loads it as for full fine-tuning; the adapters are no checkpoint tensors of the official layout
-(train/weights.py leaves them out) and get their own seeded init after the load (`init_lora`). Apply before
+(train/dit/weights.py leaves them out) and get their own seeded init after the load (`init_lora`). Apply before
 FSDP2 (`fully_shard` keeps each parameter's requires_grad). A module of our own rather than PEFT: PEFT renames
 every key (`base_model.model.…base_layer.weight`), which the loader, the DCP checkpoints and the exports would all
 have to undo; the PEFT names appear only in the lora-only export (`peft_name`).
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from wampipe.errors import UsageError
 from wampipe.train.config import LoRAConfig
-from wampipe.train.weights import fill_rows, model_tensors, official_name
+from wampipe.train.dit.weights import fill_rows, model_tensors, official_name
 
 ADAPTERS = ("lora_A", "lora_B")
 # the official recipe re-enables these (new in DreamZero) after freezing the DiT

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wampipe.train.attention import count_allowed_pairs
-from wampipe.train.model import DiTConfig
+from wampipe.train.dit.attention import count_allowed_pairs
+from wampipe.train.dit.model import DiTConfig
 
 
 @dataclass(frozen=True)

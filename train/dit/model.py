@@ -1,15 +1,15 @@
 """DreamZero's causal Wan DiT (the reference `CausalWanModel`), training forward only.
 
 Parameter names and shapes equal the official ones (`tests/assets/dreamzero_{5b,14b}_keys.txt`),
-so official checkpoints load strictly (see `train/weights.py`). No parallelism here: `model.blocks` is an
+so official checkpoints load strictly (see `train/dit/weights.py`). No parallelism here: `model.blocks` is an
 `nn.ModuleList` that FSDP2 / activation checkpointing / compile wrap per block from outside.
 
 Input contract (one training micro-batch, all tensors on the model's device; see docs/MODEL.md):
 
     DiTBatch.latents        [B, C, F, h, w]   clean VAE latents z (normalised, bf16 ok); F = 1 + K·nfpb
     DiTBatch.clip           [B, 257, 1280]    CLIP ViT-H/14 features of frame 0
-    DiTBatch.text           [B, 512, 4096]    umT5 output, zero beyond each sample's length (`train.text.pad_text`), or
-                            [B, T, 4096]      the same with its zero rows collapsed (`train.text.compact_text`), then
+    DiTBatch.text           [B, 512, 4096]    umT5 output, zero beyond each sample's length (`text.pad_text`), or
+                            [B, T, 4096]      the same with its zero rows collapsed (`text.compact_text`), then
     DiTBatch.text_lengths   [B]               each sample's real rows (None with the 512-row form)
     DiTBatch.state          [B, K·S, 64]      proprio state, zero-padded to 64 dims
     DiTBatch.actions        [B, K·A, 32]      normalised actions in [-1, 1], zero-padded to 32 dims
@@ -17,7 +17,7 @@ Input contract (one training micro-batch, all tensors on the model's device; see
     DiTBatch.has_real_action [B]              bool (1 for normal data)
     DiTBatch.y              [B, 20, F, h, w]  14B (`model_type='i2v'`) only: 4 mask + 16 first-frame latents
 
-`train/loss.py` draws noise and timesteps and calls
+`train/dit/loss.py` draws noise and timesteps and calls
 
     video_pred, action_pred = model(noisy_latents, t_frames, latents, noisy_actions, t_actions,
                                     state, text, clip, y, text_lengths)
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from wampipe import configs
 from wampipe.errors import UsageError
-from wampipe.train.attention import TokenLayout, make_attention_mask, masked_attention, weighted_key_attention
+from wampipe.train.dit.attention import TokenLayout, make_attention_mask, masked_attention, weighted_key_attention
 
 
 @dataclass(frozen=True)

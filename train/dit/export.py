@@ -19,7 +19,7 @@ Both loaders call `load_state_dict(strict=False)`, so a wrong name would load si
 
 `export_weights(model, out)` writes the plain DiT keys (`model.safetensors`, or shards + index).
 
-A LoRA model (train/lora.py) exports through both as merged plain weights (W + scale B@A, folded per layer while
+A LoRA model (train/dit/lora.py) exports through both as merged plain weights (W + scale B@A, folded per layer while
 gathering); `export_lora_only` writes its trained tensors under PEFT names instead, for the official `load_lora`.
 
 Both are collective: parameters are all-gathered one at a time and rank 0 writes one file at a time, so no rank
@@ -37,6 +37,7 @@ import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import cast
 
@@ -46,12 +47,26 @@ import torch.nn as nn
 from safetensors import SafetensorError
 
 from wampipe import configs
-from wampipe.train.checkpoint import RunError, foreign_files, free_space
-from wampipe.train.config import CheckpointConfig
-from wampipe.train.config import LoRAConfig
-from wampipe.train.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
-from wampipe.train.weights import (DREAMZERO_PREFIX, WeightsError, allowed_absent, model_tensors, shard_file_names,
-                           shard_groups, write_index)
+from wampipe.errors import RunError
+from wampipe.shardformat.files import free_space
+from wampipe.train.config import CheckpointConfig, LoRAConfig
+from wampipe.train.dit.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
+from wampipe.train.dit.weights import (DREAMZERO_PREFIX, WeightsError, allowed_absent, model_tensors,
+                                       shard_file_names, shard_groups, write_index)
+
+# every name an export folder can hold: replacing a folder with any other file in it is refused, not done
+EXPORT_FILES = ("model.safetensors", "model-?????-of-?????.safetensors", "model.safetensors.index.json", "config.json",
+                "experiment_cfg", "experiment_cfg/conf.yaml", "experiment_cfg/metadata.json")
+
+
+def foreign_files(out: Path) -> list[str]:
+    """What folder `out` holds that no export writes (EXPORT_FILES), which replacing it would delete."""
+    out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        return [out.name]
+    found = (p.relative_to(out).as_posix() for p in out.rglob("*")) if out.is_dir() else ()
+    return sorted(rel for rel in found if not any(fnmatch(rel, pattern) for pattern in EXPORT_FILES))
+
 
 log = logging.getLogger(__name__)
 

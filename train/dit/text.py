@@ -1,5 +1,5 @@
 """Prompt rows for the DiT: per-prompt umT5 outputs padded to the model's text length (`pad_text`), or with most of
-their zero rows collapsed (`compact_text`; the model re-weights the rest, train/model.py `text_key_log_weight`).
+their zero rows collapsed (`compact_text`; the model re-weights the rest, train/dit/model.py `text_key_log_weight`).
 The loader (train/data.py) builds its batches with these; the model reads either form.
 """
 

@@ -15,7 +15,8 @@ PANELS = (  # (title, metrics.jsonl fields, y scale)
     ("samples/s per GPU", ("samples_per_s_per_gpu",), "linear"),
     ("data wait (% of time)", ("data_wait_pct",), "linear"),
 )
-# per set, by field prefix: a mixture's loss and samples seen, every run's open-loop action error (train/sample.py)
+# per set, by field prefix: a mixture's loss and samples seen, every run's open-loop action error
+# (train/evaluation/sample.py)
 SET_PANELS = (("loss per set", ("loss/", "val_loss/"), "log"), ("samples seen per set", ("samples_seen/",), "linear"),
               ("open-loop action MSE (normalised)", ("action_mse/",), "log"),
               ("open-loop action MSE (raw units)", ("action_mse_raw/",), "log"))

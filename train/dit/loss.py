@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from wampipe.train.config import LossConfig
-from wampipe.train.model import CausalWanModel, DiTBatch
+from wampipe.train.dit.model import CausalWanModel, DiTBatch
 
 
 class FlowMatchScheduler:
