@@ -182,16 +182,13 @@ def apply_setting(vae, eager_encoder: torch.nn.Module, name: str, batch: int) ->
 
 
 def warm(recipe: str, args) -> None:
-    """Compile each of --compiled for `recipe` (into the compile cache; on CUDA recording its graph, which runs it),
-    measuring nothing: what --warm-jobs runs in each of its processes."""
+    """Compile each of --compiled for `recipe` into the compile cache (one padded batch of a black clip), measuring
+    nothing: what --warm-jobs runs in each of its processes."""
     vae, _, (t, h, w) = build(recipe, args)
     eager_encoder = vae.model.encoder
     for name in args.compiled:
         apply_setting(vae, eager_encoder, name, args.batch_sizes[0])
-        if args.device.startswith("cuda"):
-            vae.capture(t, h, w)
-        else:
-            vae.encode(torch.zeros(1, 3, t, h, w))
+        vae.encode(torch.zeros(1, 3, t, h, w))
 
 
 def warm_in_parallel(args) -> None:
