@@ -5,12 +5,15 @@ behind `preprocess shards --vae-compile`'s default.
     python scripts/check_vae_variation.py --device cuda --save h100.pt          # one GPU: batch sizes, compile
     python scripts/check_vae_variation.py --compare h100.pt h200.pt             # two GPU models, from saved latents
     python scripts/check_vae_variation.py --device cpu --quick                  # smoke run of this script
+    python scripts/check_vae_variation.py --device cuda --batch-sizes 16 1 2 4 8 --warm-jobs 8 \
+        --compiled product product-cl fused-norms-cl                             # settings, compiled in parallel first
 
 Every run builds the same VAE (random init at the released widths, seeded on the host, so two machines hold the same
 weights) and encodes the same clips: half uniform noise (the hardest case for rounding), half smooth moving gradients
 (closer to camera frames). Latents are compared as stored, in bf16: `ulps` counts the representable bf16 values
 between two numbers (0 = same bits, 1 = neighbours), `rel_rms` is the RMS of the difference over the RMS of the
-latents. One JSON line per recipe.
+latents. One JSON line per setting as it ends, one per recipe (each setting's clips/s, as a CUDA graph too, and its
+distance over the eager encoder's widest batch-size spread), then a short table.
 """
 
 from __future__ import annotations
