@@ -143,7 +143,7 @@ class Args:
     `clip_pixels` member; CLIP does not run here) and the trainer runs CLIP (--model.image-encoder): fewer bytes per
     sample, the same features (docs/FORMAT.md)."""
     vae_compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the VAE encoder and, on a GPU, replay it as a CUDA graph: +23-27 % VAE clips/s on an H200
+    """torch.compile the VAE encoder and, on a GPU, replay it as a CUDA graph: +34-35 % VAE clips/s on an H200
     (docs/PERFORMANCE.md), a minute or two of compiling per encoder process on a cold --compile-cache. Its latents
     stay within the eager encoder's own variation over batch sizes (the 14B's VAE gives eager's bits); within a
     build, a clip's bits depend neither on its batch nor on the executor. auto: on with --device cuda, off on CPU

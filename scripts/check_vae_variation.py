@@ -5,12 +5,15 @@ behind `preprocess shards --vae-compile`'s default.
     python scripts/check_vae_variation.py --device cuda --save h100.pt          # one GPU: batch sizes, compile
     python scripts/check_vae_variation.py --compare h100.pt h200.pt             # two GPU models, from saved latents
     python scripts/check_vae_variation.py --device cpu --quick                  # smoke run of this script
+    python scripts/check_vae_variation.py --device cuda --batch-sizes 16 1 2 4 8 --warm-jobs 8 \
+        --compiled product product-cl fused-norms-cl                             # settings, compiled in parallel first
 
 Every run builds the same VAE (random init at the released widths, seeded on the host, so two machines hold the same
 weights) and encodes the same clips: half uniform noise (the hardest case for rounding), half smooth moving gradients
 (closer to camera frames). Latents are compared as stored, in bf16: `ulps` counts the representable bf16 values
 between two numbers (0 = same bits, 1 = neighbours), `rel_rms` is the RMS of the difference over the RMS of the
-latents. One JSON line per recipe.
+latents. One JSON line per setting as it ends, one per recipe (each setting's clips/s, as a CUDA graph too, and its
+distance over the eager encoder's widest batch-size spread), then a short table.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from __future__ import annotations
 import json
 import math
 import sys
+import os
+import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -30,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from wampipe.configs.cli import cli
 from wampipe.errors import entry_point
 from scripts.bench_vae import SHAPES, build_vae
-from wampipe.encoders.vae import compile_options
+from wampipe.encoders.vae import compile_options, normalize_eagerly
 
 
 @torch.library.custom_op("check_vae_variation::silu", mutates_args=())
@@ -57,20 +63,52 @@ def _keep_eager_avg_down(encoder: torch.nn.Module) -> None:
             m.forward = torch.compiler.disable(m.forward)
 
 
+def _eager_norms(norms: slice = slice(None), in_eager_order: bool = False):
+    """Leave the selected RMS norms' normalize (in module order) to eager's kernels, the others fused."""
+    return lambda encoder: normalize_eagerly(encoder, in_eager_order=in_eager_order, norms=norms)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to run the encoder: inductor options, whether the RMS norms' normalize is fused too (else eager's
+    kernels), channels-last weights and inputs, parts left to their eager kernels (applied before compiling, so they
+    hold with the norms fused too), cuDNN's benchmark mode (timed algorithm choice: speed only, the choice may differ
+    between runs), and whether it is compiled at all."""
+
+    options: Callable[[], dict] = compile_options
+    fuse_norms: bool = False
+    channels_last: bool = False
+    keep_eager: tuple[Callable[[torch.nn.Module], None], ...] = ()
+    cudnn_benchmark: bool = False
+    compiled: bool = True
+
+
 CASTS = {"emulate_precision_casts": True}
-# torch.compile settings to compare with the eager encoder: (inductor options, whether the RMS norms' normalize is
-# fused too, parts of the encoder left to their eager kernels). inductor's own; eager's bf16 roundings kept
+FIRST_NORMS, LATE_NORMS = slice(0, 4), slice(8, None)  # the 4 at full resolution; those from the third stage on
+# settings to compare with the eager encoder at the first batch size. inductor's own; eager's bf16 roundings kept
 # (`emulate_precision_casts`); also eager's memory layout for the convolutions; the product's options
 # (encoders.vae.compile_options: the roundings kept, deterministic kernel choice) with the norms fused, and that with
 # SiLU eager; the product (the norms normalize through eager's kernels); that with eager's conv layout, and with
-# Wan2.2's average-pooling shortcuts eager (where the rest of the Wan2.2 difference might come from)
-COMPILED = {"inductor": (lambda: {}, True, ()), "casts": (lambda: CASTS, True, ()),
-            "casts-eager-layout": (lambda: {**CASTS, "layout_optimization": False}, True, ()),
-            "product-fused-norms": (compile_options, True, ()),
-            "product-fused-norms-eager-silu": (compile_options, True, (_keep_eager_silu,)),
-            "product": (compile_options, False, ()),
-            "product-eager-layout": (lambda: {**compile_options(), "layout_optimization": False}, False, ()),
-            "product-eager-avg-down": (compile_options, False, (_keep_eager_avg_down,))}
+# Wan2.2's average-pooling shortcuts eager. Channels-last (`-cl`): eager itself in that layout (what the layout alone
+# changes); the product; the product with its norms summed in eager's channels-first order; the norms fused; fused
+# but the first four norms (full resolution) or those from the third stage on eager; fused with cuDNN's benchmark
+COMPILED = {"inductor": Setting(lambda: {}, True), "casts": Setting(lambda: CASTS, True),
+            "casts-eager-layout": Setting(lambda: {**CASTS, "layout_optimization": False}, True),
+            "product-fused-norms": Setting(fuse_norms=True),
+            "product-fused-norms-eager-silu": Setting(fuse_norms=True, keep_eager=(_keep_eager_silu,)),
+            "product": Setting(),
+            "product-eager-layout": Setting(lambda: {**compile_options(), "layout_optimization": False}),
+            "product-eager-avg-down": Setting(keep_eager=(_keep_eager_avg_down,)),
+            "eager-cl": Setting(channels_last=True, compiled=False),
+            "product-cl": Setting(channels_last=True),
+            "product-cl-norms-in-eager-order": Setting(fuse_norms=True, channels_last=True,
+                                                       keep_eager=(_eager_norms(in_eager_order=True),)),
+            "fused-norms-cl": Setting(fuse_norms=True, channels_last=True),
+            "fused-norms-cl-eager-first-norms": Setting(fuse_norms=True, channels_last=True,
+                                                        keep_eager=(_eager_norms(FIRST_NORMS),)),
+            "fused-norms-cl-eager-late-norms": Setting(fuse_norms=True, channels_last=True,
+                                                       keep_eager=(_eager_norms(LATE_NORMS),)),
+            "fused-norms-cl-cudnn-benchmark": Setting(fuse_norms=True, channels_last=True, cudnn_benchmark=True)}
 
 
 def ordered_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -112,42 +150,104 @@ def clips(n: int, t: int, h: int, w: int) -> torch.Tensor:
     return torch.cat([noise, torch.stack(smooth)]) if smooth else noise
 
 
-def measure(recipe: str, args) -> tuple[dict, dict]:
+def build(recipe: str, args):
+    """The VAE of `recipe` (seeded random init, the same on every machine) on the device, and its clip shape."""
     variant, t, h, w = SHAPES[recipe]
     if args.quick:
         t, h, w = 9, 32, 64
     torch.manual_seed(0)
     vae = build_vae(variant, "cpu", args.quick)  # the same weights on every machine ...
-    cuda = args.device.startswith("cuda")
-    batch, base = args.batch_sizes[0], f"eager_b{args.batch_sizes[0]}"  # the baseline of every comparison
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     # ... then on the device in the encoder's dtype. diffusers' .to is typed through functools.wraps of the unbound
     # Module.to, so pyright misses its `self`
     vae.model.to(device=args.device, dtype=dtype)  # pyright: ignore[reportCallIssue]
     vae.device, vae.dtype = torch.device(args.device), dtype
     vae.mean, vae.inv_std = vae.mean.to(vae.device, dtype), vae.inv_std.to(vae.device, dtype)
-    x = clips(args.clips, t, h, w)
+    return vae, variant, (t, h, w)
+
+
+def apply_setting(vae, eager_encoder: torch.nn.Module, name: str, batch: int) -> None:
+    """Back to the eager encoder in the default layout, then the setting `name` for padded batches of `batch`."""
+    torch._dynamo.reset()
+    for m in eager_encoder.modules():  # back to the modules' own forwards
+        m.__dict__.pop("forward", None)
+    vae.model.encoder = eager_encoder
+    vae.graphs.clear()
+    vae.set_memory_format(torch.contiguous_format)
+    setting = COMPILED[name]
+    torch.backends.cudnn.benchmark = setting.cudnn_benchmark
+    for keep in setting.keep_eager:
+        keep(eager_encoder)
+    if setting.compiled:
+        vae.compile(batch, setting.options(), fuse_norms=setting.fuse_norms, channels_last=setting.channels_last)
+    else:
+        vae.set_memory_format(torch.channels_last_3d if setting.channels_last else torch.contiguous_format)
+        vae.padded_batch = batch
+
+
+def warm(recipe: str, args) -> None:
+    """Compile each of --compiled for `recipe` into the compile cache (one padded batch of a black clip), measuring
+    nothing: what --warm-jobs runs in each of its processes."""
+    vae, _, (t, h, w) = build(recipe, args)
+    eager_encoder = vae.model.encoder
+    for name in args.compiled:
+        apply_setting(vae, eager_encoder, name, args.batch_sizes[0])
+        vae.encode(torch.zeros(1, 3, t, h, w))
+
+
+def warm_in_parallel(args) -> None:
+    """Compile every (recipe, compiled setting) in --warm-jobs processes at once, sharing the compile cache, so the
+    measuring run after them loads each from the cache: compiling is mostly single-threaded, ~1 min a setting."""
+    jobs = [(recipe, name) for recipe in args.recipes for name in args.compiled if COMPILED[name].compiled]
+    threads = max(1, (os.cpu_count() or 1) // args.warm_jobs)
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(threads)}
+
+    def one(job: tuple[str, str]) -> str:
+        recipe, name = job
+        command = [sys.executable, __file__, "--warm-only", "--device", args.device, "--recipes", recipe,
+                   "--compiled", name, "--batch-sizes", str(args.batch_sizes[0]), *(["--quick"] if args.quick else [])]
+        start = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"warming {recipe} {name} failed:\n{done.stderr[-3000:]}")
+        return f"{recipe} {name}: {time.perf_counter() - start:.0f} s"
+
+    with ThreadPoolExecutor(args.warm_jobs) as pool:
+        for line in pool.map(one, jobs):
+            print(f"warmed {line}", file=sys.stderr, flush=True)
+
+
+def measure(recipe: str, args) -> tuple[dict, dict]:
+    vae, variant, (t, h, w) = build(recipe, args)
+    cuda = args.device.startswith("cuda")
+    batch, base = args.batch_sizes[0], f"eager_b{args.batch_sizes[0]}"  # the baseline of every comparison
+    # on the device before timing (the cast to bf16 rounds alike there and on the host)
+    x = clips(args.clips, t, h, w).to(args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def timed(name: str, run) -> torch.Tensor:
-        out = run()  # compiles (or warms cuDNN) first
+        out = run().clone()  # compiles (or warms cuDNN) first; a graph's output is overwritten by its next replay
         sync()
         start = time.perf_counter()
+        last = out
         for _ in range(args.time_reps):
-            run()
+            last = run()
         sync()
         speed[name] = round(args.time_reps * len(x) / (time.perf_counter() - start), 3)
-        out = out.cpu()
-        if base in latents:  # a line per setting as it ends (compiling takes minutes)
-            print(json.dumps({"recipe": recipe, "setting": name, "clips_per_s": speed[name],
-                              "vs_eager": distances(out, latents[base])}), flush=True)
-        return out
+        rerun[name] = bool(torch.equal(last, out))
+        return out.cpu()
 
     speed: dict[str, float] = {}
+    rerun: dict[str, bool] = {}
     latents: dict[str, torch.Tensor] = {}
     for b in args.batch_sizes:
         latents[f"eager_b{b}"] = timed(f"eager_b{b}", lambda b=b: vae.encode(x, batch_size=b))
     again = vae.encode(x, batch_size=batch).cpu()
+    eager = [f"eager_b{b}" for b in args.batch_sizes]
+    # every pair of eager batch sizes: the spread the eager encoder itself has, not only against the baseline
+    pairs = {f"{a}_vs_{b}": {half: d["rel_rms"] for half, d in distances(latents[a], latents[b]).items()}
+             for i, a in enumerate(eager) for b in eager[i + 1:]}
+    spread = {half: max((p[half] for p in pairs.values()), default=0.0) for half in ("noise", "smooth")}
     same_bits = {}
     if cuda:  # the eager encoder replayed as a CUDA graph: expected the same bits
         vae.padded_batch = batch
@@ -155,23 +255,28 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
         graphed = timed(f"eager_graph_b{batch}", lambda: vae.encode(x))
         same_bits["eager_graph"] = bool(torch.equal(graphed, latents[base]))
         vae.graphs.clear()
+        vae.padded_batch = 0
+    settings = {}
     if not args.quick or args.compile:
         eager_encoder = vae.model.encoder
         for name in args.compiled:
-            torch._dynamo.reset()
-            for m in eager_encoder.modules():  # back to the modules' own forwards
-                m.__dict__.pop("forward", None)
-            vae.model.encoder = eager_encoder
-            options, fuse_norms, keep_eager = COMPILED[name]
-            for keep in keep_eager:
-                keep(eager_encoder)
-            vae.compile(batch, options(), fuse_norms=fuse_norms)
-            latents[f"compiled_{name}_b{batch}"] = timed(f"compiled_{name}_b{batch}", lambda: vae.encode(x))
-        if args.compiled and cuda:  # the last setting replayed as a CUDA graph: the same bits, faster?
-            last = f"compiled_{args.compiled[-1]}"
-            vae.capture(t, h, w)
-            graphed = timed(f"{last}_graph_b{batch}", lambda: vae.encode(x))
-            same_bits["compiled_graph"] = bool(torch.equal(graphed, latents[f"{last}_b{batch}"]))
+            apply_setting(vae, eager_encoder, name, batch)
+            key = f"compiled_{name}_b{batch}"
+            latents[key] = timed(key, lambda: vae.encode(x))
+            row = {"clips_per_s": speed[key], "rerun_same_bits": rerun[key]}
+            if cuda:  # as the farm runs it: replayed as a CUDA graph (the same bits, faster)
+                vae.capture(t, h, w)
+                graphed = timed(f"{key}_graph", lambda: vae.encode(x))
+                row.update(graph_clips_per_s=speed[f"{key}_graph"], graph_rerun_same_bits=rerun[f"{key}_graph"],
+                           graph_same_bits_as_without=bool(torch.equal(graphed, latents[key])))
+                same_bits[f"compiled_{name}_graph"] = row["graph_same_bits_as_without"]
+            d = distances(latents[key], latents[base])
+            row.update(rel_rms_vs_eager={half: round(v["rel_rms"], 6) for half, v in d.items()},
+                       over_eager_spread={half: round(d[half]["rel_rms"] / spread[half], 3) if spread[half] else None
+                                          for half in d})
+            settings[name] = row
+            print(json.dumps({"recipe": recipe, "setting": name, **row}), flush=True)  # compiling takes minutes
+        torch.backends.cudnn.benchmark = False
     out = {"recipe": recipe, "variant": variant, "clip": [t, h, w], "clips": args.clips,
            "device": torch.cuda.get_device_name() if cuda else args.device,
            "torch": torch.__version__, "eager_rerun_same_bits": bool(torch.equal(again, latents[base])),
@@ -179,11 +284,9 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
     for name, value in latents.items():
         if name != base:
             out[f"{name}_vs_{base}"] = distances(value, latents[base])
-    # every pair of eager batch sizes: the spread the eager encoder itself has, not only against the baseline
-    eager = [f"eager_b{b}" for b in args.batch_sizes]
-    out["eager_pairs_rel_rms"] = {f"{a}_vs_{b}": {half: round(d["rel_rms"], 6) for half, d in
-                                                  distances(latents[a], latents[b]).items()}
-                                  for i, a in enumerate(eager) for b in eager[i + 1:]}
+    out["eager_pairs_rel_rms"] = {k: {half: round(v, 6) for half, v in p.items()} for k, p in pairs.items()}
+    out["eager_spread_rel_rms"] = {half: round(v, 6) for half, v in spread.items()}
+    out["settings"] = settings  # each against eager at the first batch size, and over the eager spread
     keep = torch.tensor([*range(args.save_clips // 2), *range(len(x) - args.save_clips // 2, len(x))])
     return out, {name: value[keep] for name, value in latents.items()}
 
@@ -211,9 +314,11 @@ class Args:
     batch_sizes: tuple[int, ...] = (16, 1)
     """Eager batch sizes; the first is also the compiled one and the baseline of every comparison."""
     compiled: tuple[str, ...] = ("inductor", "product")
-    """Compile settings to compare (COMPILED: inductor, casts, casts-eager-layout, product-fused-norms,
-    product-fused-norms-eager-silu, product, product-eager-layout, product-eager-avg-down), each compiled for batches
-    of the first batch size; on CUDA the last one is also replayed as a CUDA graph."""
+    """Settings to compare (COMPILED: inductor, casts, casts-eager-layout, product-fused-norms,
+    product-fused-norms-eager-silu, product, product-eager-layout, product-eager-avg-down, eager-cl, product-cl,
+    product-cl-norms-in-eager-order, fused-norms-cl, fused-norms-cl-eager-first-norms,
+    fused-norms-cl-eager-late-norms, fused-norms-cl-cudnn-benchmark), each for batches of the first batch size; on
+    CUDA each is also replayed as a CUDA graph."""
     time_reps: int = 2
     """Timed encodes of all clips per setting (after one untimed), for clips/s."""
     save: Path | None = None
@@ -227,6 +332,11 @@ class Args:
     """Narrow VAE and small clips (smoke runs); no compile unless --compile."""
     compile: bool = False
     """With --quick: compile too."""
+    warm_jobs: int = 0
+    """Compile the settings first in this many processes at once (sharing the compile cache), then measure them one
+    by one from the cache (0: compile each as it is measured)."""
+    warm_only: bool = False
+    """Compile the settings into the compile cache and measure nothing (what each --warm-jobs process does)."""
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -237,7 +347,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if len(args.compare) != 2:
             raise SystemExit("--compare takes two files of --save")
         rows = compare(list(args.compare))
+    elif args.warm_only:
+        for recipe in args.recipes:
+            warm(recipe, args)
+        return []
     else:
+        if args.warm_jobs and (not args.quick or args.compile):
+            warm_in_parallel(args)
         rows = []
         for recipe in args.recipes:
             row, latents = measure(recipe, args)
@@ -247,6 +363,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                            args.save.with_stem(f"{args.save.stem}-{recipe}"))
     for row in rows:
         print(json.dumps(row), flush=True)
+    for row in rows:  # the short table last
+        if row.get("settings"):
+            spread = row["eager_spread_rel_rms"]
+            print(f"{row['recipe']}: eager b{args.batch_sizes[0]} {row['clips_per_s'][f'eager_b{args.batch_sizes[0]}']}"
+                  f" clips/s; eager spread {100 * spread['noise']:.3f} % / {100 * spread['smooth']:.3f} %")
+            for name, s in row["settings"].items():
+                print(f"  {name:36} {s['clips_per_s']:8.2f} {s.get('graph_clips_per_s', 0):8.2f} clips/s  "
+                      f"{100 * s['rel_rms_vs_eager']['noise']:.3f} % / {100 * s['rel_rms_vs_eager']['smooth']:.3f} %  "
+                      f"{s['over_eager_spread']['noise']} / {s['over_eager_spread']['smooth']}x spread")
     return rows
 
 

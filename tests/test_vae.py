@@ -46,6 +46,40 @@ def test_norms_normalizing_through_the_opaque_op_give_the_librarys_bits(tiny_che
     assert torch.equal(cast("AutoencoderKLOutput", vae.model.encode(x)).latent_dist.mean, own)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norms_in_eager_order_give_the_contiguous_bits_in_any_layout(dtype):
+    """`rms_normalize_in_eager_order` of a channels-last tensor: the bits eager's normalize gives the same values laid
+    out channels-first, in the input's own layout (a channels-last reduction sums in another order)."""
+    from wampipe.encoders.vae import rms_normalize_in_eager_order
+
+    x = torch.randn(2, 64, 3, 8, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    eager = torch.nn.functional.normalize(x.float(), dim=1).to(dtype)
+    cl = x.contiguous(memory_format=torch.channels_last_3d)
+    out = rms_normalize_in_eager_order(cl, 1)
+    assert out.is_contiguous(memory_format=torch.channels_last_3d) and torch.equal(out, eager)
+    assert torch.equal(rms_normalize_in_eager_order(x, 1), eager) and rms_normalize_in_eager_order(x, 1).is_contiguous()
+
+
+@pytest.mark.parametrize("variant", ["wan2.1", "wan2.2"])
+def test_channels_last_encoder_stores_the_default_layout_whatever_the_batch_company(tiny_checkpoints, variant):
+    """Weights and input channels-last (`set_memory_format`, what `compile(channels_last=True)` sets), every call
+    padded to one batch as `compile` pads it: a clip's latents are the same bits alone, among others or at another
+    position, stored in the default layout; the conv weights are channels-last, the norms' gains untouched."""
+    vae = load_vae(tiny_checkpoints / FILES[variant], variant)
+    vae.set_memory_format(torch.channels_last_3d)
+    vae.padded_batch = 4
+    convs = [p for p in vae.model.parameters() if p.dim() == 5]
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last_3d) for p in convs)
+    x = clip(b=3)
+    together = vae.encode(x)
+    assert together.is_contiguous() and together.shape[0] == 3
+    assert torch.equal(together, torch.cat([vae.encode(x[i:i + 1]) for i in range(3)]))
+    assert torch.equal(together, vae.encode(x.flip(0)).flip(0))
+    vae.set_memory_format(torch.contiguous_format)  # back: the default layout's latents, in bf16 tolerance
+    assert all(p.is_contiguous() for p in convs)
+    torch.testing.assert_close(vae.encode(x).float(), together.float(), atol=0.05, rtol=0.02)
+
+
 @pytest.mark.parametrize("variant", ["wan2.1", "wan2.2"])
 def test_normalization_and_batch_invariance(tiny_checkpoints, variant):
     vae = load_vae(tiny_checkpoints / FILES[variant], variant)
