@@ -44,8 +44,9 @@ test: $(STAMP)  ## the whole check, quickest first: lint, then the unit tests, t
 	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
 
-lint: $(STAMP)  ## ruff (pyflakes' errors and pycodestyle's, lines of at most 120 characters), then pyright's basic checks
+lint: $(STAMP)  ## ruff (pyflakes' errors and pycodestyle's, lines of at most 120 characters; its formatter's style), then pyright's basic checks
 	$(VENV)/bin/ruff check --no-cache .
+	$(VENV)/bin/ruff format --check --no-cache .
 	$(VENV)/bin/pyright
 
 test-unit: $(STAMP)  ## the unit tests alone: the code called in the test process, no process started (minutes)

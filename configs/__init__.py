@@ -157,8 +157,13 @@ def apply(instance: Any, values: dict, where: str) -> Any:
 
 def build(cls: type, values: dict, where: str) -> Any:
     """A `cls` dataclass of `values` as `apply` converts them; every field without a default must be given."""
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in (values or {})
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in (values or {})
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise UsageError(f"{where}: missing key {missing[0]!r}")
     return cls(**_fields(cls, values, where))
@@ -175,8 +180,11 @@ def _fields(cls: type, values: dict, where: str, current: Any = None) -> dict:
     out = {}
     for key, value in values.items():
         nested = getattr(current, key, None)
-        out[key] = (apply(nested, value, f"{where}.{key}") if dataclasses.is_dataclass(nested)
-                    else _convert(hints[key], value, f"{where}.{key}"))
+        out[key] = (
+            apply(nested, value, f"{where}.{key}")
+            if dataclasses.is_dataclass(nested)
+            else _convert(hints[key], value, f"{where}.{key}")
+        )
     return out
 
 
@@ -233,6 +241,7 @@ def nonfinite(instance: Any, prefix: str = "--") -> list[str]:
 
 def plain(instance: Any) -> dict:
     """A dataclass as YAML-safe plain values (paths as strings, tuples as lists): what `apply` reads back."""
+
     def convert(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: convert(v) for k, v in value.items()}

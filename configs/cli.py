@@ -29,8 +29,9 @@ def flowing(text: str | None) -> str | None:
     """`text` with the line breaks inside each paragraph turned into spaces."""
     if text is None:
         return None
-    return "\n\n".join(" ".join(line.strip() for line in paragraph.splitlines())
-                       for paragraph in re.split(r"\n\s*\n", text))
+    return "\n\n".join(
+        " ".join(line.strip() for line in paragraph.splitlines()) for paragraph in re.split(r"\n\s*\n", text)
+    )
 
 
 def _flowed(helptext: str | Callable[[], str | None] | None) -> str | Callable[[], str | None] | None:
@@ -52,8 +53,9 @@ def _flowing_help(info: StructTypeInfo) -> Any:
         _asking_tyro.now = False
     if not isinstance(spec, StructConstructorSpec):
         return spec
-    return dataclasses.replace(spec, fields=tuple(dataclasses.replace(f, helptext=_flowed(f.helptext))
-                                                  for f in spec.fields))
+    return dataclasses.replace(
+        spec, fields=tuple(dataclasses.replace(f, helptext=_flowed(f.helptext)) for f in spec.fields)
+    )
 
 
 def cli(cls: type[T], **kwargs: Any) -> T:

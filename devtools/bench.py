@@ -30,7 +30,7 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         return list(argv), []
     cut = argv.index("--")
-    return list(argv[:cut]), list(argv[cut + 1:])
+    return list(argv[:cut]), list(argv[cut + 1 :])
 
 
 def trainer_argv(args, shards: Path, run_dir: Path, extra: list[str]) -> list[str]:
@@ -38,10 +38,25 @@ def trainer_argv(args, shards: Path, run_dir: Path, extra: list[str]) -> list[st
     no checkpoints or export, then the pass-through flags (which win)."""
     total = args.warmup_steps + args.steps
     interval = math.gcd(args.warmup_steps, args.steps) if args.warmup_steps else args.steps
-    argv = ["--preset", args.preset, "--data.shards", str(shards), "--checkpoint.dir", str(run_dir),
-            "--steps", str(total), "--metrics.interval", str(interval), "--metrics.no-progress",
-            "--metrics.no-tensorboard", "--checkpoint.interval", "0", "--checkpoint.no-save-final",
-            "--checkpoint.no-export", "--checkpoint.no-resume"]
+    argv = [
+        "--preset",
+        args.preset,
+        "--data.shards",
+        str(shards),
+        "--checkpoint.dir",
+        str(run_dir),
+        "--steps",
+        str(total),
+        "--metrics.interval",
+        str(interval),
+        "--metrics.no-progress",
+        "--metrics.no-tensorboard",
+        "--checkpoint.interval",
+        "0",
+        "--checkpoint.no-save-final",
+        "--checkpoint.no-export",
+        "--checkpoint.no-resume",
+    ]
     if args.micro_batch is not None:
         argv += ["--data.micro-batch-size", str(args.micro_batch)]
     if args.global_batch is not None:
@@ -62,9 +77,15 @@ def check_same_resolution(cfg: Config, run_dir: Path) -> None:
     """The trainer resolved the auto settings as this process did for the bound (its config.yaml says)."""
     path = run_dir / "config.yaml"
     theirs, ours = configs.read(path)["train"], asdict(cfg)
-    parts = [("parallel", "activation_checkpoint"), ("data", "micro_batch_size"), ("parallel", "reshard_after_forward"),
-             ("parallel", "ac_blocks"), ("parallel", "ac_others"), ("parallel", "reduce_every_micro_batch"),
-             ("parallel", "gather_once_per_step")]
+    parts = [
+        ("parallel", "activation_checkpoint"),
+        ("data", "micro_batch_size"),
+        ("parallel", "reshard_after_forward"),
+        ("parallel", "ac_blocks"),
+        ("parallel", "ac_others"),
+        ("parallel", "reduce_every_micro_batch"),
+        ("parallel", "gather_once_per_step"),
+    ]
     differ = [f"{g}.{k} {theirs[g][k]} (here {ours[g][k]})" for g, k in parts if theirs[g][k] != ours[g][k]]
     if differ:
         raise SystemExit(f"{path}: the trainer resolved other settings than the bound uses: {'; '.join(differ)}")
@@ -80,15 +101,32 @@ def write_shards(cfg: Config, preset: str, shards: Path, windows: int) -> None:
     per_episode = 8
     episodes = max(1, math.ceil(windows / per_episode))
     t0 = time.perf_counter()
-    manifest = synthetic.make_synthetic_shards(shards, preset, episodes=episodes, windows_per_episode=per_episode,
-                                               samples_per_shard=32, episodes_per_unit=4, seed=cfg.seed)
-    print(f"wrote {manifest['totals']['samples']} synthetic {preset} samples ({manifest['totals']['bytes'] / 2**30:.2f}"
-          f" GiB) to {shards} in {time.perf_counter() - t0:.0f} s", flush=True)
+    manifest = synthetic.make_synthetic_shards(
+        shards,
+        preset,
+        episodes=episodes,
+        windows_per_episode=per_episode,
+        samples_per_shard=32,
+        episodes_per_unit=4,
+        seed=cfg.seed,
+    )
+    print(
+        f"wrote {manifest['totals']['samples']} synthetic {preset} samples ({manifest['totals']['bytes'] / 2**30:.2f}"
+        f" GiB) to {shards} in {time.perf_counter() - t0:.0f} s",
+        flush=True,
+    )
 
 
 def run_trainer(args, argv: list[str], run_dir: Path) -> float:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           str(MAIN), *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        str(MAIN),
+        *argv,
+    ]
     print("trainer:", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     done = subprocess.run(cmd)
@@ -120,20 +158,27 @@ def measured_window(run_dir: Path, warmup_steps: int, samples_per_rank_step: int
     peaks = [r["peak_mem_gib"] for r in measured if "peak_mem_gib" in r]
     reserved = [r["peak_reserved_gib"] for r in measured if "peak_reserved_gib" in r]
     retries = [r["alloc_retries"] for r in measured if "alloc_retries" in r]
-    return {"samples_per_s_per_gpu": steps * samples_per_rank_step / seconds,
-            "mfu_pct": flops_s / seconds if any("mfu_pct" in r for r in measured) else None,
-            "data_wait_pct": 100 * wait_s / seconds, "peak_mem_gib": max(peaks) if peaks else None,
-            "peak_reserved_gib": max(reserved) if reserved else None,
-            # rank 0's, per measured step: each one empties the allocator's cache and synchronizes the GPU
-            "alloc_retries_per_step": sum(retries) / steps if retries else None,
-            "cpu_optimizer_s": host_s / steps if any("cpu_optimizer_s" in r for r in measured) else None,
-            "measured_steps": steps, "measured_s": seconds, "loss_last": measured[-1].get("loss")}
+    return {
+        "samples_per_s_per_gpu": steps * samples_per_rank_step / seconds,
+        "mfu_pct": flops_s / seconds if any("mfu_pct" in r for r in measured) else None,
+        "data_wait_pct": 100 * wait_s / seconds,
+        "peak_mem_gib": max(peaks) if peaks else None,
+        "peak_reserved_gib": max(reserved) if reserved else None,
+        # rank 0's, per measured step: each one empties the allocator's cache and synchronizes the GPU
+        "alloc_retries_per_step": sum(retries) / steps if retries else None,
+        "cpu_optimizer_s": host_s / steps if any("cpu_optimizer_s" in r for r in measured) else None,
+        "measured_steps": steps,
+        "measured_s": seconds,
+        "loss_last": measured[-1].get("loss"),
+    }
 
 
 def provenance(argv: list[str] | None) -> dict:
     """When and how a benchmark ran: UTC date and the command line (`argv` as main() got it, else sys.argv)."""
-    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)])}
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
+    }
 
 
 def emit(result: dict, out: Path | None) -> dict:

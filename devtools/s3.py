@@ -17,9 +17,18 @@ def upload_then_sigkill(call: str, source: Path, url: str) -> list[list[str]]:
     file it uploaded and waits for a line before the next; SIGKILL it after the second. The two reports."""
     module, function = call.split(":")
     child = subprocess.Popen(
-        [sys.executable, "-c", f"import sys; from pathlib import Path; from {module} import {function}; "
-         f"{function}(Path(sys.argv[1]), sys.argv[2], lambda p, a: (print(a, p, flush=True), sys.stdin.readline()))",
-         str(source), url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            f"import sys; from pathlib import Path; from {module} import {function}; "
+            f"{function}(Path(sys.argv[1]), sys.argv[2], lambda p, a: (print(a, p, flush=True), sys.stdin.readline()))",
+            str(source),
+            url,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdin is not None and child.stdout is not None  # both are pipes (PIPE above)
     done = [child.stdout.readline().split()]
     child.stdin.write("\n")
@@ -41,8 +50,11 @@ class S3Server:
     def start(self, timeout: float = 30.0) -> S3Server:
         # The request log goes to a file: a pipe nobody drains would block the server once full.
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
-                                            stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = re.search(r"Running on (http://127\.0\.0\.1:\d+)", self.log.read_text(errors="replace"))

@@ -125,9 +125,16 @@ def feature(dtype: str, shape: list[int], names=None) -> dict:
 
 
 def video_feature(h: int, w: int, fps: int, codec: str) -> dict:
-    info = {"video.fps": float(fps), "video.height": h, "video.width": w, "video.channels": 3,
-            "video.codec": "av1" if codec == "av1" else "h264", "video.pix_fmt": "yuv420p",
-            "video.is_depth_map": False, "has_audio": False}
+    info = {
+        "video.fps": float(fps),
+        "video.height": h,
+        "video.width": w,
+        "video.channels": 3,
+        "video.codec": "av1" if codec == "av1" else "h264",
+        "video.pix_fmt": "yuv420p",
+        "video.is_depth_map": False,
+        "has_audio": False,
+    }
     return {"dtype": "video", "shape": [h, w, 3], "names": ["height", "width", "channels"], "info": info}
 
 
@@ -135,8 +142,13 @@ def basic_stats(columns: dict[str, np.ndarray]) -> dict:
     out = {}
     for key, arr in columns.items():
         a = np.asarray(arr, dtype=np.float64).reshape(len(arr), -1)
-        out[key] = {"min": a.min(0).tolist(), "max": a.max(0).tolist(), "mean": a.mean(0).tolist(),
-                    "std": a.std(0).tolist(), "count": [len(a)]}
+        out[key] = {
+            "min": a.min(0).tolist(),
+            "max": a.max(0).tolist(),
+            "mean": a.mean(0).tolist(),
+            "std": a.std(0).tolist(),
+            "count": [len(a)],
+        }
     return out
 
 
@@ -147,8 +159,9 @@ def list_column(arr: np.ndarray, value_type) -> pa.Array:
 # ---------------------------------------------------------------- DROID (v2.1, 3 mp4 cameras, 15 fps)
 
 
-def _droid_videos(out: Path, traj: Trajectory, length: int, ep: int, h: int, w: int, fps: int, seed: int,
-                  codec: str) -> None:
+def _droid_videos(
+    out: Path, traj: Trajectory, length: int, ep: int, h: int, w: int, fps: int, seed: int, codec: str
+) -> None:
     chunk = ep // 1000
     for cam_i, cam in enumerate(DROID_CAMERAS):
         frames = render(traj, length, cam_i, h, w, seed * 100 + ep)
@@ -156,8 +169,10 @@ def _droid_videos(out: Path, traj: Trajectory, length: int, ep: int, h: int, w: 
 
 
 def _libero_images(traj: Trajectory, length: int, ep: int, size: int, seed: int) -> dict:
-    return {cam: [png_cell(f) for f in render(traj, length, i * 2, size, size, seed * 100 + ep)]
-            for i, cam in enumerate(LIBERO_CAMERAS)}
+    return {
+        cam: [png_cell(f) for f in render(traj, length, i * 2, size, size, seed * 100 + ep)]
+        for i, cam in enumerate(LIBERO_CAMERAS)
+    }
 
 
 def _pool(workers: int):
@@ -165,8 +180,9 @@ def _pool(workers: int):
     the files do not depend on `workers`)."""
     import multiprocessing
 
-    return (ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1
-            else nullcontext())
+    return (
+        ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1 else nullcontext()
+    )
 
 
 def make_droid(out: Path, episodes: int, seed: int, codec: str, workers: int = 1, raw: bool = False) -> None:
@@ -247,8 +263,9 @@ def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool, raw: bool
     plans = [raw_plan(ep) for ep in range(episodes)] if raw else None
     tasks = ["not provided"] + DROID_TASKS
     if plans is not None:
-        tasks = ["not provided", "x"] + list(dict.fromkeys(t for p in plans for t in p.instructions
-                                                            if t not in ("not provided", "x")))
+        tasks = ["not provided", "x"] + list(
+            dict.fromkeys(t for p in plans for t in p.instructions if t not in ("not provided", "x"))
+        )
     lengths = episode_lengths(rng, episodes, "droid") if plans is None else [p.length for p in plans]
     episode_rows, stats_rows, videos, keep_ranges = [], [], [], {}
     for ep, length in enumerate(lengths):
@@ -260,9 +277,14 @@ def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool, raw: bool
         cart = np.concatenate([traj.eef_xyz, traj.eef_rot], 1)
         state = np.concatenate([cart[:-1], traj.gripper[:-1, None], traj.joints[:-1]], 1)  # [L, 14]
         action = np.concatenate(
-            [cart[1:], (cart[1:] - cart[:-1]) * fps, traj.gripper[1:, None],
-             (traj.gripper[1:, None] - traj.gripper[:-1, None]) * fps, traj.joints[1:],
-             (traj.joints[1:] - traj.joints[:-1]) * fps],
+            [
+                cart[1:],
+                (cart[1:] - cart[:-1]) * fps,
+                traj.gripper[1:, None],
+                (traj.gripper[1:, None] - traj.gripper[:-1, None]) * fps,
+                traj.joints[1:],
+                (traj.joints[1:] - traj.joints[:-1]) * fps,
+            ],
             1,
         )  # [L, 28]: each action is the next state's target
         if plans is None:
@@ -273,25 +295,29 @@ def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool, raw: bool
         else:
             first, second, third = (tasks.index(t) for t in plans[ep].instructions)
             reward = np.r_[np.zeros(length - 1), 0.0 if plans[ep].failed else 1.0]
-        annotation = {"annotation.language.language_instruction": first,
-                      "annotation.language.language_instruction_2": second,
-                      "annotation.language.language_instruction_3": third}
+        annotation = {
+            "annotation.language.language_instruction": first,
+            "annotation.language.language_instruction_2": second,
+            "annotation.language.language_instruction_3": third,
+        }
         chunk = ep // 1000
         frame_index = np.arange(length)
-        table = pa.table({
-            "observation.state": list_column(state, pa.float64()),
-            "action": list_column(action, pa.float64()),
-            "timestamp": pa.array((frame_index / fps).astype(np.float32)),
-            "frame_index": pa.array(frame_index, pa.int64()),
-            "episode_index": pa.array(np.full(length, ep), pa.int64()),
-            "task_index": pa.array(np.full(length, first), pa.int64()),
-            **{k: pa.array(np.full(length, v), pa.int64()) for k, v in annotation.items()},
-            "next.reward": pa.array(reward.astype(np.float32)),
-            "next.done": pa.array(np.r_[np.zeros(length - 1, bool), True]),
-            "is_terminal": pa.array(np.r_[np.zeros(length - 1, bool), True]),
-            "is_first": pa.array(np.r_[True, np.zeros(length - 1, bool)]),
-            "discount": pa.array(np.ones(length, np.float32)),
-        })
+        table = pa.table(
+            {
+                "observation.state": list_column(state, pa.float64()),
+                "action": list_column(action, pa.float64()),
+                "timestamp": pa.array((frame_index / fps).astype(np.float32)),
+                "frame_index": pa.array(frame_index, pa.int64()),
+                "episode_index": pa.array(np.full(length, ep), pa.int64()),
+                "task_index": pa.array(np.full(length, first), pa.int64()),
+                **{k: pa.array(np.full(length, v), pa.int64()) for k, v in annotation.items()},
+                "next.reward": pa.array(reward.astype(np.float32)),
+                "next.done": pa.array(np.r_[np.zeros(length - 1, bool), True]),
+                "is_terminal": pa.array(np.r_[np.zeros(length - 1, bool), True]),
+                "is_first": pa.array(np.r_[True, np.zeros(length - 1, bool)]),
+                "discount": pa.array(np.ones(length, np.float32)),
+            }
+        )
         data_path = out / f"data/chunk-{chunk:03d}/episode_{ep:06d}.parquet"
         data_path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, data_path)
@@ -315,39 +341,68 @@ def _make_droid(out: Path, episodes: int, seed: int, codec: str, pool, raw: bool
 
     features = {f"observation.images.{c}": video_feature(h, w, fps, codec) for c in DROID_CAMERAS}
     features |= {
-        "observation.state": feature("float64", [14],
-                                     ["cartesian_position"] * 6 + ["gripper_position"] + ["joint_position"] * 7),
+        "observation.state": feature(
+            "float64", [14], ["cartesian_position"] * 6 + ["gripper_position"] + ["joint_position"] * 7
+        ),
         "action": feature("float64", [28]),
-        "timestamp": feature("float32", [1]), "frame_index": feature("int64", [1]),
-        "episode_index": feature("int64", [1]), "task_index": feature("int64", [1]),
+        "timestamp": feature("float32", [1]),
+        "frame_index": feature("int64", [1]),
+        "episode_index": feature("int64", [1]),
+        "task_index": feature("int64", [1]),
         "annotation.language.language_instruction": feature("int64", [1]),
         "annotation.language.language_instruction_2": feature("int64", [1]),
         "annotation.language.language_instruction_3": feature("int64", [1]),
-        "next.reward": feature("float32", [1]), "next.done": feature("bool", [1]),
-        "is_terminal": feature("bool", [1]), "is_first": feature("bool", [1]), "discount": feature("float32", [1]),
+        "next.reward": feature("float32", [1]),
+        "next.done": feature("bool", [1]),
+        "is_terminal": feature("bool", [1]),
+        "is_first": feature("bool", [1]),
+        "discount": feature("float32", [1]),
     }
-    write_json(out / "meta/info.json", {
-        "codebase_version": "v2.1", "robot_type": "franka", "total_episodes": episodes, "total_frames": sum(lengths),
-        "total_tasks": len(tasks), "total_videos": episodes * len(DROID_CAMERAS), "total_chunks": 1,
-        "chunks_size": 1000,
-        "fps": fps, "splits": {"train": f"0:{episodes}"},
-        "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
-        "video_path": "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4",
-        "features": features,
-    })
+    write_json(
+        out / "meta/info.json",
+        {
+            "codebase_version": "v2.1",
+            "robot_type": "franka",
+            "total_episodes": episodes,
+            "total_frames": sum(lengths),
+            "total_tasks": len(tasks),
+            "total_videos": episodes * len(DROID_CAMERAS),
+            "total_chunks": 1,
+            "chunks_size": 1000,
+            "fps": fps,
+            "splits": {"train": f"0:{episodes}"},
+            "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
+            "video_path": "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4",
+            "features": features,
+        },
+    )
     write_jsonl(out / "meta/tasks.jsonl", [{"task_index": i, "task": t} for i, t in enumerate(tasks)])
     write_jsonl(out / "meta/episodes.jsonl", episode_rows)
     write_jsonl(out / "meta/episodes_stats.jsonl", stats_rows)
-    write_json(out / "meta/modality.json", {
-        "state": {"cartesian_position": {"start": 0, "end": 6}, "gripper_position": {"start": 6, "end": 7},
-                  "joint_position": {"start": 7, "end": 14}},
-        "action": {"cartesian_position": {"start": 0, "end": 6}, "cartesian_velocity": {"start": 6, "end": 12},
-                   "gripper_position": {"start": 12, "end": 13}, "gripper_velocity": {"start": 13, "end": 14},
-                   "joint_position": {"start": 14, "end": 21}, "joint_velocity": {"start": 21, "end": 28}},
-        "video": {c: {"original_key": f"observation.images.{c}"} for c in DROID_CAMERAS},
-        "annotation": {"language.language_instruction": {}, "language.language_instruction_2": {},
-                       "language.language_instruction_3": {}},
-    })
+    write_json(
+        out / "meta/modality.json",
+        {
+            "state": {
+                "cartesian_position": {"start": 0, "end": 6},
+                "gripper_position": {"start": 6, "end": 7},
+                "joint_position": {"start": 7, "end": 14},
+            },
+            "action": {
+                "cartesian_position": {"start": 0, "end": 6},
+                "cartesian_velocity": {"start": 6, "end": 12},
+                "gripper_position": {"start": 12, "end": 13},
+                "gripper_velocity": {"start": 13, "end": 14},
+                "joint_position": {"start": 14, "end": 21},
+                "joint_velocity": {"start": 21, "end": 28},
+            },
+            "video": {c: {"original_key": f"observation.images.{c}"} for c in DROID_CAMERAS},
+            "annotation": {
+                "language.language_instruction": {},
+                "language.language_instruction_2": {},
+                "language.language_instruction_3": {},
+            },
+        },
+    )
 
 
 # ---------------------------------------------------------------- LIBERO (v2.0 images in parquet / v3.0 mp4), 10 fps
@@ -366,28 +421,46 @@ def libero_episode(rng: np.random.Generator, length: int):
 def libero_features(camera_feature: dict) -> dict:
     return {
         **{c: camera_feature for c in LIBERO_CAMERAS},
-        "state": feature("float32", [8], ["state"]), "actions": feature("float32", [7], ["actions"]),
-        "timestamp": feature("float32", [1]), "frame_index": feature("int64", [1]),
-        "episode_index": feature("int64", [1]), "index": feature("int64", [1]), "task_index": feature("int64", [1]),
+        "state": feature("float32", [8], ["state"]),
+        "actions": feature("float32", [7], ["actions"]),
+        "timestamp": feature("float32", [1]),
+        "frame_index": feature("int64", [1]),
+        "episode_index": feature("int64", [1]),
+        "index": feature("int64", [1]),
+        "task_index": feature("int64", [1]),
     }
 
 
 def libero_rows(ep: int, length: int, offset: int, task: int, state: np.ndarray, actions: np.ndarray, fps: int) -> dict:
     frame_index = np.arange(length)
     return {
-        "state": list_column(state, pa.float32()), "actions": list_column(actions, pa.float32()),
+        "state": list_column(state, pa.float32()),
+        "actions": list_column(actions, pa.float32()),
         "timestamp": pa.array((frame_index / fps).astype(np.float32)),
-        "frame_index": pa.array(frame_index, pa.int64()), "episode_index": pa.array(np.full(length, ep), pa.int64()),
-        "index": pa.array(offset + frame_index, pa.int64()), "task_index": pa.array(np.full(length, task), pa.int64()),
+        "frame_index": pa.array(frame_index, pa.int64()),
+        "episode_index": pa.array(np.full(length, ep), pa.int64()),
+        "index": pa.array(offset + frame_index, pa.int64()),
+        "task_index": pa.array(np.full(length, task), pa.int64()),
     }
 
 
-def libero_info(version: str, episodes: int, lengths: list[int], features: dict, paths: dict, videos: int,
-                fps: int) -> dict:
-    return {"codebase_version": version, "robot_type": "panda", "total_episodes": episodes,
-            "total_frames": sum(lengths),
-            "total_tasks": len(LIBERO_TASKS), "total_videos": videos, "total_chunks": 1, "chunks_size": 1000,
-            "fps": fps, "splits": {"train": f"0:{episodes}"}, **paths, "features": features}
+def libero_info(
+    version: str, episodes: int, lengths: list[int], features: dict, paths: dict, videos: int, fps: int
+) -> dict:
+    return {
+        "codebase_version": version,
+        "robot_type": "panda",
+        "total_episodes": episodes,
+        "total_frames": sum(lengths),
+        "total_tasks": len(LIBERO_TASKS),
+        "total_videos": videos,
+        "total_chunks": 1,
+        "chunks_size": 1000,
+        "fps": fps,
+        "splits": {"train": f"0:{episodes}"},
+        **paths,
+        "features": features,
+    }
 
 
 def make_libero(out: Path, episodes: int, seed: int, workers: int = 1) -> None:
@@ -404,33 +477,54 @@ def make_libero(out: Path, episodes: int, seed: int, workers: int = 1) -> None:
         args = [(traj, length, ep, size, seed) for ep, (length, (traj, *_)) in enumerate(zip(lengths, drawn))]
         images = pool.map(_libero_images, *zip(*args)) if pool else (_libero_images(*a) for a in args)
         for ep, (length, (traj, state, actions, task), cells) in enumerate(zip(lengths, drawn, images)):
-            _write_libero_episode(out, ep, length, offset, task, state, actions, fps,
-                                  {cam: pa.array(cells[cam], image_type) for cam in LIBERO_CAMERAS})
+            _write_libero_episode(
+                out,
+                ep,
+                length,
+                offset,
+                task,
+                state,
+                actions,
+                fps,
+                {cam: pa.array(cells[cam], image_type) for cam in LIBERO_CAMERAS},
+            )
             episode_rows.append({"episode_index": ep, "tasks": [LIBERO_TASKS[task]], "length": length})
             offset += length
             all_state.append(state)
             all_actions.append(actions)
     image = feature("image", [size, size, 3], ["height", "width", "channel"])
-    write_json(out / "meta/info.json", libero_info(
-        "v2.0", episodes, lengths, libero_features(image),
-        {"data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet", "video_path": None},
-        0, fps))
+    write_json(
+        out / "meta/info.json",
+        libero_info(
+            "v2.0",
+            episodes,
+            lengths,
+            libero_features(image),
+            {"data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet", "video_path": None},
+            0,
+            fps,
+        ),
+    )
     write_jsonl(out / "meta/tasks.jsonl", [{"task_index": i, "task": t} for i, t in enumerate(LIBERO_TASKS)])
     write_jsonl(out / "meta/episodes.jsonl", episode_rows)
-    write_json(out / "meta/stats.json",
-               basic_stats({"state": np.concatenate(all_state), "actions": np.concatenate(all_actions)}))
+    write_json(
+        out / "meta/stats.json",
+        basic_stats({"state": np.concatenate(all_state), "actions": np.concatenate(all_actions)}),
+    )
 
 
-def _write_libero_episode(out: Path, ep: int, length: int, offset: int, task: int, state, actions, fps: int,
-                          columns: dict) -> None:
+def _write_libero_episode(
+    out: Path, ep: int, length: int, offset: int, task: int, state, actions, fps: int, columns: dict
+) -> None:
     columns |= libero_rows(ep, length, offset, task, state, actions, fps)
     path = out / f"data/chunk-000/episode_{ep:06d}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns), path)
 
 
-def make_libero_v3(out: Path, episodes: int, seed: int, codec: str, episodes_per_data_file: int = 3,
-                   episodes_per_video_file: int = 2) -> None:
+def make_libero_v3(
+    out: Path, episodes: int, seed: int, codec: str, episodes_per_data_file: int = 3, episodes_per_video_file: int = 2
+) -> None:
     """Same content as `make_libero` for the same seed, in the v3.0 layout: multi-episode parquet and mp4 files."""
     rng = np.random.default_rng(seed)
     fps, size = 10, 256
@@ -443,16 +537,27 @@ def make_libero_v3(out: Path, episodes: int, seed: int, codec: str, episodes_per
         task = int(rng.integers(len(LIBERO_TASKS)))
         data_file, video_file = ep // episodes_per_data_file, ep // episodes_per_video_file
         data_tables.setdefault(data_file, []).append(
-            pa.table(libero_rows(ep, length, offset, task, state, actions, fps)))
-        row = {"episode_index": ep, "tasks": [LIBERO_TASKS[task]], "length": length,
-               "data/chunk_index": 0, "data/file_index": data_file,
-               "dataset_from_index": offset, "dataset_to_index": offset + length}
+            pa.table(libero_rows(ep, length, offset, task, state, actions, fps))
+        )
+        row = {
+            "episode_index": ep,
+            "tasks": [LIBERO_TASKS[task]],
+            "length": length,
+            "data/chunk_index": 0,
+            "data/file_index": data_file,
+            "dataset_from_index": offset,
+            "dataset_to_index": offset + length,
+        }
         for i, cam in enumerate(LIBERO_CAMERAS):
             parts = video_frames.setdefault((cam, video_file), [])
             start = sum(len(p) for p in parts) / fps
             parts.append(render(traj, length, i * 2, size, size, seed * 100 + ep))
-            row |= {f"videos/{cam}/chunk_index": 0, f"videos/{cam}/file_index": video_file,
-                    f"videos/{cam}/from_timestamp": start, f"videos/{cam}/to_timestamp": start + length / fps}
+            row |= {
+                f"videos/{cam}/chunk_index": 0,
+                f"videos/{cam}/file_index": video_file,
+                f"videos/{cam}/from_timestamp": start,
+                f"videos/{cam}/to_timestamp": start + length / fps,
+            }
         meta_rows.append(row)
         offset += length
         all_state.append(state)
@@ -465,23 +570,37 @@ def make_libero_v3(out: Path, episodes: int, seed: int, codec: str, episodes_per
         encode_mp4(out / f"videos/{cam}/chunk-000/file-{file_index:03d}.mp4", np.concatenate(parts), fps, codec)
     (out / "meta/episodes/chunk-000").mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(meta_rows), out / "meta/episodes/chunk-000/file-000.parquet")
-    pq.write_table(pa.table({"task_index": pa.array(range(len(LIBERO_TASKS)), pa.int64()), "task": LIBERO_TASKS}),
-                   out / "meta/tasks.parquet")
-    paths = {"data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
-             "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"}
-    info = libero_info("v3.0", episodes, lengths, libero_features(video_feature(size, size, fps, codec)), paths,
-                       episodes * len(LIBERO_CAMERAS), fps)
+    pq.write_table(
+        pa.table({"task_index": pa.array(range(len(LIBERO_TASKS)), pa.int64()), "task": LIBERO_TASKS}),
+        out / "meta/tasks.parquet",
+    )
+    paths = {
+        "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
+        "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4",
+    }
+    info = libero_info(
+        "v3.0",
+        episodes,
+        lengths,
+        libero_features(video_feature(size, size, fps, codec)),
+        paths,
+        episodes * len(LIBERO_CAMERAS),
+        fps,
+    )
     info |= {"data_files_size_in_mb": 100, "video_files_size_in_mb": 200}
     write_json(out / "meta/info.json", info)
-    write_json(out / "meta/stats.json",
-               basic_stats({"state": np.concatenate(all_state), "actions": np.concatenate(all_actions)}))
+    write_json(
+        out / "meta/stats.json",
+        basic_stats({"state": np.concatenate(all_state), "actions": np.concatenate(all_actions)}),
+    )
 
 
 LAYOUTS = ("droid", "droid-raw", "libero", "libero-v3")
 
 
-def write_sample_dataset(out: Path, layout: str, episodes: int = 4, seed: int = 0, codec: str = "h264",
-                         workers: int = 1) -> Path:
+def write_sample_dataset(
+    out: Path, layout: str, episodes: int = 4, seed: int = 0, codec: str = "h264", workers: int = 1
+) -> Path:
     """Write the `layout` dataset to `out` (replaced if it exists); returns `out`. `workers` processes render and
     compress the frames of the droid and libero layouts (the same files for any number)."""
     if episodes < 1:

@@ -46,13 +46,19 @@ class SampleShapes:
     y: tuple[int, ...] | None = None
 
 
-SHAPES = {name: configs.build(SampleShapes, configs.section(configs.recipe(name), "synthetic", name),
-                              f"configs/{name}.yaml: synthetic") for name in configs.names()}
+SHAPES = {
+    name: configs.build(
+        SampleShapes, configs.section(configs.recipe(name), "synthetic", name), f"configs/{name}.yaml: synthetic"
+    )
+    for name in configs.names()
+}
 # Sub-key widths of the embodiments' state/action keys (the real datasets' modality.json).
 SUBKEY_DIMS = {
     "libero_sim": {"state": {"state": 8}, "action": {"actions": 7}},
-    "oxe_droid": {"state": {"joint_position": 7, "gripper_position": 1},
-                  "action": {"joint_position": 7, "gripper_position": 1}},
+    "oxe_droid": {
+        "state": {"joint_position": 7, "gripper_position": 1},
+        "action": {"joint_position": 7, "gripper_position": 1},
+    },
 }
 
 
@@ -64,9 +70,18 @@ def _statistics(values: np.ndarray, dims: dict[str, int]) -> dict[str, dict[str,
     return out
 
 
-def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, windows_per_episode: int = 4,
-                          augment_variants: int = 0, samples_per_shard: int = 7, episodes_per_unit: int = 2,
-                          seed: int = 0, compress: str = "auto", workers: int = 1) -> dict:
+def make_synthetic_shards(
+    out: Path,
+    preset: str = "tiny",
+    episodes: int = 6,
+    windows_per_episode: int = 4,
+    augment_variants: int = 0,
+    samples_per_shard: int = 7,
+    episodes_per_unit: int = 2,
+    seed: int = 0,
+    compress: str = "auto",
+    workers: int = 1,
+) -> dict:
     """Write a complete shard directory (`workers` processes write its shards); returns its manifest."""
     if preset not in SHAPES:
         raise SystemExit(f"unknown recipe {preset!r}; choose one of {sorted(SHAPES)}")
@@ -101,27 +116,41 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
                     tensors = {
                         LATENTS: (offset + 0.5 * torch.randn(shapes.latents, generator=gen)).to(torch.bfloat16),
                         CLIP: torch.randn(shapes.clip, generator=gen).to(torch.bfloat16),
-                        STATE: state, ACTION: action,
+                        STATE: state,
+                        ACTION: action,
                     }
                     if shapes.y is not None:
                         y = torch.zeros(shapes.y)
                         y[:4, 0] = 1
                         y[4:] = torch.randn(shapes.y[0] - 4, *shapes.y[1:], generator=gen)
                         tensors[Y] = y.to(torch.bfloat16)
-                    meta = {"dataset": shapes.dataset, "embodiment": emb.tag, "model": shapes.model, "episode": ep,
-                            "window_start": w * 8, "anchor_multiplicity": multiplicity, "variant": variant,
-                            "augmentation": {"crop": None, "jitter": None},
-                            "prompt_ids": {col: prompt_id(p) for col, p in ep_prompts.items()}}
+                    meta = {
+                        "dataset": shapes.dataset,
+                        "embodiment": emb.tag,
+                        "model": shapes.model,
+                        "episode": ep,
+                        "window_start": w * 8,
+                        "anchor_multiplicity": multiplicity,
+                        "variant": variant,
+                        "augmentation": {"crop": None, "jitter": None},
+                        "prompt_ids": {col: prompt_id(p) for col, p in ep_prompts.items()},
+                    }
                     samples.append((key, encode_sample(key, tensors, meta, compress)))
         prompts.update(unit_prompts)
         unit_episodes = list(range(first, min(first + episodes_per_unit, episodes)))
-        record = {"episodes": unit_episodes, "failures": [], "skipped": [], "prompts": unit_prompts,
-                  "encoded": unit_episodes}
+        record = {
+            "episodes": unit_episodes,
+            "failures": [],
+            "skipped": [],
+            "prompts": unit_prompts,
+            "encoded": unit_episodes,
+        }
         indexes.append(write.write_unit(out, unit, samples, record))
 
     summaries = [write.summarize_unit(out, index["unit"]) for index in indexes]
-    records, sample_index, member_bytes = mix(out, out, summaries, samples_per_shard, seed, (), None, shapes.dataset,
-                                              workers)
+    records, sample_index, member_bytes = mix(
+        out, out, summaries, samples_per_shard, seed, (), None, shapes.dataset, workers
+    )
 
     table = {}
     for pid in sorted(prompts):
@@ -130,22 +159,48 @@ def make_synthetic_shards(out: Path, preset: str = "tiny", episodes: int = 6, wi
     text_table = write_text_table(out, prompts, table)
 
     state, action = np.concatenate(all_state), np.concatenate(all_action)
-    modalities = {"video": {}, **{kind: {k: {"absolute": True, "rotation_type": None, "shape": [d], "continuous": True}
-                                         for k, d in dims[kind].items()} for kind in ("state", "action")}}
-    metadata = {emb.tag: {"statistics": {"state": _statistics(state, dims["state"]),
-                                         "action": _statistics(action, dims["action"])},
-                          "modalities": modalities, "embodiment_tag": emb.tag}}
+    modalities = {
+        "video": {},
+        **{
+            kind: {
+                k: {"absolute": True, "rotation_type": None, "shape": [d], "continuous": True}
+                for k, d in dims[kind].items()
+            }
+            for kind in ("state", "action")
+        },
+    }
+    metadata = {
+        emb.tag: {
+            "statistics": {"state": _statistics(state, dims["state"]), "action": _statistics(action, dims["action"])},
+            "modalities": modalities,
+            "embodiment_tag": emb.tag,
+        }
+    }
     atomic_write_json(out / STATISTICS, metadata)
 
     manifest = build_manifest(
-        summaries, records,
-        source={"root": "synthetic", "fingerprint": f"synthetic-{preset}-seed{seed}", "codebase_version": None,
-                "episodes": episodes, "fps": None},
-        dataset=shapes.dataset, embodiment=emb.tag, model=shapes.model,
+        summaries,
+        records,
+        source={
+            "root": "synthetic",
+            "fingerprint": f"synthetic-{preset}-seed{seed}",
+            "codebase_version": None,
+            "episodes": episodes,
+            "fps": None,
+        },
+        dataset=shapes.dataset,
+        embodiment=emb.tag,
+        model=shapes.model,
         modality_keys={"state": list(emb.state_keys), "action": list(emb.action_keys)},
         transform={"anchor_stride": 8, "augment_variants": augment_variants, "synthetic": preset},
-        encoders={}, samples_per_shard=samples_per_shard, seed=seed, compress=compress, text_table=text_table,
+        encoders={},
+        samples_per_shard=samples_per_shard,
+        seed=seed,
+        compress=compress,
+        text_table=text_table,
         statistics={"file": STATISTICS, "sha256": sha256_file(out / STATISTICS)},
-        sample_index=sample_index, member_bytes=member_bytes)
+        sample_index=sample_index,
+        member_bytes=member_bytes,
+    )
     manifest.write(out)
     return manifest.to_dict()

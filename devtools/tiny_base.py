@@ -71,8 +71,12 @@ class Args:
 
 def dit_config(args: Args) -> DiTConfig:
     if args.shards is not None:
-        return model_config(Config(data=DataConfig(shards=str(args.shards)),  # the string --data.shards gives
-                                   model=ModelConfig(name=args.preset, num_layers=args.num_layers)))
+        return model_config(
+            Config(
+                data=DataConfig(shards=str(args.shards)),  # the string --data.shards gives
+                model=ModelConfig(name=args.preset, num_layers=args.num_layers),
+            )
+        )
     cfg = preset(args.preset)
     return replace(cfg, num_layers=args.num_layers) if args.num_layers else cfg
 
@@ -81,24 +85,44 @@ def official_config(cfg: DiTConfig, tags: list[str]) -> dict:
     """config.json as VLA.save_pretrained writes it, reduced to the fields the loaders read, for the DiT `cfg`
     trained on embodiments `tags` (the DiT and window fields as an export writes them, `eval_config`)."""
     wan = "Wan2.2-TI2V-5B" if cfg.model_type == "ti2v" else "Wan2.1-I2V-14B-480P"
-    vae = ({"_target_": f"{GROOT}.modules.wan_video_vae.WanVideoVAE38", "z_dim": 48, "dim": 160,
-            "vae_pretrained_path": f"{wan}/Wan2.2_VAE.pth"} if cfg.model_type == "ti2v" else
-           {"_target_": f"{GROOT}.modules.wan_video_vae.WanVideoVAE", "vae_pretrained_path": f"{wan}/Wan2.1_VAE.pth"})
+    vae = (
+        {
+            "_target_": f"{GROOT}.modules.wan_video_vae.WanVideoVAE38",
+            "z_dim": 48,
+            "dim": 160,
+            "vae_pretrained_path": f"{wan}/Wan2.2_VAE.pth",
+        }
+        if cfg.model_type == "ti2v"
+        else {"_target_": f"{GROOT}.modules.wan_video_vae.WanVideoVAE", "vae_pretrained_path": f"{wan}/Wan2.1_VAE.pth"}
+    )
     head = {
-        "_target_": f"{GROOT}.action_head.wan_flow_matching_action_tf.WANPolicyHeadConfig", "_recursive_": False,
-        "diffusion_model_cfg": {"_target_": f"{GROOT}.modules.wan_video_dit_action_casual_chunk.CausalWanModel",
-                                "diffusion_model_pretrained_path": wan},
-        "text_encoder_cfg": {"_target_": f"{GROOT}.modules.wan_video_text_encoder.WanTextEncoder",
-                             "text_encoder_pretrained_path": f"{wan}/models_t5_umt5-xxl-enc-bf16.pth"},
-        "image_encoder_cfg": {"_target_": f"{GROOT}.modules.wan_video_image_encoder.WanImageEncoder",
-                              "image_encoder_pretrained_path":
-                                  f"{wan}/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"},
+        "_target_": f"{GROOT}.action_head.wan_flow_matching_action_tf.WANPolicyHeadConfig",
+        "_recursive_": False,
+        "diffusion_model_cfg": {
+            "_target_": f"{GROOT}.modules.wan_video_dit_action_casual_chunk.CausalWanModel",
+            "diffusion_model_pretrained_path": wan,
+        },
+        "text_encoder_cfg": {
+            "_target_": f"{GROOT}.modules.wan_video_text_encoder.WanTextEncoder",
+            "text_encoder_pretrained_path": f"{wan}/models_t5_umt5-xxl-enc-bf16.pth",
+        },
+        "image_encoder_cfg": {
+            "_target_": f"{GROOT}.modules.wan_video_image_encoder.WanImageEncoder",
+            "image_encoder_pretrained_path": f"{wan}/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth",
+        },
         "vae_cfg": vae,
     }
-    config = {"model_type": "vla", "architectures": ["VLA"], "model_dtype": "bfloat16",
-              "backbone_cfg": {"_target_": f"{GROOT}.backbone.identity.IdentityBackbone"},
-              "action_head_cfg": {"_target_": f"{GROOT}.action_head.wan_flow_matching_action_tf.WANPolicyHead",
-                                  "_convert_": "object", "config": head}}
+    config = {
+        "model_type": "vla",
+        "architectures": ["VLA"],
+        "model_dtype": "bfloat16",
+        "backbone_cfg": {"_target_": f"{GROOT}.backbone.identity.IdentityBackbone"},
+        "action_head_cfg": {
+            "_target_": f"{GROOT}.action_head.wan_flow_matching_action_tf.WANPolicyHead",
+            "_convert_": "object",
+            "config": head,
+        },
+    }
     return eval_config(config, cfg, tags)
 
 
@@ -110,23 +134,49 @@ def official_conf(tag: str, cfg: DiTConfig) -> dict:
     action = [f"action.{k}" for k in emb.action_keys]
     transform = "groot.vla.data.transform"
     return {
-        "model": {"_target_": f"{GROOT}.base_vla.VLA"}, "save_lora_only": False, "eval_bf16": True,
-        "relative_action": bool(emb.relative_action_keys), "relative_action_per_horizon": False,
+        "model": {"_target_": f"{GROOT}.base_vla.VLA"},
+        "save_lora_only": False,
+        "eval_bf16": True,
+        "relative_action": bool(emb.relative_action_keys),
+        "relative_action_per_horizon": False,
         "relative_action_keys": list(emb.relative_action_keys),
-        "modality_configs": {tag: {
-            "video": {"delta_indices": list(emb.window.video_offsets),
-                      "eval_delta_indices": list(emb.window.video_offsets), "modality_keys": video},
-            "state": {"delta_indices": [0], "modality_keys": state},
-            "action": {"delta_indices": list(range(emb.window.action_horizon)), "modality_keys": action}}},
-        "transforms": {tag: {"_target_": f"{transform}.ComposedModalityTransform", "transforms": [
-            {"_target_": f"{transform}.state_action.StateActionToTensor", "apply_to": state + action},
-            {"_target_": f"{transform}.state_action.StateActionTransform", "apply_to": state + action,
-             "normalization_modes": {k: "q99" for k in state + action}},
-            {"_target_": f"{transform}.concat.ConcatTransform", "video_concat_order": video,
-             "state_concat_order": state, "action_concat_order": action},
-            {"_target_": f"{GROOT}.transform.dreamzero_cotrain.DreamTransform", "tokenizer_path": "google/umt5-xxl",
-             "max_state_dim": cfg.max_state_dim, "max_action_dim": cfg.action_dim,
-             "embodiment_tag_mapping": {tag: emb.embodiment_id}}]}},
+        "modality_configs": {
+            tag: {
+                "video": {
+                    "delta_indices": list(emb.window.video_offsets),
+                    "eval_delta_indices": list(emb.window.video_offsets),
+                    "modality_keys": video,
+                },
+                "state": {"delta_indices": [0], "modality_keys": state},
+                "action": {"delta_indices": list(range(emb.window.action_horizon)), "modality_keys": action},
+            }
+        },
+        "transforms": {
+            tag: {
+                "_target_": f"{transform}.ComposedModalityTransform",
+                "transforms": [
+                    {"_target_": f"{transform}.state_action.StateActionToTensor", "apply_to": state + action},
+                    {
+                        "_target_": f"{transform}.state_action.StateActionTransform",
+                        "apply_to": state + action,
+                        "normalization_modes": {k: "q99" for k in state + action},
+                    },
+                    {
+                        "_target_": f"{transform}.concat.ConcatTransform",
+                        "video_concat_order": video,
+                        "state_concat_order": state,
+                        "action_concat_order": action,
+                    },
+                    {
+                        "_target_": f"{GROOT}.transform.dreamzero_cotrain.DreamTransform",
+                        "tokenizer_path": "google/umt5-xxl",
+                        "max_state_dim": cfg.max_state_dim,
+                        "max_action_dim": cfg.action_dim,
+                        "embodiment_tag_mapping": {tag: emb.embodiment_id},
+                    },
+                ],
+            }
+        },
     }
 
 
@@ -159,8 +209,9 @@ def write_base(args: Args) -> Path:
     (args.out / "experiment_cfg").mkdir(parents=True)
     total = 0
     for name, keys in zip(names, groups):
-        sd = {k: encoders[k] if k in encoders else dit_value(k[len(DREAMZERO_PREFIX):]).to(torch.bfloat16)
-              for k in keys}
+        sd = {
+            k: encoders[k] if k in encoders else dit_value(k[len(DREAMZERO_PREFIX) :]).to(torch.bfloat16) for k in keys
+        }
         save_file(sd, str(args.out / name), metadata={"format": "pt"})
         total += sum(v.numel() * v.element_size() for v in sd.values())
     if len(groups) > 1:

@@ -32,13 +32,17 @@ from wampipe.encoders.image_encoder import VIT_H_14, hf_clip_to_wan
 from wampipe.encoders.text_encoder import TIED, UMT5_XXL, wan_umt5_key
 from wampipe.encoders.vae import VARIANTS, diffusers_vae_class, wan_vae_key
 
-DROID_TEMPLATE = ("A multi-view video shows that a robot {i} The video is split into three views: The top view shows "
-                  "the camera view from the robot's wrist, the bottom-left view shows the camera view from the left "
-                  "exterior camera, and the bottom-right view shows the camera view from the right exterior camera. "
-                  "During training, one of the two bottom exterior views may be a black screen (dropped view). "
-                  "The robot {i}")
-LIBERO_TEMPLATE = ("A multi-view video shows that a robot {i} The video is split into two horizontal views: the left "
-                   "view shows the exterior camera and the right view shows the wrist camera. The robot {i}")
+DROID_TEMPLATE = (
+    "A multi-view video shows that a robot {i} The video is split into three views: The top view shows "
+    "the camera view from the robot's wrist, the bottom-left view shows the camera view from the left "
+    "exterior camera, and the bottom-right view shows the camera view from the right exterior camera. "
+    "During training, one of the two bottom exterior views may be a black screen (dropped view). "
+    "The robot {i}"
+)
+LIBERO_TEMPLATE = (
+    "A multi-view video shows that a robot {i} The video is split into two horizontal views: the left "
+    "view shows the exterior camera and the right view shows the wrist camera. The robot {i}"
+)
 
 
 def sample_prompts() -> list[str]:
@@ -52,8 +56,19 @@ def randomize(module: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in module.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            is_gain = name.endswith(("gamma", "norm.weight", "layer_norm.weight", "norm1.weight", "norm2.weight",
-                                     "layrnorm.weight", "layernorm.weight", "layer_norm1.weight", "layer_norm2.weight"))
+            is_gain = name.endswith(
+                (
+                    "gamma",
+                    "norm.weight",
+                    "layer_norm.weight",
+                    "norm1.weight",
+                    "norm2.weight",
+                    "layrnorm.weight",
+                    "layernorm.weight",
+                    "layer_norm1.weight",
+                    "layer_norm2.weight",
+                )
+            )
             p.copy_(1 + 0.1 * noise if is_gain else noise * min(0.2, p[0].numel() ** -0.5 if p.ndim > 1 else 0.1))
 
 
@@ -76,9 +91,20 @@ def write_tokenizer(folder: Path) -> int:
     corpus = folder / "corpus.txt"
     corpus.write_text("\n".join(sample_prompts()) + "\n")
     spm.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(folder / "spiece"), vocab_size=160, model_type="unigram",
-        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, character_coverage=1.0, hard_vocab_limit=False,
-        num_threads=1, seed_sentencepiece_size=10000, minloglevel=2)
+        input=str(corpus),
+        model_prefix=str(folder / "spiece"),
+        vocab_size=160,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        num_threads=1,
+        seed_sentencepiece_size=10000,
+        minloglevel=2,
+    )
     corpus.unlink()
     (folder / "spiece.vocab").unlink()
     tok = T5Tokenizer.from_pretrained(str(folder), extra_ids=0, legacy=False)
@@ -92,8 +118,17 @@ def write_umt5(out: Path, seed: int) -> None:
 
     folder = out / "umt5"
     vocab = write_tokenizer(folder / "tokenizer")
-    config = UMT5Config(**{**UMT5_XXL, "vocab_size": max(256, vocab), "d_model": 32, "d_kv": 8, "d_ff": 48,
-                           "num_layers": 2, "num_heads": 4})
+    config = UMT5Config(
+        **{
+            **UMT5_XXL,
+            "vocab_size": max(256, vocab),
+            "d_model": 32,
+            "d_kv": 8,
+            "d_ff": 48,
+            "num_layers": 2,
+            "num_heads": 4,
+        }
+    )
     model = UMT5EncoderModel(config)
     randomize(model, seed)
     # Wan ships the encoder in bf16; functools.wraps on transformers' .to hides from pyright that it is a method
@@ -116,10 +151,17 @@ def write_clip(out: Path, seed: int, full: bool = False) -> None:
     model.save_pretrained(folder / "image_encoder", safe_serialization=True)
     state = hf_clip_to_wan({k: v for k, v in model.state_dict().items() if not k.endswith("position_ids")})
     gen = torch.Generator().manual_seed(seed + 1)  # the xlm-roberta text tower: present in the file, unused
-    state.update({"textual.token_embedding.weight": torch.randn(16, 8, generator=gen),
-                  "textual.head.0.weight": torch.randn(8, 8, generator=gen), "log_scale": torch.tensor(2.6592)})
-    torch.save({k: v.contiguous() for k, v in state.items()},
-               folder / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth")
+    state.update(
+        {
+            "textual.token_embedding.weight": torch.randn(16, 8, generator=gen),
+            "textual.head.0.weight": torch.randn(8, 8, generator=gen),
+            "log_scale": torch.tensor(2.6592),
+        }
+    )
+    torch.save(
+        {k: v.contiguous() for k, v in state.items()},
+        folder / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth",
+    )
 
 
 def write_tiny_checkpoints(out: Path, seed: int = 0, size: str = "tiny") -> Path:

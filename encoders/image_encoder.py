@@ -18,13 +18,29 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from wampipe.encoders.weights import (WeightsError, check_filled, check_keys, expect_kind, folder_config, on_meta,
-                                      read_state_dict)
+from wampipe.encoders.weights import (
+    WeightsError,
+    check_filled,
+    check_keys,
+    expect_kind,
+    folder_config,
+    on_meta,
+    read_state_dict,
+)
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-VIT_H_14 = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
-                patch_size=14, image_size=224, projection_dim=1024, hidden_act="gelu", layer_norm_eps=1e-5)
+VIT_H_14 = dict(
+    hidden_size=1280,
+    intermediate_size=5120,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    patch_size=14,
+    image_size=224,
+    projection_dim=1024,
+    hidden_act="gelu",
+    layer_norm_eps=1e-5,
+)
 HEAD_DIM = 80  # ViT-H/14: 1280 / 16; Wan's file does not record the head count
 _WAN_TO_HF = [  # Wan open-clip visual name -> CLIPVisionModelWithProjection name (to_qkv handled apart)
     (r"^visual\.patch_embedding\.weight$", "vision_model.embeddings.patch_embedding.weight"),
@@ -32,8 +48,10 @@ _WAN_TO_HF = [  # Wan open-clip visual name -> CLIPVisionModelWithProjection nam
     (r"^visual\.post_norm\.(weight|bias)$", r"vision_model.post_layernorm.\1"),
     (r"^visual\.transformer\.(\d+)\.norm1\.(weight|bias)$", r"vision_model.encoder.layers.\1.layer_norm1.\2"),
     (r"^visual\.transformer\.(\d+)\.norm2\.(weight|bias)$", r"vision_model.encoder.layers.\1.layer_norm2.\2"),
-    (r"^visual\.transformer\.(\d+)\.attn\.proj\.(weight|bias)$",
-     r"vision_model.encoder.layers.\1.self_attn.out_proj.\2"),
+    (
+        r"^visual\.transformer\.(\d+)\.attn\.proj\.(weight|bias)$",
+        r"vision_model.encoder.layers.\1.self_attn.out_proj.\2",
+    ),
     (r"^visual\.transformer\.(\d+)\.mlp\.0\.(weight|bias)$", r"vision_model.encoder.layers.\1.mlp.fc1.\2"),
     (r"^visual\.transformer\.(\d+)\.mlp\.2\.(weight|bias)$", r"vision_model.encoder.layers.\1.mlp.fc2.\2"),
 ]
@@ -77,8 +95,9 @@ def hf_clip_to_wan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         else:
             for pattern, repl in _WAN_TO_HF:
-                hf_pattern = ("^" + re.escape(repl).replace(r"\\1", r"(\d+|weight|bias)")
-                              .replace(r"\\2", r"(weight|bias)") + "$")
+                hf_pattern = (
+                    "^" + re.escape(repl).replace(r"\\1", r"(\d+|weight|bias)").replace(r"\\2", r"(weight|bias)") + "$"
+                )
                 if m := re.match(hf_pattern, key):
                     wan = pattern.strip("^$")
                     for group in m.groups():
@@ -111,8 +130,12 @@ class ImageEncoder:
     @torch.no_grad()
     def encode(self, frames_bchw: torch.Tensor, batch_size: int = 0) -> torch.Tensor:
         step = batch_size or frames_bchw.shape[0]
-        return torch.cat([self.encode_pixels(self.preprocess(frames_bchw[i:i + step]))
-                          for i in range(0, frames_bchw.shape[0], step)])
+        return torch.cat(
+            [
+                self.encode_pixels(self.preprocess(frames_bchw[i : i + step]))
+                for i in range(0, frames_bchw.shape[0], step)
+            ]
+        )
 
     @torch.no_grad()
     def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -141,14 +164,23 @@ def _config_from_wan_state(state: dict[str, torch.Tensor]):
     dim, _, patch, _ = state["visual.patch_embedding.weight"].shape
     grid = int(round((state["visual.pos_embedding"].shape[1] - 1) ** 0.5))
     layers = len({k.split(".")[2] for k in state if k.startswith("visual.transformer.")})
-    return CLIPVisionConfig(**{**VIT_H_14, "hidden_size": dim, "patch_size": patch, "image_size": grid * patch,
-                               "num_hidden_layers": layers, "num_attention_heads": max(1, dim // HEAD_DIM),
-                               "intermediate_size": state["visual.transformer.0.mlp.0.weight"].shape[0],
-                               "projection_dim": state["visual.head"].shape[1]})
+    return CLIPVisionConfig(
+        **{
+            **VIT_H_14,
+            "hidden_size": dim,
+            "patch_size": patch,
+            "image_size": grid * patch,
+            "num_hidden_layers": layers,
+            "num_attention_heads": max(1, dim // HEAD_DIM),
+            "intermediate_size": state["visual.transformer.0.mlp.0.weight"].shape[0],
+            "projection_dim": state["visual.head"].shape[1],
+        }
+    )
 
 
-def load_image_encoder(path: str | Path, device: str | torch.device = "cpu",
-                       dtype: torch.dtype = torch.bfloat16) -> ImageEncoder:
+def load_image_encoder(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
+) -> ImageEncoder:
     """Load a Diffusers `image_encoder/` folder or Wan's open-clip `.pth`, strictly. On the meta device the file is
     read and checked all the same but no weight is materialized: `preprocess` and `feature_shape` still work."""
     return ImageEncoder(_load_model(Path(path)), device, dtype)

@@ -21,22 +21,44 @@ from typing import cast
 import ftfy
 import torch
 
-from wampipe.encoders.weights import (WeightsError, check_keys, expect_kind, folder_config, load_strict, on_meta,
-                                      read_state_dict)
+from wampipe.encoders.weights import (
+    WeightsError,
+    check_keys,
+    expect_kind,
+    folder_config,
+    load_strict,
+    on_meta,
+    read_state_dict,
+)
 
 MAX_LENGTH = 512
 # umt5-xxl, as built by Wan's T5 encoder (24 layers, d 4096, ffn 10240, 64 heads of 64, 32 buckets, vocab 256384)
-UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                feed_forward_proj="gated-gelu", layer_norm_epsilon=1e-6, dropout_rate=0.1, pad_token_id=0,
-                eos_token_id=1, decoder_start_token_id=0, tie_word_embeddings=False)
+UMT5_XXL = dict(
+    vocab_size=256384,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    layer_norm_epsilon=1e-6,
+    dropout_rate=0.1,
+    pad_token_id=0,
+    eos_token_id=1,
+    decoder_start_token_id=0,
+    tie_word_embeddings=False,
+)
 _WAN_TO_HF = [  # Wan T5 encoder name -> transformers UMT5EncoderModel name
     (r"^token_embedding\.weight$", "shared.weight"),
     (r"^norm\.weight$", "encoder.final_layer_norm.weight"),
     (r"^blocks\.(\d+)\.norm1\.weight$", r"encoder.block.\1.layer.0.layer_norm.weight"),
     (r"^blocks\.(\d+)\.attn\.([qkvo])\.weight$", r"encoder.block.\1.layer.0.SelfAttention.\2.weight"),
-    (r"^blocks\.(\d+)\.pos_embedding\.embedding\.weight$",
-     r"encoder.block.\1.layer.0.SelfAttention.relative_attention_bias.weight"),
+    (
+        r"^blocks\.(\d+)\.pos_embedding\.embedding\.weight$",
+        r"encoder.block.\1.layer.0.SelfAttention.relative_attention_bias.weight",
+    ),
     (r"^blocks\.(\d+)\.norm2\.weight$", r"encoder.block.\1.layer.1.layer_norm.weight"),
     (r"^blocks\.(\d+)\.ffn\.gate\.0\.weight$", r"encoder.block.\1.layer.1.DenseReluDense.wi_0.weight"),  # GELU branch
     (r"^blocks\.(\d+)\.ffn\.fc1\.weight$", r"encoder.block.\1.layer.1.DenseReluDense.wi_1.weight"),
@@ -77,10 +99,18 @@ def _config_from_wan_state(state: dict[str, torch.Tensor]):
     vocab, d_model = state["token_embedding.weight"].shape
     heads = state["blocks.0.pos_embedding.embedding.weight"].shape[1]
     layers = len({k.split(".")[1] for k in state if k.startswith("blocks.")})
-    return UMT5Config(**{**UMT5_XXL, "vocab_size": vocab, "d_model": d_model, "num_heads": heads,
-                         "d_kv": state["blocks.0.attn.q.weight"].shape[0] // heads,
-                         "d_ff": state["blocks.0.ffn.fc1.weight"].shape[0], "num_layers": layers,
-                         "relative_attention_num_buckets": state["blocks.0.pos_embedding.embedding.weight"].shape[0]})
+    return UMT5Config(
+        **{
+            **UMT5_XXL,
+            "vocab_size": vocab,
+            "d_model": d_model,
+            "num_heads": heads,
+            "d_kv": state["blocks.0.attn.q.weight"].shape[0] // heads,
+            "d_ff": state["blocks.0.ffn.fc1.weight"].shape[0],
+            "num_layers": layers,
+            "relative_attention_num_buckets": state["blocks.0.pos_embedding.embedding.weight"].shape[0],
+        }
+    )
 
 
 class TextEncoder:
@@ -93,8 +123,14 @@ class TextEncoder:
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Cleaned prompts -> `input_ids`, `attention_mask` [B, 512] exactly as the reference's collate builds them."""
-        out = self.tokenizer([clean_text(p) for p in prompts], padding="max_length", truncation=True,
-                             max_length=MAX_LENGTH, add_special_tokens=True, return_tensors="pt")
+        out = self.tokenizer(
+            [clean_text(p) for p in prompts],
+            padding="max_length",
+            truncation=True,
+            max_length=MAX_LENGTH,
+            add_special_tokens=True,
+            return_tensors="pt",
+        )
         return out["input_ids"], out["attention_mask"]
 
     @torch.no_grad()
@@ -103,11 +139,13 @@ class TextEncoder:
         lengths = mask.sum(dim=1).tolist()
         out: list[torch.Tensor] = []
         for i in range(0, len(prompts), batch_size):
-            n = max(lengths[i:i + batch_size])  # padding keys are masked: trimming the batch to its longest is exact
-            hidden = self.model(input_ids=ids[i:i + batch_size, :n].to(self.device),
-                                attention_mask=mask[i:i + batch_size, :n].to(self.device)).last_hidden_state
+            n = max(lengths[i : i + batch_size])  # padding keys are masked: trimming the batch to its longest is exact
+            hidden = self.model(
+                input_ids=ids[i : i + batch_size, :n].to(self.device),
+                attention_mask=mask[i : i + batch_size, :n].to(self.device),
+            ).last_hidden_state
             hidden = hidden.to(torch.bfloat16).cpu()
-            out.extend(hidden[j, :lengths[i + j]].clone() for j in range(hidden.shape[0]))
+            out.extend(hidden[j, : lengths[i + j]].clone() for j in range(hidden.shape[0]))
         return out
 
 
@@ -116,16 +154,20 @@ def load_tokenizer(path: str | Path):
 
     path = Path(path)
     if not path.is_dir() or not any((path / f).exists() for f in ("tokenizer.json", "spiece.model")):
-        raise WeightsError(path, "not a tokenizer folder (needs tokenizer.json or spiece.model; pass the "
-                                 "tokenizer/ or google/umt5-xxl/ folder)")
+        raise WeightsError(
+            path,
+            "not a tokenizer folder (needs tokenizer.json or spiece.model; pass the "
+            "tokenizer/ or google/umt5-xxl/ folder)",
+        )
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.eos_token_id is None or tok.pad_token_id is None:
         raise WeightsError(path, "tokenizer has no EOS or PAD token; not a umT5 tokenizer")
     return tok
 
 
-def load_text_encoder(path: str | Path, tokenizer: str | Path, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.bfloat16) -> TextEncoder:
+def load_text_encoder(
+    path: str | Path, tokenizer: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
+) -> TextEncoder:
     """Load a transformers/Diffusers `text_encoder/` folder or Wan's `models_t5_umt5-xxl-enc-bf16.pth`, strictly."""
     from transformers import UMT5Config, UMT5EncoderModel
 

@@ -19,8 +19,16 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from wampipe.encoders.weights import (WeightsError, assign_loaded, check_keys, expect_kind, folder_config, load_strict,
-                                      on_meta, read_state_dict)
+from wampipe.encoders.weights import (
+    WeightsError,
+    assign_loaded,
+    check_keys,
+    expect_kind,
+    folder_config,
+    load_strict,
+    on_meta,
+    read_state_dict,
+)
 
 if TYPE_CHECKING:
     from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
@@ -28,31 +36,171 @@ if TYPE_CHECKING:
     from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
 # Per-channel latent statistics of the released VAEs (the reference's WanVideoVAE / WanVideoVAE38 constants).
-WAN21_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-              0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
-WAN21_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-             3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
-WAN22_MEAN = [-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
-              -0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825,
-              -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
-              -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230,
-              -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748,
-              0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667]
-WAN22_STD = [0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013,
-             0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978,
-             0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
-             0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093,
-             0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
-             0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744]
+WAN21_MEAN = [
+    -0.7571,
+    -0.7089,
+    -0.9113,
+    0.1075,
+    -0.1745,
+    0.9653,
+    -0.1517,
+    1.5508,
+    0.4134,
+    -0.0715,
+    0.5517,
+    -0.3632,
+    -0.1922,
+    -0.9497,
+    0.2503,
+    -0.2921,
+]
+WAN21_STD = [
+    2.8184,
+    1.4541,
+    2.3275,
+    2.6558,
+    1.2196,
+    1.7708,
+    2.6052,
+    2.0743,
+    3.2687,
+    2.1526,
+    2.8652,
+    1.5579,
+    1.6382,
+    1.1253,
+    2.8251,
+    1.9160,
+]
+WAN22_MEAN = [
+    -0.2289,
+    -0.0052,
+    -0.1323,
+    -0.2339,
+    -0.2799,
+    0.0174,
+    0.1838,
+    0.1557,
+    -0.1382,
+    0.0542,
+    0.2813,
+    0.0891,
+    0.1570,
+    -0.0098,
+    0.0375,
+    -0.1825,
+    -0.2246,
+    -0.1207,
+    -0.0698,
+    0.5109,
+    0.2665,
+    -0.2108,
+    -0.2158,
+    0.2502,
+    -0.2055,
+    -0.0322,
+    0.1109,
+    0.1567,
+    -0.0729,
+    0.0899,
+    -0.2799,
+    -0.1230,
+    -0.0313,
+    -0.1649,
+    0.0117,
+    0.0723,
+    -0.2839,
+    -0.2083,
+    -0.0520,
+    0.3748,
+    0.0152,
+    0.1957,
+    0.1433,
+    -0.2944,
+    0.3573,
+    -0.0548,
+    -0.1681,
+    -0.0667,
+]
+WAN22_STD = [
+    0.4765,
+    1.0364,
+    0.4514,
+    1.1677,
+    0.5313,
+    0.4990,
+    0.4818,
+    0.5013,
+    0.8158,
+    1.0344,
+    0.5894,
+    1.0901,
+    0.6885,
+    0.6165,
+    0.8454,
+    0.4978,
+    0.5759,
+    0.3523,
+    0.7135,
+    0.6804,
+    0.5833,
+    1.4146,
+    0.8986,
+    0.5659,
+    0.7069,
+    0.5338,
+    0.4889,
+    0.4917,
+    0.4069,
+    0.4999,
+    0.6866,
+    0.4093,
+    0.5709,
+    0.6065,
+    0.6415,
+    0.4944,
+    0.5726,
+    1.2042,
+    0.5458,
+    1.6887,
+    0.3971,
+    1.0600,
+    0.3943,
+    0.5537,
+    0.5444,
+    0.4089,
+    0.7468,
+    0.7744,
+]
 
 # diffusers configs of the released VAEs; `base_dim`/`decoder_base_dim` are read from the file (tiny checkpoints).
 VARIANTS = {
-    "wan2.1": dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                   temperal_downsample=[False, True, True], latents_mean=WAN21_MEAN, latents_std=WAN21_STD),
-    "wan2.2": dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
-                   attn_scales=[], temperal_downsample=[False, True, True], latents_mean=WAN22_MEAN,
-                   latents_std=WAN22_STD, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
-                   scale_factor_spatial=16),
+    "wan2.1": dict(
+        base_dim=96,
+        z_dim=16,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=2,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        latents_mean=WAN21_MEAN,
+        latents_std=WAN21_STD,
+    ),
+    "wan2.2": dict(
+        base_dim=160,
+        decoder_base_dim=256,
+        z_dim=48,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=2,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        latents_mean=WAN22_MEAN,
+        latents_std=WAN22_STD,
+        in_channels=12,
+        out_channels=12,
+        is_residual=True,
+        patch_size=2,
+        scale_factor_spatial=16,
+    ),
 }
 KIND_OF_VARIANT = {"wan2.1": "wan2.1-vae", "wan2.2": "wan2.2-vae"}
 
@@ -105,8 +253,7 @@ def rms_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if type(m).__name__ == "WanRMS_norm"]
 
 
-def normalize_eagerly(module: torch.nn.Module, in_eager_order: bool = False,
-                      norms: slice = slice(None)) -> None:
+def normalize_eagerly(module: torch.nn.Module, in_eager_order: bool = False, norms: slice = slice(None)) -> None:
     """Have the WanRMS_norms of `module` (those `norms` selects, in module order) normalize through `rms_normalize`
     (the rest of the norm stays fusable); `in_eager_order`: through `rms_normalize_in_eager_order`."""
     forward = _eager_order_rms_norm_forward if in_eager_order else _eager_rms_norm_forward
@@ -150,10 +297,16 @@ def wan_vae_key(key: str, variant: str, num_res_blocks: int = 2) -> str:
     k = re.sub(r"\.mid_block\.resnets\.1\.", ".middle.2.", k)
     if variant == "wan2.1":
         k = re.sub(r"^encoder\.down_blocks\.(\d+)\.", r"encoder.downsamples.\1.", k)
-        k = re.sub(r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.",
-                   lambda m: f"decoder.upsamples.{int(m[1]) * (nrb + 2) + int(m[2])}.", k)
-        k = re.sub(r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.",
-                   lambda m: f"decoder.upsamples.{int(m[1]) * (nrb + 2) + nrb + 1}.", k)
+        k = re.sub(
+            r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.",
+            lambda m: f"decoder.upsamples.{int(m[1]) * (nrb + 2) + int(m[2])}.",
+            k,
+        )
+        k = re.sub(
+            r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.",
+            lambda m: f"decoder.upsamples.{int(m[1]) * (nrb + 2) + nrb + 1}.",
+            k,
+        )
     else:
         k = re.sub(r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.downsamples.\1.downsamples.\2.", k)
         k = re.sub(r"^encoder\.down_blocks\.(\d+)\.downsampler\.", rf"encoder.downsamples.\1.downsamples.{nrb}.", k)
@@ -192,8 +345,13 @@ class VaeInfo:
 class WanVAE:
     """Frozen Wan VAE encoder. `encode(videos_bcthw)` -> normalized posterior mean, bf16 [B, C, 1+(T-1)/4, H/s, W/s]."""
 
-    def __init__(self, model: AutoencoderKLWan, info: VaeInfo, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        model: AutoencoderKLWan,
+        info: VaeInfo,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+    ):
         # plain Module.to: diffusers' own .to() warns about fp32-pinned modules, which AutoencoderKLWan has none of.
         # It works in place and returns the module it was given, so `model` itself is kept, with its own type.
         torch.nn.Module.to(model, device=device, dtype=dtype)
@@ -217,12 +375,13 @@ class WanVAE:
         b, c, t, h, w = videos_bcthw.shape
         s = self.info.spatial
         if c != 3 or (t - 1) % 4 or h % s or w % s:
-            raise ValueError(f"VAE input must be [B, 3, 1+4k, H, W] with H, W multiples of {s}; "
-                             f"got {list(videos_bcthw.shape)}")
+            raise ValueError(
+                f"VAE input must be [B, 3, 1+4k, H, W] with H, W multiples of {s}; got {list(videos_bcthw.shape)}"
+            )
         step = self.padded_batch or batch_size or b
         out = []
         for i in range(0, b, step):
-            x = videos_bcthw[i:i + step].to(device=self.device, dtype=self.dtype)
+            x = videos_bcthw[i : i + step].to(device=self.device, dtype=self.dtype)
             n = x.shape[0]
             if n < self.padded_batch:  # the compiled shape; the padding clips' latents are dropped
                 x = torch.cat([x, x.new_zeros(self.padded_batch - n, *x.shape[1:])])
@@ -263,8 +422,9 @@ class WanVAE:
                 param.data = param.data.contiguous(memory_format=memory_format)
         self.memory_format = memory_format
 
-    def compile(self, batch_size: int, options: dict | None = None, fuse_norms: bool = False,
-                channels_last: bool = False) -> None:
+    def compile(
+        self, batch_size: int, options: dict | None = None, fuse_norms: bool = False, channels_last: bool = False
+    ) -> None:
         """torch.compile the encoder (fuses the activations, the norms' scaling and the cache copies between its
         convolutions: +34-35 % clips/s on an H200 as a CUDA graph, docs/PERFORMANCE.md). Every call is
         padded to `batch_size` clips and compiled for that one static shape (`dynamic=False`): three graphs in all
@@ -284,8 +444,9 @@ class WanVAE:
             self.set_memory_format(torch.channels_last_3d)
         if not fuse_norms:
             normalize_eagerly(self.model.encoder)
-        compiled = torch.compile(self.model.encoder, dynamic=False,
-                                 options=compile_options() if options is None else dict(options))
+        compiled = torch.compile(
+            self.model.encoder, dynamic=False, options=compile_options() if options is None else dict(options)
+        )
         # the compiled module stands in for the encoder and calls it; torch.compile's type is a plain callable
         self.model.encoder = compiled  # pyright: ignore[reportAttributeAccessIssue]
         self.padded_batch = batch_size
@@ -304,7 +465,8 @@ class WanVAE:
         # failed there with cudaErrorStreamCaptureInvalidated
         with torch.cuda.device(self.device):
             static_in = torch.zeros(shape, device=self.device, dtype=self.dtype).contiguous(
-                memory_format=self.memory_format)  # the layout `encode` gives it
+                memory_format=self.memory_format
+            )  # the layout `encode` gives it
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # compile, and let cuDNN/cuBLAS set up their workspaces, before recording
@@ -361,8 +523,13 @@ def diffusers_vae_class() -> type[AutoencoderKLWan]:
     return AutoencoderKLWan
 
 
-def load_vae(path: str | Path, variant: str | None = None, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.bfloat16, keep_decoder: bool = False) -> WanVAE:
+def load_vae(
+    path: str | Path,
+    variant: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    keep_decoder: bool = False,
+) -> WanVAE:
     """Load `Wan2.1_VAE.pth` / `Wan2.2_VAE.pth` (or `.safetensors`) or a Diffusers `vae/` folder, strictly.
     `variant` ("wan2.1" | "wan2.2") is checked against the file when given. The decoder is checked, then dropped
     unless `keep_decoder` (offline encoding never decodes)."""
@@ -372,8 +539,9 @@ def load_vae(path: str | Path, variant: str | None = None, device: str | torch.d
     if variant not in (None, "wan2.1", "wan2.2"):
         raise ValueError(f"unknown VAE variant {variant!r}; expected 'wan2.1' or 'wan2.2'")
     if path.is_dir():
-        config = folder_config(path, "_class_name", ("AutoencoderKLWan",),
-                               "a Diffusers VAE folder (pass the vae/ folder itself)")
+        config = folder_config(
+            path, "_class_name", ("AutoencoderKLWan",), "a Diffusers VAE folder (pass the vae/ folder itself)"
+        )
         found = variant_of_config(config)
         state = read_state_dict(path)
         expect_kind(path, state, ("diffusers-vae",), "VAE")
@@ -395,8 +563,9 @@ def load_vae(path: str | Path, variant: str | None = None, device: str | torch.d
         check_keys(path, state, {wk: model.state_dict()[dk].shape for wk, dk in table.items()})
         assign_loaded(model, path, {dk: state[wk] for wk, dk in table.items()})
     if model.config["z_dim"] != VARIANTS[found]["z_dim"]:
-        raise WeightsError(path, f"{model.config['z_dim']} latent channels; "
-                                 f"a {_describe(found)} has {VARIANTS[found]['z_dim']}")
+        raise WeightsError(
+            path, f"{model.config['z_dim']} latent channels; a {_describe(found)} has {VARIANTS[found]['z_dim']}"
+        )
     if not keep_decoder:  # None drops a submodule (Module.__setattr__); diffusers types these as always present
         model.decoder = None  # pyright: ignore[reportAttributeAccessIssue]
         model.post_quant_conv = None  # pyright: ignore[reportAttributeAccessIssue]
@@ -405,5 +574,6 @@ def load_vae(path: str | Path, variant: str | None = None, device: str | torch.d
 
 
 def _describe(variant: str) -> str:
-    return {"wan2.1": "Wan2.1 VAE (16 latent channels, 8x)",
-            "wan2.2": "Wan2.2 VAE38 (48 latent channels, 16x)"}[variant]
+    return {"wan2.1": "Wan2.1 VAE (16 latent channels, 8x)", "wan2.2": "Wan2.2 VAE38 (48 latent channels, 16x)"}[
+        variant
+    ]

@@ -25,13 +25,22 @@ M = TypeVar("M", bound=torch.nn.Module)
 # Probe keys that identify a checkpoint's kind. Order matters: the first match wins.
 KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     # (kind, human name, keys that must all be present)
-    ("wan2.2-vae", "Wan2.2 VAE38 (48 latent channels, 16x), original layout",
-     ("encoder.downsamples.0.downsamples.0.residual.0.gamma", "conv1.weight")),
-    ("wan2.1-vae", "Wan2.1 VAE (16 latent channels, 8x), original layout",
-     ("encoder.downsamples.0.residual.0.gamma", "conv1.weight")),
+    (
+        "wan2.2-vae",
+        "Wan2.2 VAE38 (48 latent channels, 16x), original layout",
+        ("encoder.downsamples.0.downsamples.0.residual.0.gamma", "conv1.weight"),
+    ),
+    (
+        "wan2.1-vae",
+        "Wan2.1 VAE (16 latent channels, 8x), original layout",
+        ("encoder.downsamples.0.residual.0.gamma", "conv1.weight"),
+    ),
     ("diffusers-vae", "Diffusers AutoencoderKLWan", ("encoder.conv_in.weight", "quant_conv.weight")),
-    ("wan-umt5", "umT5 encoder, Wan layout (models_t5_umt5-xxl-enc-bf16.pth)",
-     ("token_embedding.weight", "blocks.0.attn.q.weight")),
+    (
+        "wan-umt5",
+        "umT5 encoder, Wan layout (models_t5_umt5-xxl-enc-bf16.pth)",
+        ("token_embedding.weight", "blocks.0.attn.q.weight"),
+    ),
     ("hf-umt5", "umT5 encoder, transformers layout", ("encoder.block.0.layer.0.SelfAttention.q.weight",)),
     ("wan-clip", "open-clip xlm-roberta ViT-H/14, Wan layout", ("visual.patch_embedding.weight",)),
     ("hf-clip-vision", "CLIP vision model, transformers layout", ("vision_model.embeddings.patch_embedding.weight",)),
@@ -93,8 +102,12 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
     path = Path(path)
     if path.is_dir():
-        candidates = sorted(path.glob("*.safetensors.index.json")) or sorted(path.glob("*.safetensors")) \
-            or sorted(path.glob("*.bin")) or sorted(path.glob("*.pth"))
+        candidates = (
+            sorted(path.glob("*.safetensors.index.json"))
+            or sorted(path.glob("*.safetensors"))
+            or sorted(path.glob("*.bin"))
+            or sorted(path.glob("*.pth"))
+        )
         if len(candidates) != 1:
             found = [c.name for c in candidates] or "no weight file"
             raise WeightsError(path, f"expected exactly one weight file or one index in the folder, found {found}")
@@ -120,14 +133,21 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         raise WeightsError(path, f"cannot read weights ({type(err).__name__}: {err})") from err
 
 
-def check_keys(path: str | Path, state: dict[str, torch.Tensor], expected: dict[str, torch.Size],
-               optional: Collection[str] = frozenset()) -> None:
+def check_keys(
+    path: str | Path,
+    state: dict[str, torch.Tensor],
+    expected: dict[str, torch.Size],
+    optional: Collection[str] = frozenset(),
+) -> None:
     """Raise `WeightsError` naming every missing, unexpected and mis-shaped key. `optional` keys may be absent
     (e.g. a tied embedding saved under a second name)."""
     missing = sorted(set(expected) - set(state) - set(optional))
     unexpected = sorted(set(state) - set(expected))
-    shapes = sorted(f"{k} {tuple(state[k].shape)} != {tuple(expected[k])}"
-                    for k in set(state) & set(expected) if tuple(state[k].shape) != tuple(expected[k]))
+    shapes = sorted(
+        f"{k} {tuple(state[k].shape)} != {tuple(expected[k])}"
+        for k in set(state) & set(expected)
+        if tuple(state[k].shape) != tuple(expected[k])
+    )
     problems = []
     for label, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", shapes)):
         if keys:
@@ -142,8 +162,9 @@ def expect_kind(path: str | Path, state: dict[str, torch.Tensor], wanted: tuple[
     kind = recognize(state)
     if kind in wanted:
         return kind
-    what = (KIND_NAMES.get(kind, "not a checkpoint this project knows") if kind
-            else "not a checkpoint this project knows")
+    what = (
+        KIND_NAMES.get(kind, "not a checkpoint this project knows") if kind else "not a checkpoint this project knows"
+    )
     want = " or ".join(KIND_NAMES[w] for w in wanted)
     raise WeightsError(path, f"this file is a {what}, but the {role} needs a {want}")
 
@@ -171,8 +192,9 @@ def check_filled(module: torch.nn.Module, path: str | Path) -> None:
         raise WeightsError(path, f"not filled from the file: {', '.join(left[:4])}")
 
 
-def load_strict(module: torch.nn.Module, path: str | Path, state: dict[str, torch.Tensor],
-                aliases: dict[str, str] | None = None) -> None:
+def load_strict(
+    module: torch.nn.Module, path: str | Path, state: dict[str, torch.Tensor], aliases: dict[str, str] | None = None
+) -> None:
     """Check `state` against the module's own keys, then put it in (`strict=True`, `assign_loaded`). `aliases` maps
     a key that may be absent to the key holding the same (tied) tensor, e.g. `encoder.embed_tokens.weight` ->
     `shared.weight`."""

@@ -12,8 +12,10 @@ COMMANDS = {
     "stats": ("wampipe.preprocess.stats", "write DreamZero's metadata.json statistics for one or more datasets"),
     "shards": ("wampipe.preprocess.shards", "build WebDataset shards with precomputed encoder outputs"),
     "check": ("wampipe.preprocess.check", "verify a shard directory against its manifest"),
-    "preview": ("wampipe.preprocess.preview",
-                "decode stored samples to an MP4 and a PNG sheet each, to look at a build"),
+    "preview": (
+        "wampipe.preprocess.preview",
+        "decode stored samples to an MP4 and a PNG sheet each, to look at a build",
+    ),
 }
 
 
@@ -34,8 +36,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         try:
             # the defaults too (shards' --config and --official-filters) refuse with the project's errors
             default = module.defaults(argv[1:]) if hasattr(module, "defaults") else None
-            args = cli(module.Args, default=default, args=argv[1:], prog=prog or f"python -m preprocess {argv[0]}",
-                       description=module.__doc__)
+            args = cli(
+                module.Args,
+                default=default,
+                args=argv[1:],
+                prog=prog or f"python -m preprocess {argv[0]}",
+                description=module.__doc__,
+            )
             status = module.run(args)  # an exit status (check, inspect) or None
         except OSError as err:
             if not out_of_space(err):
@@ -51,7 +58,8 @@ def command_main(name: str):
 
 
 shards_main, check_main, stats_main, inspect_main, preview_main = map(
-    command_main, ("shards", "check", "stats", "inspect", "preview"))
+    command_main, ("shards", "check", "stats", "inspect", "preview")
+)
 
 
 if __name__ == "__main__":

@@ -90,8 +90,9 @@ class HashingReader:
             pass
 
 
-def tar_samples(f: BinaryIO | HashingReader,
-                headers: dict[str, list] | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
+def tar_samples(
+    f: BinaryIO | HashingReader, headers: dict[str, list] | None = None
+) -> Iterator[tuple[str, dict[str, bytes]]]:
     """(key, {suffix: bytes}) per sample of a tar read front to back, members grouped by key in file order;
     `headers` collects key -> [[member name, data offset, size], ...] as read."""
     # `key` counts only once `group` holds a member, and then it is that member's key
@@ -171,11 +172,14 @@ def check_text_table(store: ShardStore, manifest: Manifest, files: set[str], pro
         problems.append(f"{entry['file']}: unreadable: {err}")
         return set()
     if tokens.keys() != rows.keys():
-        problems.append(f"{entry['file']}: prompt ids differ from {entry['prompts']} "
-                        f"({len(tokens.keys() ^ rows.keys())} differ)")
+        problems.append(
+            f"{entry['file']}: prompt ids differ from {entry['prompts']} ({len(tokens.keys() ^ rows.keys())} differ)"
+        )
     elif tokens != rows:
-        problems.append(f"{entry['file']}: token counts differ from {entry['prompts']} "
-                        f"({sum(tokens[p] != rows[p] for p in rows)} prompts)")
+        problems.append(
+            f"{entry['file']}: token counts differ from {entry['prompts']} "
+            f"({sum(tokens[p] != rows[p] for p in rows)} prompts)"
+        )
     return set(rows)
 
 
@@ -197,8 +201,17 @@ def check_shard_json(store: ShardStore, entry: ShardEntry, files: set[str], prob
     return record
 
 
-def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None, indexed: list | None,
-                prompt_ids: set[str], decode: bool, schema: dict, held: set[int], held_in: bool) -> list[str]:
+def check_shard(
+    store: ShardStore,
+    entry: ShardEntry,
+    record: ShardRecord | None,
+    indexed: list | None,
+    prompt_ids: set[str],
+    decode: bool,
+    schema: dict,
+    held: set[int],
+    held_in: bool,
+) -> list[str]:
     """One pass over the tar: every sample, its size and sha256, its headers and CRC-32s against the sample index's
     rows of the shard (`indexed`, SampleRecords in tar order; None when the index is unusable) and, when read, the
     shard JSON (`record`), each sample's episode held out (`held_in`: a validation split) or not, as its split
@@ -216,8 +229,10 @@ def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None
                 problems += check_sample(name, key, members, samples.get(key), prompt_ids, keys, decode, schema)
                 episode = _episode(key)
                 if episode is not None and (episode in held) != held_in:
-                    problems.append(f"{name}: sample {key} is of episode {episode}, "
-                                    f"{'not held out' if held_in else 'held out for validation'}")
+                    problems.append(
+                        f"{name}: sample {key} is of episode {episode}, "
+                        f"{'not held out' if held_in else 'held out for validation'}"
+                    )
             complete = True
         except (tarfile.TarError, OSError, EOFError) as err:
             problems.append(f"{name}: truncated or unreadable tar after {count} samples: {err}")
@@ -235,15 +250,27 @@ def check_shard(store: ShardStore, entry: ShardEntry, record: ShardRecord | None
         listed = {s.key: [[f"{s.key}.{m.name}", m.offset, m.size] for m in s.members] for s in listing}
         for key in sorted(listed.keys() | headers.keys()):
             if listed.get(key) != headers.get(key):
-                problems.append(f"{what}: sample {key}: members and offsets differ from the tar's headers"
-                                f"{f' of {name}' if what == SAMPLE_INDEX else ''}")
+                problems.append(
+                    f"{what}: sample {key}: members and offsets differ from the tar's headers"
+                    f"{f' of {name}' if what == SAMPLE_INDEX else ''}"
+                )
     if indexed is not None and record is not None and indexed != record.samples:
         problems.append(f"{SAMPLE_INDEX}: the samples of {name} differ from {json_path(name).as_posix()}")
     return problems
 
 
-def check_one_shard(store: ShardStore, entry: ShardEntry, has_json: bool, indexed: list | None, prompt_ids: set[str],
-                    decode: bool, schema: dict, held: set[int], held_in: bool, shard_json: bool = False) -> list[str]:
+def check_one_shard(
+    store: ShardStore,
+    entry: ShardEntry,
+    has_json: bool,
+    indexed: list | None,
+    prompt_ids: set[str],
+    decode: bool,
+    schema: dict,
+    held: set[int],
+    held_in: bool,
+    shard_json: bool = False,
+) -> list[str]:
     """The problems of one shard (its JSON when `shard_json` or the index is unusable, then its tar): a task of its
     own (preprocess.tasks.run_tasks)."""
     problems: list[str] = []
@@ -284,8 +311,9 @@ def _episode(key: str) -> int | None:
         return None
 
 
-def check_split(root: str | os.PathLike, decode: bool, held: set[int], held_in: bool,
-                workers: int = 0, shard_jsons: bool = False) -> tuple[list[str], Manifest | None]:
+def check_split(
+    root: str | os.PathLike, decode: bool, held: set[int], held_in: bool, workers: int = 0, shard_jsons: bool = False
+) -> tuple[list[str], Manifest | None]:
     """(problems, manifest or None) of one shard directory; `held`: the held-out episodes, which its samples must
     (`held_in`, a validation split) or must not be of. The shards are read by `workers` processes."""
     store = ShardStore(root)
@@ -314,21 +342,37 @@ def check_split(root: str | os.PathLike, decode: bool, held: set[int], held_in: 
         indexed = None
         if index is not None:
             table, order, bounds = index
-            indexed = [table.record(int(r)) for r in order[bounds[i]:bounds[i + 1]]]
-        return (store, entry, json_path(entry.shard).as_posix() in files, indexed, prompt_ids, decode,
-                manifest.schema, held, held_in, shard_jsons)
+            indexed = [table.record(int(r)) for r in order[bounds[i] : bounds[i + 1]]]
+        return (
+            store,
+            entry,
+            json_path(entry.shard).as_posix() in files,
+            indexed,
+            prompt_ids,
+            decode,
+            manifest.schema,
+            held,
+            held_in,
+            shard_jsons,
+        )
 
     found: dict[int, list[str]] = {}
-    for n, shard_problems in run_tasks(check_one_shard, LazyTasks(task, present), auto_workers(workers, len(present)),
-                                       "check", progress=sys.stderr.isatty()):
+    for n, shard_problems in run_tasks(
+        check_one_shard,
+        LazyTasks(task, present),
+        auto_workers(workers, len(present)),
+        "check",
+        progress=sys.stderr.isatty(),
+    ):
         found[present[n]] = shard_problems
     for i, entry in enumerate(manifest.shards):
         problems += [f"{entry.shard}: missing"] if i not in found else found[i]
     return problems, manifest
 
 
-def check_sample_index(store: ShardStore, manifest: Manifest,
-                       problems: list[str]) -> tuple[SampleTable, np.ndarray, np.ndarray] | None:
+def check_sample_index(
+    store: ShardStore, manifest: Manifest, problems: list[str]
+) -> tuple[SampleTable, np.ndarray, np.ndarray] | None:
     """(the verified sample index, the order of its rows by (shard, offset of the first member), where each shard's
     rows begin in that order), or None with the problem noted."""
     from wampipe.shardformat.index import open_sample_table  # here: it loads torch, which `--help` does without
@@ -343,8 +387,16 @@ def check_sample_index(store: ShardStore, manifest: Manifest,
     return table, order, np.searchsorted(shard[order], np.arange(len(manifest.shards) + 1))
 
 
-def check_sample(shard: str, key: str, members: dict[str, bytes], record, prompt_ids: set[str],
-                 keys: dict[str, str], decode: bool, schema: dict) -> list[str]:
+def check_sample(
+    shard: str,
+    key: str,
+    members: dict[str, bytes],
+    record,
+    prompt_ids: set[str],
+    keys: dict[str, str],
+    decode: bool,
+    schema: dict,
+) -> list[str]:
     """Problems of one sample; `keys` (key -> shard seen in) is updated."""
     problems = []
     where = f"{shard}: sample {key}"
@@ -367,8 +419,10 @@ def check_sample(shard: str, key: str, members: dict[str, bytes], record, prompt
         if not _finite(value):
             problems.append(f"{where}: {tname} holds NaN or inf")
     if record is not None and meta.get("anchor_multiplicity") != record.anchor_multiplicity:
-        problems.append(f"{where}: anchor_multiplicity {meta.get('anchor_multiplicity')} in meta.json, "
-                        f"{record.anchor_multiplicity} in the shard JSON")
+        problems.append(
+            f"{where}: anchor_multiplicity {meta.get('anchor_multiplicity')} in meta.json, "
+            f"{record.anchor_multiplicity} in the shard JSON"
+        )
     for column, pid in meta["prompt_ids"].items():
         if pid not in prompt_ids:
             problems.append(f"{where}: prompt id {pid} ({column}) not in the text table")
@@ -403,6 +457,8 @@ def run(args: Args) -> int:
     if manifest.validation.get("val_dir"):  # a training split names its validation split; a split itself does not
         val_dir = f"{str(args.root).rstrip('/')}/{manifest.validation['val_dir']}"
         val = ShardStore(val_dir).manifest()
-        print(f"OK: {val_dir}: {val.totals['samples']} samples in {len(val.shards)} shards of the held-out episodes "
-              f"{manifest.validation['episodes']}")
+        print(
+            f"OK: {val_dir}: {val.totals['samples']} samples in {len(val.shards)} shards of the held-out episodes "
+            f"{manifest.validation['episodes']}"
+        )
     return 0

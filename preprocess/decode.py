@@ -127,8 +127,9 @@ def _decode_pyav(path: Path, unique: np.ndarray, fps: float | None, required: in
     return np.stack(frames), np.asarray(pts)
 
 
-def decode_image_cells(cells: Sequence[bytes], path: str | Path, episode: int | None, column: str,
-                       rows: Sequence[int] | None = None) -> np.ndarray:
+def decode_image_cells(
+    cells: Sequence[bytes], path: str | Path, episode: int | None, column: str, rows: Sequence[int] | None = None
+) -> np.ndarray:
     """PNG/JPEG bytes (LeRobot `dtype: image` parquet cells) -> uint8 [N, H, W, 3]; `rows`: the episode rows of the
     cells, for messages (default 0, 1, ...). Cells of one camera must share one size."""
     from PIL import Image
@@ -146,8 +147,11 @@ def decode_image_cells(cells: Sequence[bytes], path: str | Path, episode: int | 
         if out[-1].shape != out[0].shape:
             first = rows[0] if rows is not None else 0
             (h0, w0), (h, w) = out[0].shape[:2], out[-1].shape[:2]
-            raise DatasetError(path, episode, f"column {column!r}: image cells of different sizes: {h0}x{w0} at row "
-                                              f"{first}, {h}x{w} at row {row}")
+            raise DatasetError(
+                path,
+                episode,
+                f"column {column!r}: image cells of different sizes: {h0}x{w0} at row {first}, {h}x{w} at row {row}",
+            )
     return np.stack(out)
 
 

@@ -41,8 +41,10 @@ class OutOfSpace(WampipeError, RuntimeError):
     @classmethod
     def from_os_error(cls, err: OSError, where: str = "") -> "OutOfSpace":
         place = f"{err.filename}: " if err.filename else ""
-        return cls(f"{where}{place}{err.strerror or 'no space left on device'}: free space (or raise the quota) and "
-                   f"run the same command again; finished units are kept")
+        return cls(
+            f"{where}{place}{err.strerror or 'no space left on device'}: free space (or raise the quota) and "
+            f"run the same command again; finished units are kept"
+        )
 
 
 def out_of_space(err: BaseException) -> TypeGuard[OSError]:

@@ -15,8 +15,13 @@ from wampipe.preprocess.spec import BuildSpec
 from wampipe.preprocess.tasks import die_with_parent
 
 
-def run_units(spec: BuildSpec, units: dict[int, list[int]], executor: Literal["stream", "local", "ray"],
-              workers: int, ray_address: str | None = None) -> Iterator[dict]:
+def run_units(
+    spec: BuildSpec,
+    units: dict[int, list[int]],
+    executor: Literal["stream", "local", "ray"],
+    workers: int,
+    ray_address: str | None = None,
+) -> Iterator[dict]:
     """Process {unit: episodes}; yields each unit's record as it finishes. An error (e.g. a bad episode with
     --fail-fast) cancels the units not yet started and propagates."""
     if not units:
@@ -42,8 +47,9 @@ def _pool(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> Iterato
     from wampipe.preprocess.pipeline import process_unit
 
     # spawn: torch and the decoders are not fork-safe
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
+    with ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=die_with_parent, initargs=(os.getpid(),)
+    ) as pool:
         futures = [pool.submit(process_unit, spec, unit, episodes) for unit, episodes in units.items()]
         try:
             for future in as_completed(futures):

@@ -29,13 +29,32 @@ from wampipe.shardformat.text import write_text_table
 
 # Without `part` the training split's manifest; with it, one array job's shards and None.
 @overload
-def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: None = None,
-             ray_address: str | None = None, on_ray: bool = False) -> dict: ...
+def finalize(
+    spec: BuildSpec,
+    units: list[list[int]],
+    workers: int = 0,
+    part: None = None,
+    ray_address: str | None = None,
+    on_ray: bool = False,
+) -> dict: ...
 @overload
-def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, *, part: tuple[int, int],
-             ray_address: str | None = None, on_ray: bool = False) -> None: ...
-def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tuple[int, int] | None = None,
-             ray_address: str | None = None, on_ray: bool = False) -> dict | None:
+def finalize(
+    spec: BuildSpec,
+    units: list[list[int]],
+    workers: int = 0,
+    *,
+    part: tuple[int, int],
+    ray_address: str | None = None,
+    on_ray: bool = False,
+) -> None: ...
+def finalize(
+    spec: BuildSpec,
+    units: list[list[int]],
+    workers: int = 0,
+    part: tuple[int, int] | None = None,
+    ray_address: str | None = None,
+    on_ray: bool = False,
+) -> dict | None:
     """Shards, text table, statistics and manifest from the finished units; returns the training split's manifest.
     With held-out episodes (`spec.held_out`), their samples go into the validation split OUT/val, a sealed shard
     directory of its own (the same text table and statistics), written before the training split's manifest.
@@ -47,19 +66,36 @@ def finalize(spec: BuildSpec, units: list[list[int]], workers: int = 0, part: tu
     out = Path(spec.out)
     missing = [u for u in range(len(units)) if not write.unit_done(out, u)]
     if missing:
-        raise UsageError(f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not "
-                         f"done")
+        raise UsageError(
+            f"cannot finalize {out}: units {missing[:10]}{'...' if len(missing) > 10 else ''} are not done"
+        )
     read: list[dict | None] = [None] * len(units)
-    for u, summary in run_tasks(write.summarize_unit, [(out, u) for u in range(len(units))],
-                                auto_workers(workers, len(units)), "units read", **ray):
+    for u, summary in run_tasks(
+        write.summarize_unit,
+        [(out, u) for u in range(len(units))],
+        auto_workers(workers, len(units)),
+        "units read",
+        **ray,
+    ):
         read[u] = summary
     summaries = cast(list[dict], read)  # run_tasks gives every task's result: no None is left
     if part is not None:
-        for val in (False, True)[:1 + bool(spec.held_out)]:
+        for val in (False, True)[: 1 + bool(spec.held_out)]:
             into = out / VAL_DIR if val else out
             into.mkdir(exist_ok=True)
-            mix(out, into, summaries, spec.samples_per_shard, spec.seed, spec.held_out,
-                {"split": "val"} if val else None, spec.dataset, workers, part, ray)
+            mix(
+                out,
+                into,
+                summaries,
+                spec.samples_per_shard,
+                spec.seed,
+                spec.held_out,
+                {"split": "val"} if val else None,
+                spec.dataset,
+                workers,
+                part,
+                ray,
+            )
         return None
     if not sum(summary["count"] for summary in summaries):  # before the text encoder loads: nothing to encode
         raise UsageError(no_samples(out, summaries))
@@ -84,30 +120,65 @@ def no_samples(out: Path, summaries: list[dict]) -> str:
     """The one line of a build whose every episode failed or was too short: the counts by reason, the first of each."""
     failures = [f for s in summaries for f in s["failures"]]
     skipped = [s for summary in summaries for s in summary["skipped"]]
-    reasons = "; ".join(f"{len(group)} {what}, e.g. {group[0]['reason']}" for what, group in
-                        (("failed", failures), ("shorter than a window", skipped)) if group)
+    reasons = "; ".join(
+        f"{len(group)} {what}, e.g. {group[0]['reason']}"
+        for what, group in (("failed", failures), ("shorter than a window", skipped))
+        if group
+    )
     return f"cannot finalize {out}: no episode gave a sample ({reasons or 'no episodes'})"
 
 
-def write_split(into: Path, summaries: list[dict], spec: BuildSpec, units: list[list[int]], shared: dict,
-                workers: int, validation: dict | None = None, ray: dict | None = None) -> dict:
+def write_split(
+    into: Path,
+    summaries: list[dict],
+    spec: BuildSpec,
+    units: list[list[int]],
+    shared: dict,
+    workers: int,
+    validation: dict | None = None,
+    ray: dict | None = None,
+) -> dict:
     """The shards of the samples of `summaries` (the units' records of this split) in `into`, then its sample index
     and manifest (`shared`: the text table and statistics blocks, whose files lie in `into`); returns the manifest."""
     emb = get_embodiment(spec.embodiment)
     ds = LeRobotDataset(spec.src)
     stated = spec.manifest_fields()
-    stated["transform"] |= {"view_hw": list(emb.view_size(spec.model)), "vae_variant": VAE_OF_MODEL[spec.model],
-                            "target_hw": list(emb.preset(spec.model).target_hw)}
+    stated["transform"] |= {
+        "view_hw": list(emb.view_size(spec.model)),
+        "vae_variant": VAE_OF_MODEL[spec.model],
+        "target_hw": list(emb.preset(spec.model).target_hw),
+    }
     try:
-        shards, sample_index, member_bytes = mix(Path(spec.out), into, summaries, spec.samples_per_shard, spec.seed,
-                                                 spec.held_out, validation, spec.dataset, workers, ray=ray)
+        shards, sample_index, member_bytes = mix(
+            Path(spec.out),
+            into,
+            summaries,
+            spec.samples_per_shard,
+            spec.seed,
+            spec.held_out,
+            validation,
+            spec.dataset,
+            workers,
+            ray=ray,
+        )
         manifest = build_manifest(
-            summaries, shards, **stated,
-            source={"root": spec.src, "fingerprint": spec.digests["src"], "codebase_version": ds.version,
-                    "episodes": sum(len(u) for u in units), "fps": ds.fps},
+            summaries,
+            shards,
+            **stated,
+            source={
+                "root": spec.src,
+                "fingerprint": spec.digests["src"],
+                "codebase_version": ds.version,
+                "episodes": sum(len(u) for u in units),
+                "fps": ds.fps,
+            },
             modality_keys={"state": list(emb.state_keys), "action": list(emb.action_keys)},
-            validation=validation or {}, sample_index=sample_index, member_bytes=member_bytes, **shared,
-            selection={} if spec.selection is None else read_selection(spec.out, spec.selection).summary())
+            validation=validation or {},
+            sample_index=sample_index,
+            member_bytes=member_bytes,
+            **shared,
+            selection={} if spec.selection is None else read_selection(spec.out, spec.selection).summary(),
+        )
     except ShardFormatError as err:
         raise UsageError(f"cannot finalize {into}: {err}") from None
     manifest.write(into)
@@ -116,16 +187,46 @@ def write_split(into: Path, summaries: list[dict], spec: BuildSpec, units: list[
 
 # Without `part` the shard entries and index blocks; with it, one array job's shards and None.
 @overload
-def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, seed: int, held: tuple | list,
-        validation: dict | None, dataset: str, workers: int, part: None = None,
-        ray: dict | None = None) -> tuple[list[dict], dict, dict]: ...
+def mix(
+    out: Path,
+    into: Path,
+    summaries: list[dict],
+    samples_per_shard: int,
+    seed: int,
+    held: tuple | list,
+    validation: dict | None,
+    dataset: str,
+    workers: int,
+    part: None = None,
+    ray: dict | None = None,
+) -> tuple[list[dict], dict, dict]: ...
 @overload
-def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, seed: int, held: tuple | list,
-        validation: dict | None, dataset: str, workers: int, part: tuple[int, int],
-        ray: dict | None = None) -> None: ...
-def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, seed: int, held: tuple | list,
-        validation: dict | None, dataset: str, workers: int, part: tuple[int, int] | None = None,
-        ray: dict | None = None) -> tuple[list[dict], dict, dict] | None:
+def mix(
+    out: Path,
+    into: Path,
+    summaries: list[dict],
+    samples_per_shard: int,
+    seed: int,
+    held: tuple | list,
+    validation: dict | None,
+    dataset: str,
+    workers: int,
+    part: tuple[int, int],
+    ray: dict | None = None,
+) -> None: ...
+def mix(
+    out: Path,
+    into: Path,
+    summaries: list[dict],
+    samples_per_shard: int,
+    seed: int,
+    held: tuple | list,
+    validation: dict | None,
+    dataset: str,
+    workers: int,
+    part: tuple[int, int] | None = None,
+    ray: dict | None = None,
+) -> tuple[list[dict], dict, dict] | None:
     """Every sample of the units of `out` in one seeded permutation (write.plan_split), cut into shards of `into`
     written by `workers` processes, then the sample index. Returns (shard entries, sample_index block,
     member_bytes); with `part` (i, n), only the shards k with k % n == i, and None. `ray`: run_tasks' Ray
@@ -137,11 +238,12 @@ def mix(out: Path, into: Path, summaries: list[dict], samples_per_shard: int, se
     count = len(np.load(plan, mmap_mode="r"))
     shards = range(-(-count // samples_per_shard))
     if part is not None:
-        shards = shards[part[0]::part[1]]
+        shards = shards[part[0] :: part[1]]
     tasks = [(out, into, plan, shard, samples_per_shard, names, dataset) for shard in shards]
     written: list[dict | None] = [None] * len(tasks)
-    for i, entry in run_tasks(write.write_planned_shard, tasks, auto_workers(workers, len(tasks)), "shards",
-                              **(ray or {})):
+    for i, entry in run_tasks(
+        write.write_planned_shard, tasks, auto_workers(workers, len(tasks)), "shards", **(ray or {})
+    ):
         written[i] = entry
     if part is not None:
         return None
@@ -172,9 +274,13 @@ def write_statistics(out: Path, spec: BuildSpec, failures: list[dict]) -> dict:
     if spec.metadata is not None:
         atomic_write_bytes(path, Path(spec.metadata).read_bytes())
     else:
-        write_metadata(path, build_metadata([source(spec)], get_embodiment(spec.embodiment),
-                                            exclude={**{e: HELD_OUT for e in spec.held_out},
-                                                     **{f["episode"]: f["reason"] for f in failures}},
-                                            skipped=excluded))
+        write_metadata(
+            path,
+            build_metadata(
+                [source(spec)],
+                get_embodiment(spec.embodiment),
+                exclude={**{e: HELD_OUT for e in spec.held_out}, **{f["episode"]: f["reason"] for f in failures}},
+                skipped=excluded,
+            ),
+        )
     return {"file": STATISTICS, "sha256": sha256_file(path), "excluded": excluded}
-

@@ -114,8 +114,9 @@ class VideoFrames:
         """uint8 [N, H, W, 3] for episode rows (all rows by default), decoded front to back in one pass."""
         index = np.arange(self.length) if rows is None else np.asarray(rows, dtype=np.int64)
         if index.size and (index.min() < 0 or index.max() >= self.length):
-            raise DatasetError(self.path, self.episode,
-                               f"rows {index.min()}..{index.max()} outside 0..{self.length - 1}")
+            raise DatasetError(
+                self.path, self.episode, f"rows {index.min()}..{index.max()} outside 0..{self.length - 1}"
+            )
         expected = None
         if self.row_timestamps is not None:
             expected = self.from_timestamp + self.row_timestamps[index]
@@ -189,8 +190,12 @@ class Episode:
             raise KeyError(f"column {entry.original_key!r} was not read; pass it in `columns`")
         column = self.columns[entry.original_key]
         if column.ndim != 2 or column.shape[1] < entry.end:
-            raise DatasetError(path, self.index, f"column {entry.original_key!r} has shape {list(column.shape)}, "
-                                                 f"modality.json takes its columns {entry.start}..{entry.end - 1}")
+            raise DatasetError(
+                path,
+                self.index,
+                f"column {entry.original_key!r} has shape {list(column.shape)}, "
+                f"modality.json takes its columns {entry.start}..{entry.end - 1}",
+            )
         return column[:, entry.start : entry.end]
 
 
@@ -315,15 +320,17 @@ class LeRobotDataset:
         lengths."""
         info = self.episode_info(episode_index)
         kept = self.source_rows(episode_index)
-        annotation_cols = (list(self.modality.annotation.values())
-                           or (["task_index"] if "task_index" in self.features else []))
+        annotation_cols = list(self.modality.annotation.values()) or (
+            ["task_index"] if "task_index" in self.features else []
+        )
         video = self.modality.video if cameras else {}
         image_cols = [key for key in video.values() if self.camera_storage(key) == "image"]
         wanted = list(dict.fromkeys([*columns, *annotation_cols, *image_cols, "timestamp"]))
         table = self._episode_table(info, wanted)
         if table.num_rows != info.length:
-            raise DatasetError(info.data_path, episode_index,
-                               f"parquet has {table.num_rows} rows, meta says length {info.length}")
+            raise DatasetError(
+                info.data_path, episode_index, f"parquet has {table.num_rows} rows, meta says length {info.length}"
+            )
         if kept is not None:  # every later check and column sees only the rows the episode keeps
             table = table.take(pa.array(kept))
         length = table.num_rows
@@ -333,8 +340,9 @@ class LeRobotDataset:
             # finite in the dtype the shards store (float32): 1e39 is finite in float64 and inf once stored
             if values.dtype.kind == "f" and not np.isfinite(values.astype(np.float32, copy=False)).all():
                 raise DatasetError(info.data_path, episode_index, f"column {c!r} holds NaN or inf")
-        timestamps = (table.column("timestamp").to_numpy().astype(np.float64) if "timestamp" in table.column_names
-                      else None)
+        timestamps = (
+            table.column("timestamp").to_numpy().astype(np.float64) if "timestamp" in table.column_names else None
+        )
         if timestamps is not None and not np.isfinite(timestamps).all():  # NaN would pass every frame's check
             raise DatasetError(info.data_path, episode_index, "column 'timestamp' holds NaN or inf")
 
@@ -352,16 +360,24 @@ class LeRobotDataset:
                 if key in info.video_to_timestamp:
                     n = round((info.video_to_timestamp[key] - from_ts) * vfps)
                     if n != info.length:
-                        raise DatasetError(path, episode_index,
-                                           f"video span holds {n} frames, episode has {info.length} rows")
+                        raise DatasetError(
+                            path, episode_index, f"video span holds {n} frames, episode has {info.length} rows"
+                        )
                 sources[short] = VideoFrames(path, episode_index, length, vfps, from_ts, timestamps, kept, info.length)
 
         instructions = {c: self._instructions(table, c, info) for c in annotation_cols}
-        return Episode(episode_index, length, cols, sources, {c: v for c, (v, _) in instructions.items()},
-                       {c: file for c, (_, file) in instructions.items()})
+        return Episode(
+            episode_index,
+            length,
+            cols,
+            sources,
+            {c: v for c, (v, _) in instructions.items()},
+            {c: file for c, (_, file) in instructions.items()},
+        )
 
-    def episodes(self, columns: Sequence[str] = (), indices: Sequence[int] | None = None,
-                 cameras: bool = True) -> Iterator[Episode]:
+    def episodes(
+        self, columns: Sequence[str] = (), indices: Sequence[int] | None = None, cameras: bool = True
+    ) -> Iterator[Episode]:
         for i in self.episode_indices if indices is None else indices:
             yield self.episode(i, columns, cameras)
 
@@ -376,8 +392,9 @@ class LeRobotDataset:
             if isinstance(v, str):
                 out[i] = v
             elif v is None or int(v) not in self.tasks:
-                raise DatasetError(info.data_path, info.index,
-                                   f"{column}[{i}] = {v!r} is not a task index in meta/tasks")
+                raise DatasetError(
+                    info.data_path, info.index, f"{column}[{i}] = {v!r} is not a task index in meta/tasks"
+                )
             else:
                 out[i] = self.tasks[int(v)]
         return out, info.data_path if all(isinstance(v, str) for v in values) else self.tasks_file
@@ -458,8 +475,11 @@ class LeRobotDataset:
                 raise DatasetError(path, ep, f"length {length!r} is not a whole number") from None
             chunk = ep // self.chunks_size
             data = self.root / self._path("data_path", episode_chunk=chunk, episode_index=ep)
-            videos = {k: self.root / self._path("video_path", episode_chunk=chunk, video_key=k, episode_index=ep)
-                      for k in self.camera_keys if self.camera_storage(k) == "video"}
+            videos = {
+                k: self.root / self._path("video_path", episode_chunk=chunk, video_key=k, episode_index=ep)
+                for k in self.camera_keys
+                if self.camera_storage(k) == "video"
+            }
             out.append(EpisodeInfo(ep, length, data, videos, fields=_scalars(row)))
         return out
 
@@ -471,8 +491,9 @@ class LeRobotDataset:
         try:
             return pattern.format(**values)
         except (KeyError, IndexError, ValueError) as err:
-            raise DatasetError(info, None, f"{field} {pattern!r}: unknown field or bad pattern "
-                                           f"({type(err).__name__}: {err})") from None
+            raise DatasetError(
+                info, None, f"{field} {pattern!r}: unknown field or bad pattern ({type(err).__name__}: {err})"
+            ) from None
 
     def _read_episodes_v3(self) -> list[EpisodeInfo]:
         files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
@@ -483,15 +504,19 @@ class LeRobotDataset:
             for row in pq.read_table(f).to_pylist():
                 ep = int(row["episode_index"])
                 try:
-                    data = self.root / self._path("data_path", chunk_index=row["data/chunk_index"],
-                                                  file_index=row["data/file_index"])
+                    data = self.root / self._path(
+                        "data_path", chunk_index=row["data/chunk_index"], file_index=row["data/file_index"]
+                    )
                     videos, from_ts, to_ts = {}, {}, {}
                     for k in self.camera_keys:
                         if self.camera_storage(k) != "video":
                             continue
-                        videos[k] = self.root / self._path("video_path", video_key=k,
-                                                           chunk_index=row[f"videos/{k}/chunk_index"],
-                                                           file_index=row[f"videos/{k}/file_index"])
+                        videos[k] = self.root / self._path(
+                            "video_path",
+                            video_key=k,
+                            chunk_index=row[f"videos/{k}/chunk_index"],
+                            file_index=row[f"videos/{k}/file_index"],
+                        )
                         from_ts[k] = float(row[f"videos/{k}/from_timestamp"])
                         to_ts[k] = float(row[f"videos/{k}/to_timestamp"])
                 except KeyError as err:
@@ -507,8 +532,7 @@ def _rows(ranges: Ranges | None) -> np.ndarray | None:
     """The rows of half-open `ranges` [start, end), concatenated in order (None: the whole episode)."""
     if ranges is None:
         return None
-    return np.concatenate([np.arange(start, end, dtype=np.int64) for start, end in ranges] or
-                          [np.zeros(0, np.int64)])
+    return np.concatenate([np.arange(start, end, dtype=np.int64) for start, end in ranges] or [np.zeros(0, np.int64)])
 
 
 def _scalars(row: dict) -> dict:
@@ -518,8 +542,13 @@ def _scalars(row: dict) -> dict:
 
 def _whole(value) -> int:
     """A non-negative whole number given as a JSON number (episode index, length); ValueError otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0 \
-            or value != int(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+        or value != int(value)
+    ):
         raise ValueError(f"{value!r} is not a whole number")
     return int(value)
 
@@ -565,8 +594,11 @@ def _read_parquet(path: Path, columns: list[str] | None, episode: int | None) ->
 
 def _column_to_numpy(table: pa.Table, column: str, path: Path, episode: int) -> np.ndarray:
     chunked = table.column(column)
-    if (pa.types.is_list(chunked.type) or pa.types.is_fixed_size_list(chunked.type)
-            or pa.types.is_large_list(chunked.type)):
+    if (
+        pa.types.is_list(chunked.type)
+        or pa.types.is_fixed_size_list(chunked.type)
+        or pa.types.is_large_list(chunked.type)
+    ):
         try:
             return np.stack(chunked.to_numpy(zero_copy_only=False))  # keeps the stored dtype (float32 / float64)
         except ValueError as err:

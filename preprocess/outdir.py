@@ -32,8 +32,20 @@ from typing import Callable, Iterable, Iterator
 from wampipe.errors import UsageError
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.shardformat.files import atomic_write_json, fsync_dir, is_temporary, lock_directory, temporary_path
-from wampipe.shardformat.layout import (INPUTS, MANIFEST, SAMPLE_INDEX, SELECTION, SHARD_NAME, STATISTICS,
-                                        TEXT_PROMPTS, TEXT_TABLE, UNIT_NAME, VAL_DIR, WIDS_INDEX, WORK_DIR)
+from wampipe.shardformat.layout import (
+    INPUTS,
+    MANIFEST,
+    SAMPLE_INDEX,
+    SELECTION,
+    SHARD_NAME,
+    STATISTICS,
+    TEXT_PROMPTS,
+    TEXT_TABLE,
+    UNIT_NAME,
+    VAL_DIR,
+    WIDS_INDEX,
+    WORK_DIR,
+)
 from wampipe.shardformat.manifest import ShardFormatError, parse_sealed_json
 
 LOCK = ".lock"
@@ -41,8 +53,11 @@ LOCK = ".lock"
 SPLIT_NAMES = (MANIFEST, WIDS_INDEX, STATISTICS, TEXT_TABLE, TEXT_PROMPTS, SAMPLE_INDEX)
 FIXED_NAMES = SPLIT_NAMES + tuple(f"{VAL_DIR}/{name}" for name in SPLIT_NAMES)  # the training split's, then val/'s
 # the shards (of either split), the units and their JSONs
-NUMBERED = re.compile(rf"({VAL_DIR}/{SHARD_NAME.pattern}|{SHARD_NAME.pattern}|{WORK_DIR}/{UNIT_NAME.pattern})"
-                      .replace(r"\.tar", r"\.(tar|json|rows\.npy)"))
+NUMBERED = re.compile(
+    rf"({VAL_DIR}/{SHARD_NAME.pattern}|{SHARD_NAME.pattern}|{WORK_DIR}/{UNIT_NAME.pattern})".replace(
+        r"\.tar", r"\.(tar|json|rows\.npy)"
+    )
+)
 # finalize's plan of each split, its shards' rows and the buckets of the sample index (preprocess.write)
 PLANS = re.compile(rf"{WORK_DIR}/plan-(train|val)(\.npy|/{SHARD_NAME.pattern}\.rows\.npy|/bucket-\d{{6,}}\.(rows|ids))")
 
@@ -63,8 +78,13 @@ def hold(out: Path, shared: bool = False) -> Iterator[None]:
 def remove_temporaries(out: Path) -> None:
     """Delete the temporaries of writes a killed run left behind (only while holding OUT exclusively); a user's
     own hidden files stay."""
-    for folder in (out, out / WORK_DIR, out / Path(TEXT_TABLE).parent, out / VAL_DIR,
-                   out / VAL_DIR / Path(TEXT_TABLE).parent):
+    for folder in (
+        out,
+        out / WORK_DIR,
+        out / Path(TEXT_TABLE).parent,
+        out / VAL_DIR,
+        out / VAL_DIR / Path(TEXT_TABLE).parent,
+    ):
         for tmp in folder.glob(".*.tmp"):
             if is_temporary(tmp):
                 tmp.unlink()
@@ -76,8 +96,9 @@ def remove_temporaries(out: Path) -> None:
 def ownership(names: Iterable[str], read: Callable[[str], bytes]) -> tuple[list[str], list[str]]:
     """(a build's own, foreign): the files among `names` (paths relative to a shard directory, local or remote)
     at the names a build writes, split by the rule of the module docstring. `read(name)` gives a file's bytes."""
-    written = sorted(n for n in names if n in (INPUTS, SELECTION) or n in FIXED_NAMES or NUMBERED.fullmatch(n)
-                     or PLANS.fullmatch(n))
+    written = sorted(
+        n for n in names if n in (INPUTS, SELECTION) or n in FIXED_NAMES or NUMBERED.fullmatch(n) or PLANS.fullmatch(n)
+    )
     if INPUTS in written and is_record(_json(read, INPUTS)):
         return written, []
     own = set()
@@ -87,9 +108,16 @@ def ownership(names: Iterable[str], read: Callable[[str], bytes]) -> tuple[list[
         manifest = None
     if manifest is not None:
         listed = [s.get("shard", "") for s in manifest.get("shards", [])]
-        own |= {MANIFEST, WIDS_INDEX, *listed, *(n.replace(".tar", ".json") for n in listed),
-                manifest.get("text_table", {}).get("file"), manifest.get("text_table", {}).get("prompts"),
-                manifest.get("statistics", {}).get("file"), manifest.get("sample_index", {}).get("file")}
+        own |= {
+            MANIFEST,
+            WIDS_INDEX,
+            *listed,
+            *(n.replace(".tar", ".json") for n in listed),
+            manifest.get("text_table", {}).get("file"),
+            manifest.get("text_table", {}).get("prompts"),
+            manifest.get("statistics", {}).get("file"),
+            manifest.get("sample_index", {}).get("file"),
+        }
     for name in written:
         if name.startswith(f"{WORK_DIR}/") and name.endswith(".json"):
             unit = _json(read, name)
@@ -122,9 +150,11 @@ def local_ownership(out: Path) -> tuple[list[str], list[str]]:
 def refuse_foreign(where: str, foreign: list[str]) -> None:
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise UsageError(f"{where} holds files that no wampipe build recorded, at names a build writes: {shown}. "
-                         f"Nothing was deleted; move them away or use another --out (--overwrite deletes only a "
-                         f"build's own files)")
+        raise UsageError(
+            f"{where} holds files that no wampipe build recorded, at names a build writes: {shown}. "
+            f"Nothing was deleted; move them away or use another --out (--overwrite deletes only a "
+            f"build's own files)"
+        )
 
 
 # ---------------------------------------------------------------- what a build is made from
@@ -132,8 +162,11 @@ def refuse_foreign(where: str, foreign: list[str]) -> None:
 
 def differences(recorded: dict, inputs: dict) -> list[str]:
     """`--flag: old -> new` for every input that differs."""
-    return [f"--{k.replace('_', '-')}: {_show(recorded.get(k))} -> {_show(inputs.get(k))}"
-            for k in sorted(recorded.keys() | inputs.keys()) if recorded.get(k) != inputs.get(k)]
+    return [
+        f"--{k.replace('_', '-')}: {_show(recorded.get(k))} -> {_show(inputs.get(k))}"
+        for k in sorted(recorded.keys() | inputs.keys())
+        if recorded.get(k) != inputs.get(k)
+    ]
 
 
 def _show(value) -> str:
@@ -179,8 +212,10 @@ def claim(out: Path, inputs: dict, overwrite: bool) -> None:
         _write_once(out / INPUTS, inputs)  # array jobs starting together race here: one file wins ...
         problems, _ = conflicts(out, inputs)  # ... and the others compare against it
     if problems:
-        raise UsageError(f"{out} holds a build made from other inputs: {'; '.join(problems)}. Pass the old values to "
-                         f"resume it, or use another --out, or --overwrite to delete the old build")
+        raise UsageError(
+            f"{out} holds a build made from other inputs: {'; '.join(problems)}. Pass the old values to "
+            f"resume it, or use another --out, or --overwrite to delete the old build"
+        )
 
 
 def _write_once(path: Path, obj: dict) -> None:

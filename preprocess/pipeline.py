@@ -91,12 +91,23 @@ def episode_samples(spec: BuildSpec, ds: LeRobotDataset, emb: Embodiment, index:
                 generator = torch.Generator().manual_seed(_variant_seed(spec.seed, index, window.start, variant))
                 video, _, params = sample_video(list(frames[:, rows]), emb, spec.model, generator=generator)
             meta = {
-                "dataset": spec.dataset, "embodiment": emb.tag, "episode": index, "window_start": window.start,
-                "anchor_multiplicity": window.weight, "variant": variant, "augmentation": params,
-                "prompt_ids": {c: prompt_id(p) for c, p in prompts.items()}, "model": spec.model,
+                "dataset": spec.dataset,
+                "embodiment": emb.tag,
+                "episode": index,
+                "window_start": window.start,
+                "anchor_multiplicity": window.weight,
+                "variant": variant,
+                "augmentation": params,
+                "prompt_ids": {c: prompt_id(p) for c, p in prompts.items()},
+                "model": spec.model,
             }
-            yield WindowSample(sample_key(spec.dataset, index, window.start, variant), video,
-                               {STATE: state, ACTION: action}, meta, prompts)
+            yield WindowSample(
+                sample_key(spec.dataset, index, window.start, variant),
+                video,
+                {STATE: state, ACTION: action},
+                meta,
+                prompts,
+            )
 
 
 def unit_samples(spec: BuildSpec, episodes: list[int], report: dict) -> Iterator[WindowSample]:
@@ -109,14 +120,21 @@ def unit_samples(spec: BuildSpec, episodes: list[int], report: dict) -> Iterator
         except Exception as err:  # any fault of one episode is its failure, not the build's end (unless --fail-fast)
             if spec.fail_fast:
                 raise
-            reason = str(err) if isinstance(err, DatasetError) else " ".join(
-                f"{ds.root}: episode {index}: {type(err).__name__}: {err}".split())
+            reason = (
+                str(err)
+                if isinstance(err, DatasetError)
+                else " ".join(f"{ds.root}: episode {index}: {type(err).__name__}: {err}".split())
+            )
             report["failures"].append({"episode": index, "reason": reason})
             continue
         if not produced:
             length = ds.length(index)
-            report["skipped"].append({"episode": index, "reason": f"shorter than one window ({length} rows, a full "
-                                                                  f"window needs {emb.window.extent + 1})"})
+            report["skipped"].append(
+                {
+                    "episode": index,
+                    "reason": f"shorter than one window ({length} rows, a full window needs {emb.window.extent + 1})",
+                }
+            )
             continue
         report["encoded"].append(index)
         for sample in produced:
@@ -180,8 +198,10 @@ class Encoders:
         device, dtype = self.device, self.dtype
         if device.type == "cuda":
             videos, pixels = videos.pin_memory(), pixels.pin_memory()
-        return {"videos": videos.to(device=device, dtype=dtype, non_blocking=True),
-                "pixels": pixels.to(device=device, dtype=dtype, non_blocking=True)}
+        return {
+            "videos": videos.to(device=device, dtype=dtype, non_blocking=True),
+            "pixels": pixels.to(device=device, dtype=dtype, non_blocking=True),
+        }
 
     def run(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The device half: VAE latents, CLIP features (and the 14B's y) as bf16 on the host; or, in place of the
@@ -195,16 +215,19 @@ class Encoders:
         out = {k: v.to(torch.bfloat16).cpu() for k, v in out.items()}
         for name, value in out.items():  # as stored: a broken encoder must not fill a build with NaN
             if not torch.isfinite(value).all():
-                raise EncoderOutputError(f"the encoders' {name} of a batch of {len(videos)} clips hold NaN or inf (as "
-                                         f"bf16): check the {'VAE' if name in (LATENTS, Y) else 'image encoder'}'s "
-                                         f"weights and --dtype")
+                raise EncoderOutputError(
+                    f"the encoders' {name} of a batch of {len(videos)} clips hold NaN or inf (as "
+                    f"bf16): check the {'VAE' if name in (LATENTS, Y) else 'image encoder'}'s "
+                    f"weights and --dtype"
+                )
         if self.image_member == CLIP_PIXELS:
             out[CLIP_PIXELS] = inputs["pixels"].cpu()
         return out
 
 
-def encode_samples(encoders: Encoders, samples: Iterable[WindowSample], batch_size: int,
-                   compress: str) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+def encode_samples(
+    encoders: Encoders, samples: Iterable[WindowSample], batch_size: int, compress: str
+) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
     """(key, tar members) per sample, encoded in batches of `batch_size` in arrival order."""
     batch: list[WindowSample] = []
     for sample in samples:
@@ -236,8 +259,14 @@ def _encode_batch(encoders: Encoders, batch: list[WindowSample], compress: str):
 
 def unit_report(spec: BuildSpec, episodes: list[int]) -> dict:
     """A unit's JSON record before its samples: `unit_samples` fills in what became of each episode."""
-    return {"episodes": episodes, "failures": [], "skipped": [], "prompts": {}, "encoded": [],
-            "inputs": BuildSpec.unit_inputs(spec.inputs())}
+    return {
+        "episodes": episodes,
+        "failures": [],
+        "skipped": [],
+        "prompts": {},
+        "encoded": [],
+        "inputs": BuildSpec.unit_inputs(spec.inputs()),
+    }
 
 
 def process_unit(spec: BuildSpec, unit: int, episodes: list[int]) -> dict:

@@ -90,8 +90,9 @@ def preview(args: Args) -> None:
         if args.src:
             cut = episode_cut(args.src, manifest, meta["episode"], args.keep_ranges)
             source = source_frames(args.src, emb, meta["episode"], window, frames.shape[1:3], cut)
-        write_sheet(args.out / f"{key}.png", key, frames, meta, tensors, prompt, index, window, fps, source,
-                    emb.cameras)
+        write_sheet(
+            args.out / f"{key}.png", key, frames, meta, tensors, prompt, index, window, fps, source, emb.cameras
+        )
         print(f"wrote {args.out / key}.mp4 and .png")
 
 
@@ -108,8 +109,10 @@ def build_decoder(path: Path, manifest: Manifest, shards: str, device: str) -> W
     if not built_with:
         raise UsageError(f"{shards}: the manifest records no VAE (synthetic shards): nothing to decode with")
     if weights_sha256(path)[0] != built_with["sha256"]:
-        raise UsageError(f"--vae {path}: not the VAE {shards} was built with ({built_with['path']}, sha256 "
-                         f"{built_with['sha256'][:12]}): pass that file")
+        raise UsageError(
+            f"--vae {path}: not the VAE {shards} was built with ({built_with['path']}, sha256 "
+            f"{built_with['sha256'][:12]}): pass that file"
+        )
     return load_vae(path, manifest.transform["vae_variant"], device, torch.float32, keep_decoder=True)
 
 
@@ -121,8 +124,10 @@ def check_source(src: Path, manifest: Manifest, shards: str) -> None:
         raise UsageError(f"--src {src}: not a LeRobot dataset (no meta/ folder)")
     built_from = manifest.source
     if fingerprint(src) != built_from["fingerprint"]:
-        raise UsageError(f"--src {src}: not the dataset {shards} was built from ({built_from['root']}, fingerprint "
-                         f"{built_from['fingerprint'][:12]}): pass that dataset")
+        raise UsageError(
+            f"--src {src}: not the dataset {shards} was built from ({built_from['root']}, fingerprint "
+            f"{built_from['fingerprint'][:12]}): pass that dataset"
+        )
 
 
 def first_samples(reader: ShardReader, n: int) -> Iterator[tuple[str, dict, dict]]:
@@ -157,17 +162,20 @@ def episode_cut(src: Path, manifest: Manifest, episode: int, override: Path | No
         return None
     path = Path(override or stated["path"])
     if not path.is_file() or sha256_file(path) != stated["sha256"]:
-        raise UsageError(f"--src: the build cut its episodes to the keep ranges of {stated['path']} (sha256 "
-                         f"{stated['sha256'][:12]}), {'missing' if not path.is_file() else 'changed'} at {path}: "
-                         f"pass that file with --keep-ranges")
+        raise UsageError(
+            f"--src: the build cut its episodes to the keep ranges of {stated['path']} (sha256 "
+            f"{stated['sha256'][:12]}), {'missing' if not path.is_file() else 'changed'} at {path}: "
+            f"pass that file with --keep-ranges"
+        )
     facts = read_facts(str(src), Filters(keep_ranges=str(path), keep_ranges_key=stated["key"]), [episode])[0]
     if facts.error is not None or facts.key is None:
         raise UsageError(facts.error or f"--src {src}: episode {episode} has no key")
     return read_keep_ranges(path).get(facts.key, ())
 
 
-def source_frames(src: Path, emb: Embodiment, episode: int, window: Window, hw: tuple[int, int],
-                  cut: Ranges | None = None) -> np.ndarray:
+def source_frames(
+    src: Path, emb: Embodiment, episode: int, window: Window, hw: tuple[int, int], cut: Ranges | None = None
+) -> np.ndarray:
     """The source cameras at the window's video rows (of the episode cut to `cut`, as the build saw it), raw (no
     crop, no canvas), side by side in the embodiment's camera order, each resized to the decoded canvas's height:
     uint8 [T, H, W', 3]."""
@@ -184,8 +192,19 @@ def source_frames(src: Path, emb: Embodiment, episode: int, window: Window, hw: 
     return torch.cat(out, dim=-1).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
-def write_sheet(path: Path, key: str, frames: np.ndarray, meta: dict, tensors: dict, prompt: str, index: ShardIndex,
-                window: Window, fps: float, source: np.ndarray | None, cameras: tuple[str, ...] = ()) -> None:
+def write_sheet(
+    path: Path,
+    key: str,
+    frames: np.ndarray,
+    meta: dict,
+    tensors: dict,
+    prompt: str,
+    index: ShardIndex,
+    window: Window,
+    fps: float,
+    source: np.ndarray | None,
+    cameras: tuple[str, ...] = (),
+) -> None:
     import matplotlib
     import torch
 
@@ -209,24 +228,35 @@ def write_sheet(path: Path, key: str, frames: np.ndarray, meta: dict, tensors: d
     for c, name in enumerate(("state", "action")):
         rows = window.state_rows if name == "state" else window.action_rows
         width = PADDED_WIDTH[name]
-        plot_rows(fig.add_subplot(plots[0, c]), name, torch.from_numpy(np.asarray(tensors[name], np.float32)),
-                  rows / fps, index.q01[name], index.q99[name], width, manifest.modality_keys[name])
+        plot_rows(
+            fig.add_subplot(plots[0, c]),
+            name,
+            torch.from_numpy(np.asarray(tensors[name], np.float32)),
+            rows / fps,
+            index.q01[name],
+            index.q99[name],
+            width,
+            manifest.modality_keys[name],
+        )
     if pixels is not None:
         ax = fig.add_subplot(plots[0, 2])
         ax.imshow(pixels)
         ax.set_axis_off()
         ax.set_title("clip_pixels (frame 0 as CLIP consumes it)", fontsize=8)
-    fig.suptitle(f"{key}: {meta['embodiment']}, {manifest.model}, episode {meta['episode']}, window rows "
-                 f"{window.video_rows[0]}-{window.video_rows[-1]}, variant {meta['variant']}"
-                 + (f"; source cameras left to right: {', '.join(cameras)}" if source is not None else "")
-                 + f"\n{wrap(prompt)}",
-                 fontsize=8)
+    fig.suptitle(
+        f"{key}: {meta['embodiment']}, {manifest.model}, episode {meta['episode']}, window rows "
+        f"{window.video_rows[0]}-{window.video_rows[-1]}, variant {meta['variant']}"
+        + (f"; source cameras left to right: {', '.join(cameras)}" if source is not None else "")
+        + f"\n{wrap(prompt)}",
+        fontsize=8,
+    )
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
-def plot_rows(ax, name: str, raw: torch.Tensor, seconds: np.ndarray, q01: np.ndarray, q99: np.ndarray, width: int,
-              keys: list[str]) -> None:
+def plot_rows(
+    ax, name: str, raw: torch.Tensor, seconds: np.ndarray, q01: np.ndarray, q99: np.ndarray, width: int, keys: list[str]
+) -> None:
     """Every dimension against time as the trainer feeds it to the model: q99-normalized with the build's statistics,
     clamped to [-1, 1], zero-padded to the model's width with a valid mask. Grey: masked (padding) and dims the
     statistics leave unnormalized (q01 == q99)."""
@@ -235,13 +265,28 @@ def plot_rows(ax, name: str, raw: torch.Tensor, seconds: np.ndarray, q01: np.nda
     values, mask = pad_with_mask(normalize_q99(raw, q01, q99), width)
     constant = np.asarray(q01) == np.asarray(q99)
     for d in range(raw.shape[1]):
-        ax.plot(seconds, values[:, d], marker="." if name == "state" else None, lw=1,
-                color="0.6" if constant[d] else None, label=f"{d}" + (" (q01 = q99)" if constant[d] else ""))
+        ax.plot(
+            seconds,
+            values[:, d],
+            marker="." if name == "state" else None,
+            lw=1,
+            color="0.6" if constant[d] else None,
+            label=f"{d}" + (" (q01 = q99)" if constant[d] else ""),
+        )
     if not mask.all():
-        ax.plot(seconds, values[:, raw.shape[1]], color="0.8", ls="--", lw=1,
-                label=f"{raw.shape[1]}-{width - 1}: padding, masked")
-    ax.set_title(f"{name} [{raw.shape[0]}x{raw.shape[1]}] ({', '.join(keys)}), normalized, {int(mask[0].sum())} of "
-                 f"{width} dims valid", fontsize=8)
+        ax.plot(
+            seconds,
+            values[:, raw.shape[1]],
+            color="0.8",
+            ls="--",
+            lw=1,
+            label=f"{raw.shape[1]}-{width - 1}: padding, masked",
+        )
+    ax.set_title(
+        f"{name} [{raw.shape[0]}x{raw.shape[1]}] ({', '.join(keys)}), normalized, {int(mask[0].sum())} of "
+        f"{width} dims valid",
+        fontsize=8,
+    )
     ax.set_xlabel("seconds into the episode", fontsize=7)
     ax.set_ylim(-1.1, 1.1)
     ax.tick_params(labelsize=6)

@@ -17,9 +17,11 @@ from wampipe.shardformat.embodiments import Embodiment
 MAX_INSTRUCTION_CHARS = 10_000  # umT5 reads 512 tokens, a few thousand characters
 MAX_INSTRUCTION_DEPTH = 16  # brackets inside brackets; a stored instruction list has one level
 
-_TOKEN = re.compile(r"""\s*(?:[uU]?(?P<str>'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")"""
-                    r"|(?P<num>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)"
-                    r"|(?P<name>True|False|None)\b|(?P<punct>[\[\](),]))")
+_TOKEN = re.compile(
+    r"""\s*(?:[uU]?(?P<str>'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")"""
+    r"|(?P<num>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)"
+    r"|(?P<name>True|False|None)\b|(?P<punct>[\[\](),]))"
+)
 _NAMES = {"True": True, "False": False, "None": None}
 
 
@@ -115,8 +117,9 @@ def window_prompts(episode: Episode, start: int, embodiment: Embodiment) -> dict
     columns = list(embodiment.annotation_columns) or list(episode.annotations)
     missing = [c for c in columns if c not in episode.annotations]
     if missing:
-        raise DatasetError(None, episode.index,
-                           f"annotation columns {missing} are missing (have {sorted(episode.annotations)})")
+        raise DatasetError(
+            None, episode.index, f"annotation columns {missing} are missing (have {sorted(episode.annotations)})"
+        )
     if not columns:
         raise DatasetError(None, episode.index, "no instruction: neither annotation columns nor task_index")
     prompts = {}

@@ -74,8 +74,10 @@ def _private_dir(path: Path) -> Path:
         pass
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise UsageError(f"{path}: not a private folder of this user (a link, another user's, or open to others), so "
-                         f"the default staging folder cannot be used: remove it, or pass --staging-dir")
+        raise UsageError(
+            f"{path}: not a private folder of this user (a link, another user's, or open to others), so "
+            f"the default staging folder cannot be used: remove it, or pass --staging-dir"
+        )
     return path
 
 
@@ -108,7 +110,8 @@ def check_access(url: str) -> None:
         with failures(url, f"list bucket {bucket}", AT_START):
             # s3fs's S3FileSystem has call_s3(); fsspec's base class, the type of `fs`, does not
             store.fs.call_s3(  # pyright: ignore[reportAttributeAccessIssue]
-                "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
+                "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1
+            )
     probe = f"{PROBE}-{os.getpid()}-{secrets.token_hex(4)}"
     with failures(url, f"write and delete {probe}", AT_START):
         store.fs.pipe_file(store.path(probe), b"")
@@ -133,15 +136,19 @@ def prefetch_remote_state(url: str, staging: Path, overwrite: bool = False) -> N
     if overwrite or not own:
         return
     if remote is None:
-        raise UsageError(f"{url} holds a build without {INPUTS} (an older wampipe wrote it): pass --overwrite to "
-                         f"replace it, or use another --out")
+        raise UsageError(
+            f"{url} holds a build without {INPUTS} (an older wampipe wrote it): pass --overwrite to "
+            f"replace it, or use another --out"
+        )
     staging.mkdir(parents=True, exist_ok=True)
     local = staging / INPUTS
     if not local.is_file():
         atomic_write_bytes(local, remote)
     elif local.read_bytes() != remote:
-        raise UsageError(f"{url}/{INPUTS} differs from {local}: the staging directory holds another build than "
-                         f"{url}; pass --overwrite to replace the remote build, or use another --staging-dir")
+        raise UsageError(
+            f"{url}/{INPUTS} differs from {local}: the staging directory holds another build than "
+            f"{url}; pass --overwrite to replace the remote build, or use another --staging-dir"
+        )
 
 
 def published(url: str, staging: Path) -> bool:
@@ -155,8 +162,9 @@ def published(url: str, staging: Path) -> bool:
         return store.read_bytes(INPUTS) == local.read_bytes()
 
 
-def publish(staging: Path, url: str, progress: Callable[[str, str], None] | None = None,
-            overwrite: bool = False) -> SyncReport:
+def publish(
+    staging: Path, url: str, progress: Callable[[str, str], None] | None = None, overwrite: bool = False
+) -> SyncReport:
     """Upload the finished staging directory to `url`. Another build there is refused without `overwrite`, and with
     it first loses its manifest (the remote reads as unfinished from then on) and its own files beyond this build's;
     a foreign file at a name the build writes is refused either way. Then shardformat.storage.sync_up uploads
@@ -175,8 +183,10 @@ def publish(staging: Path, url: str, progress: Callable[[str, str], None] | None
         with failures(url, "upload"):
             own, remote = _remote_state(store)
             if own and remote != local and not overwrite:
-                raise UsageError(f"{url} holds another build (its {INPUTS} differs from {staging / INPUTS}); nothing "
-                                 f"was uploaded or deleted: pass --overwrite to replace it, or use another --out")
+                raise UsageError(
+                    f"{url} holds another build (its {INPUTS} differs from {staging / INPUTS}); nothing "
+                    f"was uploaded or deleted: pass --overwrite to replace it, or use another --out"
+                )
             if MANIFEST in own and store.read_bytes(MANIFEST) != (staging / MANIFEST).read_bytes():
                 store.remove(MANIFEST)
             for stale in sorted(set(own) - set(files) - {MANIFEST}):

@@ -65,8 +65,14 @@ class Filters:
 
     @property
     def active(self) -> bool:
-        return (self.keep_ranges is not None or self.drop_failed or self.require_language != "off"
-                or self.episodes is not None or bool(self.exclude_episodes) or self.min_length is not None)
+        return (
+            self.keep_ranges is not None
+            or self.drop_failed
+            or self.require_language != "off"
+            or self.episodes is not None
+            or bool(self.exclude_episodes)
+            or self.min_length is not None
+        )
 
 
 # ---------------------------------------------------------------- flags
@@ -119,8 +125,10 @@ def key_fields(template: str) -> list[str]:
         raise WampipeError(f"--keep-ranges-key {template!r}: not a format string ({err})") from None
     # named fields only, each a whole value: no positional {0}, no attribute or index
     if not names or any(not n or n.isdigit() or "." in n or "[" in n for n in names):
-        raise WampipeError(f"--keep-ranges-key {template!r}: give fields in braces, like {{episode_index}} or "
-                           f"{{recording_folderpath}}--{{file_path}}")
+        raise WampipeError(
+            f"--keep-ranges-key {template!r}: give fields in braces, like {{episode_index}} or "
+            f"{{recording_folderpath}}--{{file_path}}"
+        )
     return names
 
 
@@ -138,8 +146,9 @@ def read_keep_ranges(path: str | Path) -> dict[str, tuple[tuple[int, int], ...]]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise DatasetError(path, None, f"unreadable keep-ranges JSON: {err}") from None
     if not isinstance(raw, dict):
-        raise DatasetError(path, None, f"a JSON {type(raw).__name__}, not an object from episode key to "
-                                       f"[[start, end], ...] row ranges")
+        raise DatasetError(
+            path, None, f"a JSON {type(raw).__name__}, not an object from episode key to [[start, end], ...] row ranges"
+        )
     out = {}
     for key, ranges in raw.items():
         out[key] = _ranges(ranges, path, key)
@@ -150,16 +159,21 @@ def _ranges(ranges, path: Path, key: str) -> tuple[tuple[int, int], ...]:
     def whole(v) -> bool:
         return type(v) is int
 
-    if not isinstance(ranges, list) or not all(isinstance(r, list) and len(r) == 2 and all(map(whole, r))
-                                               for r in ranges):
+    if not isinstance(ranges, list) or not all(
+        isinstance(r, list) and len(r) == 2 and all(map(whole, r)) for r in ranges
+    ):
         raise DatasetError(path, None, f"entry {key!r}: {_short(ranges)} is not a list of [start, end] row ranges")
     previous_end = 0
     for start, end in ranges:
         if start < 0 or end <= start:
             raise DatasetError(path, None, f"entry {key!r}: range [{start}, {end}) is empty or negative")
         if start < previous_end:
-            raise DatasetError(path, None, f"entry {key!r}: range [{start}, {end}) overlaps or precedes the one "
-                                           f"before it (ranges must be ascending and disjoint)")
+            raise DatasetError(
+                path,
+                None,
+                f"entry {key!r}: range [{start}, {end}) overlaps or precedes the one "
+                f"before it (ranges must be ascending and disjoint)",
+            )
         previous_end = end
     return tuple((start, end) for start, end in ranges)
 
@@ -199,8 +213,11 @@ def needs_parquet(ds: LeRobotDataset, filters: Filters) -> list[str]:
             columns.append(name)
         else:
             flag = "--reward-field" if name == filters.reward_field and filters.drop_failed else "--keep-ranges-key"
-            raise DatasetError(ds.root / "meta", None, f"{flag}: no field {name!r} in meta/episodes or the parquet "
-                                                       f"features of this dataset")
+            raise DatasetError(
+                ds.root / "meta",
+                None,
+                f"{flag}: no field {name!r} in meta/episodes or the parquet features of this dataset",
+            )
     return columns
 
 
@@ -227,16 +244,27 @@ def _facts(ds: LeRobotDataset, filters: Filters, index: int, columns: list[str],
     names = key_fields(filters.keep_ranges_key) if filters.keep_ranges is not None else []
     absent = [n for n in [*names, *[filters.reward_field] * filters.drop_failed] if n not in values]
     if absent:
-        return Facts(info.length, error=str(DatasetError(info.data_path, index, f"no field {absent[0]!r} in its "
-                                                                                f"meta/episodes row or parquet")))
+        return Facts(
+            info.length,
+            error=str(
+                DatasetError(info.data_path, index, f"no field {absent[0]!r} in its meta/episodes row or parquet")
+            ),
+        )
     key = filters.keep_ranges_key.format_map({n: _first(values[n]) for n in names}) if names else None
     failed = None
     if filters.drop_failed:
         reward = np.asarray(values[filters.reward_field])
         if reward.dtype.kind not in "biuf":
-            return Facts(info.length, error=str(DatasetError(info.data_path, index, f"--reward-field "
-                                                             f"{filters.reward_field!r} holds {reward.dtype} values, "
-                                                             f"not numbers or bools")))
+            return Facts(
+                info.length,
+                error=str(
+                    DatasetError(
+                        info.data_path,
+                        index,
+                        f"--reward-field {filters.reward_field!r} holds {reward.dtype} values, not numbers or bools",
+                    )
+                ),
+            )
         failed = not bool(np.any(reward != 0))  # the official test, over every row before any cut
     instructions = tuple(episode.instructions.values()) if episode and filters.require_language != "off" else ()
     return Facts(info.length, key, failed, instructions)
@@ -264,11 +292,15 @@ class Selection:
     filters: dict = field(default_factory=dict)  # as the manifest states them
 
     def to_bytes(self) -> bytes:
-        return canonical_json({
-            "filters": self.filters, "counts": self.counts,
-            "kept": [[e, None if r is None else [list(x) for x in r]] for e, r in self.kept.items()],
-            "dropped": [[e, reason] for e, reason in self.dropped.items()],
-            "errors": [[e, text] for e, text in self.errors.items()]})
+        return canonical_json(
+            {
+                "filters": self.filters,
+                "counts": self.counts,
+                "kept": [[e, None if r is None else [list(x) for x in r]] for e, r in self.kept.items()],
+                "dropped": [[e, reason] for e, reason in self.dropped.items()],
+                "errors": [[e, text] for e, text in self.errors.items()],
+            }
+        )
 
     @property
     def sha256(self) -> str:
@@ -277,18 +309,30 @@ class Selection:
     @classmethod
     def from_bytes(cls, data: bytes) -> Selection:
         raw = json.loads(data)
-        return cls({e: None if r is None else tuple(tuple(x) for x in r) for e, r in raw["kept"]},
-                   {e: reason for e, reason in raw["dropped"]}, {e: text for e, text in raw["errors"]},
-                   raw["counts"], raw["filters"])
+        return cls(
+            {e: None if r is None else tuple(tuple(x) for x in r) for e, r in raw["kept"]},
+            {e: reason for e, reason in raw["dropped"]},
+            {e: text for e, text in raw["errors"]},
+            raw["counts"],
+            raw["filters"],
+        )
 
     def summary(self) -> dict:
         """The manifest's selection block: the filters, the counts and each unreadable episode with its reason."""
-        return {"filters": self.filters, "counts": self.counts,
-                "unreadable": [{"episode": e, "reason": text} for e, text in self.errors.items()]}
+        return {
+            "filters": self.filters,
+            "counts": self.counts,
+            "unreadable": [{"episode": e, "reason": text} for e, text in self.errors.items()],
+        }
 
 
-def select(ds: LeRobotDataset, filters: Filters, episodes: list[int], workers: int = 1,
-           sha256: dict[str, str | None] | None = None) -> Selection:
+def select(
+    ds: LeRobotDataset,
+    filters: Filters,
+    episodes: list[int],
+    workers: int = 1,
+    sha256: dict[str, str | None] | None = None,
+) -> Selection:
     """The selection of `episodes` (in index order) of `ds`: read what the filters need of each (`workers`
     processes), then apply the rules in order. `sha256`: of each file a filter read (the manifest states it)."""
     from wampipe.preprocess.tasks import auto_workers, run_tasks
@@ -301,8 +345,9 @@ def select(ds: LeRobotDataset, filters: Filters, episodes: list[int], workers: i
     else:  # a few tasks per process: each task opens the dataset's meta/ again
         size = -(-len(episodes) // (4 * workers))
         chunks = [episodes[i : i + size] for i in range(0, len(episodes), size)]
-        results = dict(run_tasks(read_facts, [(str(ds.root), filters, chunk) for chunk in chunks], workers,
-                                 "selecting episodes"))
+        results = dict(
+            run_tasks(read_facts, [(str(ds.root), filters, chunk) for chunk in chunks], workers, "selecting episodes")
+        )
         facts = [fact for i in range(len(chunks)) for fact in results[i]]
     by_episode = dict(zip(episodes, facts))
     if ranges is not None:
@@ -315,14 +360,22 @@ def select(ds: LeRobotDataset, filters: Filters, episodes: list[int], workers: i
     for index, fact in by_episode.items():
         cut = None if ranges is None or fact.key is None else ranges.get(fact.key, ())
         length = fact.length if cut is None else sum(end - start for start, end in cut)
-        reason = next((r for r, applies in (
-            ("unreadable", fact.error is not None),
-            ("not_listed", listed is not None and index not in listed),
-            ("excluded", index in excluded),
-            ("failed", bool(fact.failed)),
-            ("language", not counted.get(index, True)),
-            ("no_ranges", cut == ()),
-            ("short", filters.min_length is not None and length < filters.min_length)) if applies), None)
+        reason = next(
+            (
+                r
+                for r, applies in (
+                    ("unreadable", fact.error is not None),
+                    ("not_listed", listed is not None and index not in listed),
+                    ("excluded", index in excluded),
+                    ("failed", bool(fact.failed)),
+                    ("language", not counted.get(index, True)),
+                    ("no_ranges", cut == ()),
+                    ("short", filters.min_length is not None and length < filters.min_length),
+                )
+                if applies
+            ),
+            None,
+        )
         if reason is None:
             kept[index] = cut
         else:
@@ -359,18 +412,30 @@ def check_ranges(path: Path, ranges: Mapping[str, Ranges], facts: dict[int, Fact
     for key, index in keys.items():
         for start, end in ranges.get(key, ()):
             if end > facts[index].length:
-                raise DatasetError(path, None, f"entry {key!r}: range [{start}, {end}) reaches past the "
-                                               f"{facts[index].length} rows of episode {index}")
+                raise DatasetError(
+                    path,
+                    None,
+                    f"entry {key!r}: range [{start}, {end}) reaches past the "
+                    f"{facts[index].length} rows of episode {index}",
+                )
     if keys and not keys.keys() & ranges.keys():
         example = next(iter(ranges), "(none)")
-        raise DatasetError(path, None, f"no episode's key is in the file: this dataset's keys look like "
-                                       f"{next(iter(keys))!r}, the file's like {example!r} (--keep-ranges-key)")
+        raise DatasetError(
+            path,
+            None,
+            f"no episode's key is in the file: this dataset's keys look like "
+            f"{next(iter(keys))!r}, the file's like {example!r} (--keep-ranges-key)",
+        )
     if whole_dataset:
         absent = [k for k in ranges if k not in keys]
         if absent:
-            raise DatasetError(path, None, f"entry {absent[0]!r} names no episode of the dataset"
-                                           f"{f' ({len(absent)} entries do not)' if len(absent) > 1 else ''}: "
-                                           f"a file for another dataset, or another --keep-ranges-key")
+            raise DatasetError(
+                path,
+                None,
+                f"entry {absent[0]!r} names no episode of the dataset"
+                f"{f' ({len(absent)} entries do not)' if len(absent) > 1 else ''}: "
+                f"a file for another dataset, or another --keep-ranges-key",
+            )
 
 
 def _counts(facts: dict[int, Facts], kept: dict[int, Ranges | None], dropped: dict[int, str]) -> dict:
@@ -381,19 +446,24 @@ def _counts(facts: dict[int, Facts], kept: dict[int, Ranges | None], dropped: di
     by_reason = {r: [e for e, why in dropped.items() if why == r] for r in REASONS}
     kept_rows = sum(rows(e) for e in kept)
     return {
-        "episodes": {"in": len(facts), "kept": len(kept),
-                     "dropped": {r: len(es) for r, es in by_reason.items() if es}},
-        "frames": {"in": sum(f.length for f in facts.values()), "kept": kept_rows,
-                   "cut": sum(facts[e].length for e in kept) - kept_rows,
-                   "dropped": {r: sum(facts[e].length for e in es) for r, es in by_reason.items() if es}},
+        "episodes": {"in": len(facts), "kept": len(kept), "dropped": {r: len(es) for r, es in by_reason.items() if es}},
+        "frames": {
+            "in": sum(f.length for f in facts.values()),
+            "kept": kept_rows,
+            "cut": sum(facts[e].length for e in kept) - kept_rows,
+            "dropped": {r: sum(facts[e].length for e in es) for r, es in by_reason.items() if es},
+        },
     }
 
 
 def _stated(filters: Filters, sha256: dict[str, str | None]) -> dict:
     out: dict = {}
     if filters.keep_ranges is not None:
-        out["keep_ranges"] = {"path": filters.keep_ranges, "sha256": sha256.get("keep_ranges"),
-                              "key": filters.keep_ranges_key}
+        out["keep_ranges"] = {
+            "path": filters.keep_ranges,
+            "sha256": sha256.get("keep_ranges"),
+            "key": filters.keep_ranges_key,
+        }
     if filters.drop_failed:
         out["drop_failed"] = {"reward_field": filters.reward_field}
     if filters.require_language != "off":
@@ -427,8 +497,12 @@ def read_selection(out: str, sha256: str) -> Selection:
     except OSError as err:
         raise DatasetError(path, None, f"the build's episode selection is unreadable: {err}") from None
     if hashlib.sha256(data).hexdigest() != sha256:
-        raise DatasetError(path, None, "sha256 differs from the one this run selected (edited, or written by "
-                                       "another run): run the same command again to write it anew")
+        raise DatasetError(
+            path,
+            None,
+            "sha256 differs from the one this run selected (edited, or written by "
+            "another run): run the same command again to write it anew",
+        )
     return Selection.from_bytes(data)
 
 

@@ -37,13 +37,13 @@ from wampipe import configs
 from wampipe.configs.cli import check_at_least
 from wampipe.preprocess import outdir, remote, write
 from wampipe.preprocess.lerobot import LeRobotDataset
-from wampipe.preprocess.selection import (Filters, Selection, key_fields, parse_ids, select, show_ids,
-                                          write_selection)
+from wampipe.preprocess.selection import Filters, Selection, key_fields, parse_ids, select, show_ids, write_selection
 from wampipe.preprocess.spec import ENCODERS, BuildSpec
 from wampipe.preprocess.validation import HELD_OUT, canonical, held_out, parse as parse_held_out
 from wampipe.shardformat.embodiments import get_embodiment
 from wampipe.shardformat.files import sha256_file
 from wampipe.shardformat.layout import VAL_DIR
+
 
 @dataclass(frozen=True)
 class DatasetPreset:
@@ -54,16 +54,30 @@ class DatasetPreset:
     official_filters: dict = field(default_factory=dict)
 
 
-DATASETS = {name: configs.build(DatasetPreset, preset, f"configs/datasets.yaml: {name}")
-            for name, preset in configs.read(configs.DATASETS_FILE).items()}
+DATASETS = {
+    name: configs.build(DatasetPreset, preset, f"configs/datasets.yaml: {name}")
+    for name, preset in configs.read(configs.DATASETS_FILE).items()
+}
 if TYPE_CHECKING:  # the names are read from configs/datasets.yaml at import: a checker sees strings
     DatasetName = str
 else:
     DatasetName = Literal[tuple(DATASETS)]  # type: ignore[valid-type]
 # Arguments with a lower bound (None, where allowed, means "not given").
-AT_LEAST = {"batch_size": 1, "workers": 0, "finalize_workers": 0, "threads_per_worker": 1, "num_units": 1,
-            "unit_index": 0, "episodes_per_unit": 1, "anchor_stride": 1, "augment_variants": 0, "samples_per_shard": 1,
-            "seed": 0, "max_episodes": 1, "min_length": 1}
+AT_LEAST = {
+    "batch_size": 1,
+    "workers": 0,
+    "finalize_workers": 0,
+    "threads_per_worker": 1,
+    "num_units": 1,
+    "unit_index": 0,
+    "episodes_per_unit": 1,
+    "anchor_stride": 1,
+    "augment_variants": 0,
+    "samples_per_shard": 1,
+    "seed": 0,
+    "max_episodes": 1,
+    "min_length": 1,
+}
 
 
 @dataclass
@@ -213,8 +227,10 @@ def defaults(argv: list[str]) -> Args:
         dataset = configs.flag_value(argv, "--dataset") or args.dataset
         chosen = DATASETS[dataset].official_filters if dataset in DATASETS else {}
         if not chosen:
-            raise UsageError(f"--official-filters: the {dataset} dataset preset names no official filters "
-                             f"(configs/datasets.yaml); give the filter flags themselves")
+            raise UsageError(
+                f"--official-filters: the {dataset} dataset preset names no official filters "
+                f"(configs/datasets.yaml); give the filter flags themselves"
+            )
         args = configs.apply(args, {**chosen, "official_filters": True}, f"configs/datasets.yaml: {dataset}")
     return args
 
@@ -224,8 +240,10 @@ def prepare_defaults(args: Args) -> Args:
     an encoder."""
     preset = DATASETS[args.dataset]
     if args.src is None:
-        raise UsageError("--src is required: the LeRobot dataset root (sample data and tiny encoders to try it on: "
-                         "make demo-data, or scripts/make_sample_dataset.py and scripts/make_tiny_checkpoints.py)")
+        raise UsageError(
+            "--src is required: the LeRobot dataset root (sample data and tiny encoders to try it on: "
+            "make demo-data, or scripts/make_sample_dataset.py and scripts/make_tiny_checkpoints.py)"
+        )
     if args.out is None:
         args.out = str(Path("shards") / args.dataset)  # beside the user, never inside an installed package
     if args.model is None:
@@ -236,8 +254,10 @@ def prepare_defaults(args: Args) -> Args:
     if args.vae_compile == "auto":
         args.vae_compile = "on" if cuda else "off"
     if args.compile_cache is None:
-        args.compile_cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(
-            os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wampipe" / "compile")
+        args.compile_cache = Path(
+            os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wampipe" / "compile"
+        )
     missing = [f"--{n.replace('_', '-')}" for n in ENCODERS if getattr(args, n) is None]
     if missing:
         raise UsageError(f"also give the encoder weights: {' '.join(missing)} (see docs/WEIGHTS.md)")
@@ -252,11 +272,16 @@ def plan_units(episodes: list[int], episodes_per_unit: int) -> list[list[int]]:
 
 def filters_of(args: Args) -> Filters:
     """The selection flags of checked `args` (check_arguments wrote the episode lists in their recorded form)."""
-    return Filters(None if args.keep_ranges is None else str(args.keep_ranges), args.keep_ranges_key,
-                   args.drop_failed, args.reward_field, args.require_language,
-                   None if args.episodes is None else parse_ids(args.episodes, "--episodes"),
-                   () if args.exclude_episodes is None else parse_ids(args.exclude_episodes, "--exclude-episodes"),
-                   args.min_length)
+    return Filters(
+        None if args.keep_ranges is None else str(args.keep_ranges),
+        args.keep_ranges_key,
+        args.drop_failed,
+        args.reward_field,
+        args.require_language,
+        None if args.episodes is None else parse_ids(args.episodes, "--episodes"),
+        () if args.exclude_episodes is None else parse_ids(args.exclude_episodes, "--exclude-episodes"),
+        args.min_length,
+    )
 
 
 def choose_episodes(args: Args, ds: LeRobotDataset) -> tuple[list[int], LeRobotDataset, Selection | None]:
@@ -271,8 +296,11 @@ def choose_episodes(args: Args, ds: LeRobotDataset) -> tuple[list[int], LeRobotD
     counts = chosen.counts["episodes"]
     dropped = ", ".join(f"{n} {reason}" for reason, n in counts["dropped"].items())
     frames = chosen.counts["frames"]
-    print(f"selection: {counts['kept']} of {counts['in']} episodes kept{f' (left out: {dropped})' if dropped else ''}"
-          f", {frames['kept']} of {frames['in']} frames", flush=True)
+    print(
+        f"selection: {counts['kept']} of {counts['in']} episodes kept{f' (left out: {dropped})' if dropped else ''}"
+        f", {frames['kept']} of {frames['in']} frames",
+        flush=True,
+    )
     for index, error in list(chosen.errors.items())[:10]:
         print(f"  UNREADABLE episode {index}: {error}")
     if not chosen.kept:
@@ -297,8 +325,10 @@ def check_arguments(args: Args) -> None:
         if getattr(args, flag) is not None:
             setattr(args, flag, show_ids(parse_ids(getattr(args, flag), f"--{flag.replace('_', '-')}")))
     if args.official_filters and args.keep_ranges is None:
-        raise UsageError("--official-filters: also give --keep-ranges, the non-idle ranges of the dataset's "
-                         "episodes (DROID: openpi's droid_sample_ranges_v1_0_1.json)")
+        raise UsageError(
+            "--official-filters: also give --keep-ranges, the non-idle ranges of the dataset's "
+            "episodes (DROID: openpi's droid_sample_ranges_v1_0_1.json)"
+        )
     if args.keep_ranges is not None:
         key_fields(args.keep_ranges_key)  # a malformed key stops the run here
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
@@ -316,10 +346,13 @@ def check_held_out_windows(choice: str | None, held: tuple[int, ...], ds: LeRobo
     short = [(e, n) for e, n in lengths.items() if n < need]
     if choice is None or not short or (isinstance(parse_held_out(choice), float) and len(short) < len(held)):
         return
-    shown = ", ".join(f"{e} ({n} rows)" for e, n in short[:5]) + (f" and {len(short) - 5} more" if len(short) > 5
-                                                                   else "")
-    raise UsageError(f"--val-episodes {choice}: episodes {shown} give no window (a window needs {need} rows); "
-                     f"hold out longer episodes")
+    shown = ", ".join(f"{e} ({n} rows)" for e, n in short[:5]) + (
+        f" and {len(short) - 5} more" if len(short) > 5 else ""
+    )
+    raise UsageError(
+        f"--val-episodes {choice}: episodes {shown} give no window (a window needs {need} rows); "
+        f"hold out longer episodes"
+    )
 
 
 def check_metadata(path: Path, emb, ds: LeRobotDataset) -> None:
@@ -334,8 +367,10 @@ def check_metadata(path: Path, emb, ds: LeRobotDataset) -> None:
     if not isinstance(statistics, dict) or emb.tag not in statistics:
         held = sorted(statistics) if isinstance(statistics, dict) else type(statistics).__name__
         raise UsageError(f"--metadata {path}: no statistics for {emb.tag} (it holds {held})")
-    for modality, keys, entries in (("state", emb.state_keys, ds.modality.state),
-                                    ("action", emb.action_keys, ds.modality.action)):
+    for modality, keys, entries in (
+        ("state", emb.state_keys, ds.modality.state),
+        ("action", emb.action_keys, ds.modality.action),
+    ):
         for key in keys:
             width = entries[key].end - entries[key].start if key in entries else None
             for stat in ("q01", "q99"):
@@ -343,12 +378,15 @@ def check_metadata(path: Path, emb, ds: LeRobotDataset) -> None:
                     values = stat_vector(statistics[emb.tag]["statistics"], modality, [key], stat)
                 except (KeyError, TypeError, ValueError) as err:
                     reason = err.args[0] if isinstance(err, KeyError) and err.args else err  # KeyError quotes itself
-                    raise UsageError(f"--metadata {path}: {emb.tag}: {modality}.{key}.{stat} unusable "
-                                     f"({reason})") from None
+                    raise UsageError(
+                        f"--metadata {path}: {emb.tag}: {modality}.{key}.{stat} unusable ({reason})"
+                    ) from None
                 if (width is not None and values.size != width) or not np.isfinite(values).all():
-                    raise UsageError(f"--metadata {path}: {emb.tag}: {modality}.{key}.{stat} has {values.size} "
-                                     f"values{'' if np.isfinite(values).all() else ' (not all finite)'}, the "
-                                     f"dataset's {key} is {width} wide")
+                    raise UsageError(
+                        f"--metadata {path}: {emb.tag}: {modality}.{key}.{stat} has {values.size} "
+                        f"values{'' if np.isfinite(values).all() else ' (not all finite)'}, the "
+                        f"dataset's {key} is {width} wide"
+                    )
 
 
 def check_weights(args: Args) -> None:
@@ -394,8 +432,11 @@ def default_workers(args: Args) -> int:
 def build_units(spec: BuildSpec, units: list[list[int]], args: Args) -> None:
     from wampipe.preprocess.executors import run_units
 
-    todo = {u: units[u] for u in range(len(units)) if not write.unit_done(Path(spec.out), u)
-            and (args.num_units is None or u % args.num_units == args.unit_index)}
+    todo = {
+        u: units[u]
+        for u in range(len(units))
+        if not write.unit_done(Path(spec.out), u) and (args.num_units is None or u % args.num_units == args.unit_index)
+    }
     bar = tqdm(total=len(todo), desc="units", unit="unit")
     start, samples = time.perf_counter(), 0
     try:
@@ -429,8 +470,11 @@ def run(args: Args) -> None:
         check_metadata(args.metadata, emb, ds)
     episodes, ds, chosen = choose_episodes(args, ds)
     units = plan_units(episodes, args.episodes_per_unit)
-    held = () if args.val_episodes is None else tuple(
-        held_out(args.val_episodes, args.dataset, [e for unit in units for e in unit], args.src))
+    held = (
+        ()
+        if args.val_episodes is None
+        else tuple(held_out(args.val_episodes, args.dataset, [e for unit in units for e in unit], args.src))
+    )
     check_held_out_windows(args.val_episodes, held, ds, emb.window.extent + 1)
     array_job = args.num_units is not None  # one of several jobs sharing OUT: its units, or at finalize its shards
     out.mkdir(parents=True, exist_ok=True)
@@ -440,11 +484,17 @@ def run(args: Args) -> None:
         hashing = time.perf_counter()
         # pyright takes this file for preprocess.shards, a module apart from the wampipe.preprocess.shards (the
         # same file through wampipe/'s link) whose Args the spec names
-        spec = BuildSpec.from_args(args, embodiment=emb.tag, held_out=held,  # pyright: ignore[reportArgumentType]
-                                   selection=None if chosen is None else chosen.sha256)
-        print(f"start: encoder weights checked in {checked:.1f} s, inputs hashed in "
-              f"{time.perf_counter() - hashing:.1f} s",
-              flush=True)
+        spec = BuildSpec.from_args(
+            args,
+            embodiment=emb.tag,
+            held_out=held,  # pyright: ignore[reportArgumentType]
+            selection=None if chosen is None else chosen.sha256,
+        )
+        print(
+            f"start: encoder weights checked in {checked:.1f} s, inputs hashed in "
+            f"{time.perf_counter() - hashing:.1f} s",
+            flush=True,
+        )
         if url:
             remote.prefetch_remote_state(url, out, args.overwrite)
         outdir.claim(out, spec.inputs(), args.overwrite)
@@ -463,19 +513,30 @@ def run(args: Args) -> None:
             return
         if array_job:
             assert args.unit_index is not None and args.num_units is not None  # check_arguments: they go together
-            finalize(spec, units, args.finalize_workers, part=(args.unit_index, args.num_units),
-                     ray_address=args.ray_address, on_ray=args.executor == "ray")
-            print(f"shards k with k % {args.num_units} == {args.unit_index} done; run --stage finalize once without "
-                  f"--unit-index when every job is done (it keeps them and writes the sample index and manifest)")
+            finalize(
+                spec,
+                units,
+                args.finalize_workers,
+                part=(args.unit_index, args.num_units),
+                ray_address=args.ray_address,
+                on_ray=args.executor == "ray",
+            )
+            print(
+                f"shards k with k % {args.num_units} == {args.unit_index} done; run --stage finalize once without "
+                f"--unit-index when every job is done (it keeps them and writes the sample index and manifest)"
+            )
             return
-        manifest = finalize(spec, units, args.finalize_workers, ray_address=args.ray_address,
-                            on_ray=args.executor == "ray")
+        manifest = finalize(
+            spec, units, args.finalize_workers, ray_address=args.ray_address, on_ray=args.executor == "ray"
+        )
         if url:
             remote.publish(out, url, overwrite=args.overwrite)
     t = manifest["totals"]
-    print(f"done: {t['samples']} samples in {t['shards']} shards ({t['bytes'] / 2**20:.1f} MiB); episodes: "
-          f"{t['episodes_encoded']} encoded, {t['episodes_skipped']} shorter than a window, "
-          f"{t['episodes_failed']} failed")
+    print(
+        f"done: {t['samples']} samples in {t['shards']} shards ({t['bytes'] / 2**20:.1f} MiB); episodes: "
+        f"{t['episodes_encoded']} encoded, {t['episodes_skipped']} shorter than a window, "
+        f"{t['episodes_failed']} failed"
+    )
     for failure in manifest["failures"]:
         print(f"  FAILED episode {failure['episode']}: {failure['reason']}")
     failed = {failure["episode"] for failure in manifest["failures"]}

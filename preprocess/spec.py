@@ -22,8 +22,12 @@ UNIT, FINALIZE = "unit", "finalize"
 ENCODERS = ("vae", "image_encoder", "text_encoder", "tokenizer")
 
 
-def arg(stage: str | Callable[[dict], str] | None = None, record: Callable[[BuildSpec, str], Any] | None = None,
-        manifest: str | None = None, **default) -> Any:
+def arg(
+    stage: str | Callable[[dict], str] | None = None,
+    record: Callable[[BuildSpec, str], Any] | None = None,
+    manifest: str | None = None,
+    **default,
+) -> Any:
     """A spec field. `stage`: the first stage whose bytes it decides, or the function of the recorded inputs that
     tells it; None: it decides no byte. `record`: what the inputs hold for it, given the spec and the field's name
     (default: its value). `manifest`: the manifest block that states it ("" the top level)."""
@@ -108,9 +112,14 @@ class BuildSpec:
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         given["vae_compile"] = {"on": True, "off": False}[args.vae_compile]  # run() resolved auto for the device
         encoders = weights_sha256(*(Path(given[name]) for name in ENCODERS))
-        digests = {"src": fingerprint(args.src), **dict(zip(ENCODERS, encoders)),
-                   **{name: None if getattr(args, name) is None else sha256_file(getattr(args, name))
-                      for name in ("metadata", "keep_ranges")}}
+        digests = {
+            "src": fingerprint(args.src),
+            **dict(zip(ENCODERS, encoders)),
+            **{
+                name: None if getattr(args, name) is None else sha256_file(getattr(args, name))
+                for name in ("metadata", "keep_ranges")
+            },
+        }
         return cls(**{k: str(v) if isinstance(v, Path) else v for k, v in given.items()}, **derived, digests=digests)
 
     def inputs(self) -> dict:

@@ -24,8 +24,9 @@ def columns_for(entries: Mapping[str, ModalityEntry], keys: Sequence[str]) -> li
     return list(dict.fromkeys(entries[k].original_key for k in keys if k in entries))
 
 
-def slice_keys(episode: Episode, entries: Mapping[str, ModalityEntry], keys: Sequence[str],
-               path=None) -> dict[str, np.ndarray]:
+def slice_keys(
+    episode: Episode, entries: Mapping[str, ModalityEntry], keys: Sequence[str], path=None
+) -> dict[str, np.ndarray]:
     """Sub-key -> [L, d] array of the whole episode, for the embodiment's `keys` in order."""
     missing = [k for k in keys if k not in entries]
     if missing:
@@ -41,8 +42,10 @@ def relative_to_chunk_start(action_td: np.ndarray, state_at_chunk_start_kd: np.n
     (docs/REFERENCE.md#5-state-action-and-normalization)."""
     k = action_td.shape[0] // horizon
     if action_td.shape[0] != k * horizon or state_at_chunk_start_kd.shape[0] != k:
-        raise ValueError(f"{action_td.shape[0]} action rows and {state_at_chunk_start_kd.shape[0]} reference states "
-                         f"do not form chunks of {horizon}")
+        raise ValueError(
+            f"{action_td.shape[0]} action rows and {state_at_chunk_start_kd.shape[0]} reference states "
+            f"do not form chunks of {horizon}"
+        )
     chunks = action_td.reshape(k, horizon, -1) - state_at_chunk_start_kd[:, None, :]
     return chunks.reshape(action_td.shape)
 

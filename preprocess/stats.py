@@ -81,9 +81,14 @@ def write_metadata(path: Path, metadata: dict) -> None:
     atomic_write_bytes(path, (json.dumps(metadata, indent=4) + "\n").encode())
 
 
-def build_metadata(roots: Sequence[Path | LeRobotDataset], embodiment: Embodiment, weights: list[float] | None = None,
-                   max_relative_episodes: int = 10000, exclude: Mapping[int, str] | None = None,
-                   skipped: list[dict] | None = None) -> dict:
+def build_metadata(
+    roots: Sequence[Path | LeRobotDataset],
+    embodiment: Embodiment,
+    weights: list[float] | None = None,
+    max_relative_episodes: int = 10000,
+    exclude: Mapping[int, str] | None = None,
+    skipped: list[dict] | None = None,
+) -> dict:
     """{tag: {"statistics": ..., "modalities": ..., "embodiment_tag": tag}} for one or several datasets.
 
     Episodes in `exclude` (index -> reason, e.g. those a shard build could not use) and episodes whose rows cannot
@@ -100,29 +105,35 @@ def build_metadata(roots: Sequence[Path | LeRobotDataset], embodiment: Embodimen
         return {embodiment.tag: parts[0][0]}
     rows = np.array([n for _, n in parts], dtype=np.float64)
     mix = rows * (np.asarray(weights, dtype=np.float64) if weights else 1.0)
-    return {embodiment.tag: merge_metadata([m for m, _ in parts], mix,
-                                           [str(getattr(r, "root", r)) for r in roots])}
+    return {embodiment.tag: merge_metadata([m for m, _ in parts], mix, [str(getattr(r, "root", r)) for r in roots])}
 
 
 # ---------------------------------------------------------------- one dataset
 
 
-def dataset_metadata(ds: LeRobotDataset, embodiment: Embodiment, max_relative_episodes: int = 10000,
-                     skip: dict[int, str] | None = None) -> tuple[dict, int]:
+def dataset_metadata(
+    ds: LeRobotDataset, embodiment: Embodiment, max_relative_episodes: int = 10000, skip: dict[int, str] | None = None
+) -> tuple[dict, int]:
     """(metadata of one dataset, the row count it is computed from). Episodes in `skip` (index -> reason) are left
     out; episodes whose rows cannot be used are added to it with their reason."""
     skip = {} if skip is None else skip
     modality = ds.modality
-    for kind, keys, entries in (("state", embodiment.state_keys, modality.state),
-                                ("action", embodiment.action_keys, modality.action)):
+    for kind, keys, entries in (
+        ("state", embodiment.state_keys, modality.state),
+        ("action", embodiment.action_keys, modality.action),
+    ):
         missing = [k for k in keys if k not in entries]
         if missing:
-            raise DatasetError(ds.root / "meta", None,
-                               f"{embodiment.tag} needs {kind} sub-keys {missing}; modality has {sorted(entries)}")
+            raise DatasetError(
+                ds.root / "meta",
+                None,
+                f"{embodiment.tag} needs {kind} sub-keys {missing}; modality has {sorted(entries)}",
+            )
     cameras = [c for c in embodiment.cameras if c not in modality.video]
     if cameras:
-        raise DatasetError(ds.root / "meta", None,
-                           f"{embodiment.tag} needs cameras {cameras}; dataset has {sorted(modality.video)}")
+        raise DatasetError(
+            ds.root / "meta", None, f"{embodiment.tag} needs cameras {cameras}; dataset has {sorted(modality.video)}"
+        )
 
     columns = list(dict.fromkeys(e.original_key for e in [*modality.state.values(), *modality.action.values()]))
     absolute, rows = _column_statistics(ds, columns, skip)
@@ -165,8 +176,9 @@ def summarize(values: np.ndarray) -> dict[str, list[float]]:
     }
 
 
-def _column_statistics(ds: LeRobotDataset, columns: list[str],
-                       skip: dict[int, str]) -> tuple[dict[str, dict[str, list[float]]], int]:
+def _column_statistics(
+    ds: LeRobotDataset, columns: list[str], skip: dict[int, str]
+) -> tuple[dict[str, dict[str, list[float]]], int]:
     """Statistics of whole float32-cast columns over the rows of every usable episode (filled in place: no list of
     per-episode copies), and the number of those rows. Unusable episodes are added to `skip`. The arrays grow with the
     rows read (doubling), never sized by the lengths meta/ claims: a length of 4e10 there fails its episode, not the
@@ -198,16 +210,18 @@ def _column_statistics(ds: LeRobotDataset, columns: list[str],
     return {c: summarize(filled[:row]) for c, filled in data.items()}, row
 
 
-def _relative_statistics(ds: LeRobotDataset, embodiment: Embodiment, max_episodes: int,
-                         skip: dict[int, str]) -> dict[str, dict[str, list[float]]]:
+def _relative_statistics(
+    ds: LeRobotDataset, embodiment: Embodiment, max_episodes: int, skip: dict[int, str]
+) -> dict[str, dict[str, list[float]]]:
     keys = [k for k in embodiment.relative_action_keys if k in ds.modality.action and k in ds.modality.state]
     if not keys:
         return {}
     horizon = embodiment.window.action_horizon
     indices = np.array(ds.episode_indices)
     if 0 < max_episodes < len(indices):
-        indices = indices[np.random.default_rng(RELATIVE_STATS_SEED).choice(len(indices), size=max_episodes,
-                                                                             replace=False)]
+        indices = indices[
+            np.random.default_rng(RELATIVE_STATS_SEED).choice(len(indices), size=max_episodes, replace=False)
+        ]
     entries = {k: (ds.modality.state[k], ds.modality.action[k]) for k in keys}
     columns = list(dict.fromkeys(e.original_key for pair in entries.values() for e in pair))
     pooled: dict[str, list[np.ndarray]] = {k: [] for k in keys}
@@ -224,8 +238,9 @@ def _relative_statistics(ds: LeRobotDataset, embodiment: Embodiment, max_episode
             pooled[k].append((windows - state[:n, None, :]).reshape(n * horizon, -1))
     empty = [k for k, v in pooled.items() if not v]
     if empty:
-        raise DatasetError(ds.root, None,
-                           f"no episode is longer than the action horizon {horizon}: no relative stats for {empty}")
+        raise DatasetError(
+            ds.root, None, f"no episode is longer than the action horizon {horizon}: no relative stats for {empty}"
+        )
     return {k: summarize(np.concatenate(v)) for k, v in pooled.items()}
 
 
@@ -238,8 +253,9 @@ def merge_metadata(parts: list[dict], weights: np.ndarray, names: list[str]) -> 
     first = parts[0]
     for part, name in zip(parts[1:], names[1:]):
         if part["modalities"] != first["modalities"]:
-            raise DatasetError(name, None,
-                               f"modalities differ from {names[0]}; only datasets of one layout can be merged")
+            raise DatasetError(
+                name, None, f"modalities differ from {names[0]}; only datasets of one layout can be merged"
+            )
     statistics = {}
     for kind in ("state", "action"):
         statistics[kind] = {}

@@ -87,10 +87,24 @@ def run_stream(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> It
         todo.put(None)
     parent = os.getpid()
     started = time.time()
-    encoders = [ctx.Process(target=_encoder_main, args=(spec, d, requests, replies, results, parent, started),
-                            daemon=True, name=f"encoder-{d}") for d in devices]
-    cpu = [ctx.Process(target=_worker_main, args=(spec, w, todo, requests, replies[w], results, parent), daemon=True,
-                       name=f"cpu-worker-{w}") for w in range(workers)]
+    encoders = [
+        ctx.Process(
+            target=_encoder_main,
+            args=(spec, d, requests, replies, results, parent, started),
+            daemon=True,
+            name=f"encoder-{d}",
+        )
+        for d in devices
+    ]
+    cpu = [
+        ctx.Process(
+            target=_worker_main,
+            args=(spec, w, todo, requests, replies[w], results, parent),
+            daemon=True,
+            name=f"cpu-worker-{w}",
+        )
+        for w in range(workers)
+    ]
     for p in encoders:
         p.start()
     failed = True  # until every unit is in: then the children are stopped, else killed at once
@@ -168,15 +182,22 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
         if cuda:
             torch.cuda.set_device(device)
         loading = time.time()
-        encoders = Encoders(replace(spec, device=device),
-                            on_imported=lambda: results.put(("imported", device)))  # the run starts its workers then
+        encoders = Encoders(
+            replace(spec, device=device), on_imported=lambda: results.put(("imported", device))
+        )  # the run starts its workers then
         split = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in encoders.start_seconds.items())
-        results.put(("info", f"encoders on {device}: ready {time.time() - started:.1f} s after the run started "
-                             f"it (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s: "
-                             f"{split})"))
+        results.put(
+            (
+                "info",
+                f"encoders on {device}: ready {time.time() - started:.1f} s after the run started "
+                f"it (process start {loading - started:.1f} s, loading {time.time() - loading:.1f} s: "
+                f"{split})",
+            )
+        )
         prepared: queue.Queue = queue.Queue(maxsize=1)
         spent: dict[str, float] = dict.fromkeys(
-            ("encoding", "waiting for a prepared batch", "preparing", "waiting for work"), 0.0)
+            ("encoding", "waiting for a prepared batch", "preparing", "waiting for work"), 0.0
+        )
         threading.Thread(target=_prepare_ahead, args=(encoders, requests, prepared, cuda, spent), daemon=True).start()
         batches = 0
         while True:
@@ -197,8 +218,10 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
             replies[worker].put((seq, codes))
             batches += 1
         # where the encoder process's time went: a device waiting on preparation or on the CPU workers shows here
-        print(f"encoder on {device}: {batches} batches; " + ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()),
-              flush=True)
+        print(
+            f"encoder on {device}: {batches} batches; " + ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()),
+            flush=True,
+        )
     except BaseException as err:  # noqa: BLE001 — reported to the run, which stops every process
         _report_failure(results, f"encoder on {device}", err)
     leave_child(results)  # every reply was taken: the workers wait for theirs before they finish
@@ -213,8 +236,11 @@ def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bo
             if request is None:
                 break
             worker, seq, batch = request
-            with timed(spent, "preparing"), torch.inference_mode(), (
-                    torch.cuda.stream(side) if cuda else contextlib.nullcontext()):
+            with (
+                timed(spent, "preparing"),
+                torch.inference_mode(),
+                torch.cuda.stream(side) if cuda else contextlib.nullcontext(),
+            ):
                 inputs = encoders.prepare(batch)
                 ready = torch.cuda.Event() if cuda else None
                 if ready is not None:
@@ -260,8 +286,13 @@ def _stream_unit(spec: BuildSpec, unit: int, episodes: list[int], worker: int, r
     return spill_unit(spec, unit, episodes, submit, collect)
 
 
-def spill_unit(spec: BuildSpec, unit: int, episodes: list[int], submit: Callable[[dict[str, torch.Tensor]], Any],
-               collect: Callable[[Any], dict[str, torch.Tensor]]) -> dict:
+def spill_unit(
+    spec: BuildSpec,
+    unit: int,
+    episodes: list[int],
+    submit: Callable[[dict[str, torch.Tensor]], Any],
+    collect: Callable[[Any], dict[str, torch.Tensor]],
+) -> dict:
     """One unit's samples in batches of `batch_size` (as `pipeline.encode_samples` cuts them), each sent to an
     encoder as `stack_clips` makes it with `submit(batch) -> handle` and its codes taken back with `collect(handle)`,
     IN_FLIGHT batches ahead; then the unit's spill. Returns the unit's JSON record."""
@@ -273,8 +304,10 @@ def spill_unit(spec: BuildSpec, unit: int, episodes: list[int], submit: Callable
         handle, batch = pending.popleft()
         codes = collect(handle)
         for i, s in enumerate(batch):
-            yield s.key, encode_sample(s.key, {**s.tensors, **{k: v[i] for k, v in codes.items()}}, s.meta,
-                                       spec.compress)
+            yield (
+                s.key,
+                encode_sample(s.key, {**s.tensors, **{k: v[i] for k, v in codes.items()}}, s.meta, spec.compress),
+            )
 
     def members() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
         samples = unit_samples(spec, episodes, report)

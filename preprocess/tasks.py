@@ -42,8 +42,15 @@ class LazyTasks(Sequence):
         return self.make(self.items[i])
 
 
-def run_tasks(fn: Callable, tasks: Sequence[tuple], workers: int, desc: str, progress: bool = True,
-              ray_address: str | None = None, on_ray: bool = False) -> Iterator[tuple[int, Any]]:
+def run_tasks(
+    fn: Callable,
+    tasks: Sequence[tuple],
+    workers: int,
+    desc: str,
+    progress: bool = True,
+    ray_address: str | None = None,
+    on_ray: bool = False,
+) -> Iterator[tuple[int, Any]]:
     """(i, fn(*tasks[i])) as each task finishes, with a progress bar: in this process with one worker, else in a
     pool of `workers` spawned processes, or with `on_ray` as Ray tasks of the cluster at `ray_address`, at most two
     tasks per worker in flight (finalize's shard tasks, `check`'s: independent, so any order gives the same
@@ -58,8 +65,12 @@ def run_tasks(fn: Callable, tasks: Sequence[tuple], workers: int, desc: str, pro
                 yield i, fn(*tasks[i])
                 bar.update(1)
             return
-        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
+        with ProcessPoolExecutor(
+            min(workers, len(tasks)),
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=die_with_parent,
+            initargs=(os.getpid(),),
+        ) as pool:
             pending, queued = {}, iter(range(len(tasks)))
             try:
                 for i in itertools.islice(queued, 2 * workers):

@@ -53,15 +53,19 @@ def held_out(spec: str, dataset: str, episodes: list[int], src) -> list[int]:
     if isinstance(choice, list):  # (as in canonical)
         missing = sorted(set(choice) - set(episodes))
         if missing:
-            raise UsageError(f"--val-episodes {spec}: episodes {missing[:10]} are not among the {len(episodes)} "
-                             f"episodes this build reads from {src} (ids {min(episodes)}..{max(episodes)})")
+            raise UsageError(
+                f"--val-episodes {spec}: episodes {missing[:10]} are not among the {len(episodes)} "
+                f"episodes this build reads from {src} (ids {min(episodes)}..{max(episodes)})"
+            )
         held = choice
     else:
         held = [e for e in episodes if in_fraction(dataset, e, choice)]
     if not held or len(held) == len(episodes):
         which = "none" if not held else "every one"
-        raise UsageError(f"--val-episodes {spec} holds out {which} of the {len(episodes)} episodes this build reads "
-                         f"from {src}: give {USAGE} that leaves episodes in both splits")
+        raise UsageError(
+            f"--val-episodes {spec} holds out {which} of the {len(episodes)} episodes this build reads "
+            f"from {src}: give {USAGE} that leaves episodes in both splits"
+        )
     return held
 
 
@@ -72,9 +76,14 @@ def split_summaries(summaries: list[dict], held: list[int]) -> tuple[list[dict],
     held_set = set(held)
 
     def part(summary: dict, keep) -> dict:
-        return {**summary, "encoded": [e for e in summary["encoded"] if keep(e)],
-                "failures": [f for f in summary["failures"] if keep(f["episode"])],
-                "skipped": [s for s in summary["skipped"] if keep(s["episode"])]}
+        return {
+            **summary,
+            "encoded": [e for e in summary["encoded"] if keep(e)],
+            "failures": [f for f in summary["failures"] if keep(f["episode"])],
+            "skipped": [s for s in summary["skipped"] if keep(s["episode"])],
+        }
 
-    return ([part(s, lambda e: e not in held_set) for s in summaries],
-            [part(s, lambda e: e in held_set) for s in summaries])
+    return (
+        [part(s, lambda e: e not in held_set) for s in summaries],
+        [part(s, lambda e: e in held_set) for s in summaries],
+    )

@@ -116,8 +116,12 @@ def adjust_hue(x: torch.Tensor, factor: float) -> torch.Tensor:
     return hsv_to_rgb(torch.stack((torch.remainder(h + factor, 1.0), s, v), dim=-3))
 
 
-_ADJUST = {"brightness": adjust_brightness, "contrast": adjust_contrast, "saturation": adjust_saturation,
-           "hue": adjust_hue}
+_ADJUST = {
+    "brightness": adjust_brightness,
+    "contrast": adjust_contrast,
+    "saturation": adjust_saturation,
+    "hue": adjust_hue,
+}
 
 
 def color_jitter(x: torch.Tensor, jitter: dict) -> torch.Tensor:
@@ -167,8 +171,9 @@ def to_model_video(canvas_thwc: np.ndarray, target_hw: tuple[int, int]) -> torch
     return x.permute(1, 0, 2, 3).contiguous()
 
 
-def episode_canvas(frames_vthwc: np.ndarray, embodiment: Embodiment, preset: str, params: dict,
-                   chunk: int = 64) -> np.ndarray:
+def episode_canvas(
+    frames_vthwc: np.ndarray, embodiment: Embodiment, preset: str, params: dict, chunk: int = 64
+) -> np.ndarray:
     """uint8 canvas [T, H', W', 3] of every frame of an episode under one fixed transform (the eval transform).
 
     Every op up to the canvas works frame by frame, so a window's canvas is this array indexed by its rows: the
@@ -176,16 +181,19 @@ def episode_canvas(frames_vthwc: np.ndarray, embodiment: Embodiment, preset: str
     Frames are processed `chunk` at a time to bound the float32 temporaries.
     """
     view_hw = embodiment.view_size(preset)
-    parts = [make_canvas(transform_views(frames_vthwc[:, i : i + chunk], view_hw, params), embodiment.layout)
-             for i in range(0, frames_vthwc.shape[1], chunk)]
+    parts = [
+        make_canvas(transform_views(frames_vthwc[:, i : i + chunk], view_hw, params), embodiment.layout)
+        for i in range(0, frames_vthwc.shape[1], chunk)
+    ]
     return np.concatenate(parts)
 
 
 def episode_model_video(canvas_thwc: np.ndarray, target_hw: tuple[int, int], chunk: int = 64) -> torch.Tensor:
     """`to_model_video` of a whole episode's canvas, `chunk` frames at a time: float32 [3, T, h, w]. Per frame, so a
     window's model input is this tensor indexed by its rows (the offline builder's eval path)."""
-    return torch.cat([to_model_video(canvas_thwc[i : i + chunk], target_hw) for i in range(0, len(canvas_thwc), chunk)],
-                     dim=1)
+    return torch.cat(
+        [to_model_video(canvas_thwc[i : i + chunk], target_hw) for i in range(0, len(canvas_thwc), chunk)], dim=1
+    )
 
 
 def sample_video(

@@ -90,7 +90,7 @@ def _walk(anchor: int, length: int, stride: int, language: np.ndarray | None):
     step = 1
     while back_open or fwd_open:
         for sign in (-1, 1):
-            if (back_open if sign < 0 else fwd_open):
+            if back_open if sign < 0 else fwd_open:
                 a = anchor + sign * stride * step
                 outside = a < 0 if sign < 0 else a >= length
                 if outside or (language is not None and language[a] != language[anchor]):
@@ -160,8 +160,10 @@ def _anchor_weights(length: int, pattern: WindowPattern, language: np.ndarray | 
             continue  # RLinf redraws another index; we simply have no window for this anchor
         video_start, action_start = int(sample.video[0]), int(sample.action[0])
         if not np.array_equal(sample.video - video_start, offsets):
-            raise AssertionError(f"anchor {f} of an episode of {length} rows gives video {sample.video.tolist()}, "
-                                 f"not the pattern {offsets.tolist()}")
+            raise AssertionError(
+                f"anchor {f} of an episode of {length} rows gives video {sample.video.tolist()}, "
+                f"not the pattern {offsets.tolist()}"
+            )
         # Misaligned samples (video and actions from different windows, RLinf's LIBERO/Franka recipes): count the
         # anchor for the start that begins a full window (LIBERO: the video's; Franka: the actions').
         start = video_start if video_start + pattern.extent < length else action_start

@@ -90,16 +90,29 @@ def write_unit(out: Path, unit: int, samples: Iterable[tuple[str, list[tuple[str
                 yield name, data
 
     written = write_tar(tar, members())
-    problem = ("duplicate sample keys" if len(set(keys)) != len(keys) else
-               f"samples differ in their tensors ({'; '.join(map(describe, schemas))})" if len(schemas) > 1 else "")
+    problem = (
+        "duplicate sample keys"
+        if len(set(keys)) != len(keys)
+        else f"samples differ in their tensors ({'; '.join(map(describe, schemas))})"
+        if len(schemas) > 1
+        else ""
+    )
     if problem:
         tar.unlink()
         raise ValueError(f"unit {unit}: {problem}")
     by_key: dict[str, list[list]] = {}
     for name, offset, size in written["members"]:
         by_key.setdefault(split_member_name(name)[0], []).append([name, offset, size])
-    index = {**record, "unit": unit, "count": len(keys), "bytes": written["bytes"], "sha256": written["sha256"],
-             "members": len(written["members"]), "index": by_key, "schema": schemas[0] if schemas else None}
+    index = {
+        **record,
+        "unit": unit,
+        "count": len(keys),
+        "bytes": written["bytes"],
+        "sha256": written["sha256"],
+        "members": len(written["members"]),
+        "index": by_key,
+        "schema": schemas[0] if schemas else None,
+    }
     atomic_write_json(index_path, index)
     return index
 
@@ -140,9 +153,12 @@ def summarize_unit(out: Path, unit: int) -> dict:
     if record["count"] and not path.is_file():
         # the rows of the sample index, the unit in place of the shard; no CRC-32 or multiplicity yet (finalize reads
         # them as it copies)
-        samples = [SampleRecord(key, 0, tuple(MemberRef(split_member_name(name)[1], offset, size, 0)
-                                              for name, offset, size in members))
-                   for key, members in sorted(index.items())]
+        samples = [
+            SampleRecord(
+                key, 0, tuple(MemberRef(split_member_name(name)[1], offset, size, 0) for name, offset, size in members)
+            )
+            for key, members in sorted(index.items())
+        ]
         rows = shard_index_rows(unit, samples, member_names(record["schema"]), 1 + len(record["schema"]))
         with atomic_writer(path) as f:
             np.lib.format.write_array(f, rows, allow_pickle=False)
@@ -170,8 +186,11 @@ def plan_split(out: Path, summaries: list[dict], seed: int, held: Iterable[int],
     order = np.lexsort((cols["variant"], cols["start"], cols["episode"]))
     for name in ("episode", "start", "variant"):
         cols[name] = cols[name][order]
-    twice = np.flatnonzero((cols["episode"][1:] == cols["episode"][:-1]) & (cols["start"][1:] == cols["start"][:-1])
-                           & (cols["variant"][1:] == cols["variant"][:-1]))
+    twice = np.flatnonzero(
+        (cols["episode"][1:] == cols["episode"][:-1])
+        & (cols["start"][1:] == cols["start"][:-1])
+        & (cols["variant"][1:] == cols["variant"][:-1])
+    )
     if twice.size:
         i = twice[0]
         key = sample_key(dataset, int(cols["episode"][i]), int(cols["start"][i]), int(cols["variant"][i]))
@@ -189,13 +208,14 @@ def shard_rows_path(out: Path, plan: Path, shard: int) -> Path:
     return out / WORK_DIR / plan.stem / f"{shard_file(shard)}.rows.npy"
 
 
-def write_planned_shard(out: Path, into: Path, plan_path: Path, shard: int, samples_per_shard: int, names: list[str],
-                        dataset: str) -> dict:
+def write_planned_shard(
+    out: Path, into: Path, plan_path: Path, shard: int, samples_per_shard: int, names: list[str], dataset: str
+) -> dict:
     """Shard `shard` of the plan (positions shard x samples_per_shard ...) in `into`, copied out of the unit spills
     of `out`, then its JSON and its rows for the sample index; a shard already written with its planned keys is
     kept. Returns its manifest entry (shard, count, bytes, sha256)."""
     plan = np.load(plan_path, mmap_mode="r")
-    planned = np.array(plan[shard * samples_per_shard:(shard + 1) * samples_per_shard])
+    planned = np.array(plan[shard * samples_per_shard : (shard + 1) * samples_per_shard])
     del plan
     tables: dict[int, np.ndarray] = {}
 
@@ -247,9 +267,17 @@ def _copy_shard(out: Path, path: Path, keys: list[str], located: list, names: li
         for fd in handles.values():
             os.close(fd)
     placed = iter(zip(written["members"], crcs))
-    samples = [SampleRecord(key, multiplicity[key], tuple(MemberRef(split_member_name(name)[1], offset, size, crc)
-                                                          for (name, offset, size), crc in (next(placed) for _ in sfx)))
-               for key, sfx in zip(keys, suffixes)]
+    samples = [
+        SampleRecord(
+            key,
+            multiplicity[key],
+            tuple(
+                MemberRef(split_member_name(name)[1], offset, size, crc)
+                for (name, offset, size), crc in (next(placed) for _ in sfx)
+            ),
+        )
+        for key, sfx in zip(keys, suffixes)
+    ]
     record = ShardRecord(path.name, written["bytes"], written["sha256"], samples)
     record.write(json_path(path))
     return record.to_dict()
@@ -266,8 +294,9 @@ def shard_done(out: Path, shard: int) -> dict | None:
         return None
 
 
-def assemble_index(out: Path, into: Path, plan_path: Path, entries: list[dict], samples_per_shard: int,
-                   names: list[str]) -> tuple[dict, dict]:
+def assemble_index(
+    out: Path, into: Path, plan_path: Path, entries: list[dict], samples_per_shard: int, names: list[str]
+) -> tuple[dict, dict]:
     """The sample index of the planned shards (their rows, `write_planned_shard`) in canonical order, written to
     `into`/samples.npy through bucket files of BUCKET rows under `out`'s work directory (removed after), and the
     bytes and count of each member type. Returns (the manifest's sample_index block, member_bytes)."""
@@ -283,7 +312,7 @@ def assemble_index(out: Path, into: Path, plan_path: Path, entries: list[dict], 
     for shard, entry in enumerate(entries):
         rows = np.load(shard_rows_path(out, plan_path, shard))
         dtype = rows.dtype
-        canon = np.asarray(plan["canon"][shard * samples_per_shard:shard * samples_per_shard + len(rows)])
+        canon = np.asarray(plan["canon"][shard * samples_per_shard : shard * samples_per_shard + len(rows)])
         which = canon // BUCKET
         for b in np.unique(which):
             pick = which == b

@@ -43,10 +43,14 @@ def timed(fn, iters: int, warmup: int) -> float:
 
 def variants(layout, device):
     from torch.nn.attention.flex_attention import flex_attention
+
     flex = torch.compile(flex_attention, dynamic=False)
     out = {}
-    for name, kw in (("flex_attrs_128", {"lookup": False}), ("flex_lookup_128", {"lookup": True}),
-                     ("flex_lookup_64", {"lookup": True, "block_size": 64})):
+    for name, kw in (
+        ("flex_attrs_128", {"lookup": False}),
+        ("flex_lookup_128", {"lookup": True}),
+        ("flex_lookup_64", {"lookup": True, "block_size": 64}),
+    ):
         try:
             bm = flex_block_mask(layout, device, **kw)
         except Exception as e:  # noqa: BLE001 - report a variant this torch cannot build
@@ -65,8 +69,9 @@ def bench_layout(key: Layout, args) -> list[dict]:
     L, H, D = layout.seq_len, cfg.num_heads, cfg.head_dim
     device = torch.device("cuda")
     g = torch.Generator(device).manual_seed(0)
-    q, k, v = (torch.randn(batch, H, L, D, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, H, L, D, device=device, dtype=torch.bfloat16, generator=g).requires_grad_() for _ in range(3)
+    )
     grad = torch.randn(batch, H, L, D, device=device, dtype=torch.bfloat16, generator=g)
     pairs = count_allowed_pairs(layout)
     flop = 3.5 * 4 * pairs * D * H * batch  # fwd (4·pairs·D) + bwd (2.5x fwd)
@@ -75,8 +80,14 @@ def bench_layout(key: Layout, args) -> list[dict]:
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     rows = []
     for vname, entry in table.items():
-        row = {"layout": key, "variant": vname, "seq_len": L, "heads": H, "batch": batch,
-               "allowed_pairs_pct": round(100 * pairs / L**2, 1)}
+        row = {
+            "layout": key,
+            "variant": vname,
+            "seq_len": L,
+            "heads": H,
+            "batch": batch,
+            "allowed_pairs_pct": round(100 * pairs / L**2, 1),
+        }
         if isinstance(entry, str):
             rows.append(row | {"error": entry})
             continue
@@ -89,8 +100,11 @@ def bench_layout(key: Layout, args) -> list[dict]:
                 q.grad = k.grad = v.grad = None
 
             sec = timed(step, args.iters, args.warmup)
-            row |= {"ms_fwd_bwd": round(1e3 * sec, 3), "eff_tflops": round(flop / sec / 1e12, 1),
-                    "max_abs_err_vs_sdpa": float(f"{err:.3g}")}
+            row |= {
+                "ms_fwd_bwd": round(1e3 * sec, 3),
+                "eff_tflops": round(flop / sec / 1e12, 1),
+                "max_abs_err_vs_sdpa": float(f"{err:.3g}"),
+            }
             if bm is not None:
                 row["tiles_computed_pct"] = round(100 * (1 - bm.sparsity() / 100), 1)
         except Exception as e:  # noqa: BLE001 - a kernel that fails here is a finding, not a crash
@@ -116,8 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py needs a CUDA GPU (FlexAttention has no CPU backward)")
     rows = [r for key in args.layouts for r in bench_layout(key, args)]
-    print(json.dumps({"bench": "attention", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "rows": len(rows)}), flush=True)
+    print(
+        json.dumps(
+            {"bench": "attention", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": len(rows)}
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

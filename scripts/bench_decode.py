@@ -68,21 +68,34 @@ def main(argv: list[str] | None = None) -> None:
             encode_mp4(path, frames, 15, codec)
             for backend in BACKENDS:
                 whole = best_of(args.repeats, lambda: decode_video(path, range(args.frames), backend=backend))
-                window = best_of(args.repeats, lambda: [
-                    decode_video(path, s + 3 * np.arange(33), backend=backend) for s in starts])
+                window = best_of(
+                    args.repeats, lambda: [decode_video(path, s + 3 * np.arange(33), backend=backend) for s in starts]
+                )
                 result = {
-                    "codec": codec, "backend": backend,
+                    "codec": codec,
+                    "backend": backend,
                     "episode_frames_per_s": args.frames / whole,
                     "window_ms": 1000 * window / args.windows,
                     "window_frames_per_s": 33 * args.windows / window,
                 }
                 results.append(result)
-                rows.append(f"{codec:<5} {backend:<11} {result['episode_frames_per_s']:>10.0f} "
-                             f"{result['window_ms']:>12.1f} {result['window_frames_per_s']:>14.0f}")
+                rows.append(
+                    f"{codec:<5} {backend:<11} {result['episode_frames_per_s']:>10.0f} "
+                    f"{result['window_ms']:>12.1f} {result['window_frames_per_s']:>14.0f}"
+                )
     print(f"{'codec':<5} {'backend':<11} {'episode f/s':>10} {'window ms':>12} {'window f/s':>14}")
     print("\n".join(rows))
-    print(json.dumps({"bench": "decode", "cpu": platform.processor() or platform.machine(), "cores": 1,
-                      "video": f"320x180 {args.frames} frames 15 fps", "results": results}))
+    print(
+        json.dumps(
+            {
+                "bench": "decode",
+                "cpu": platform.processor() or platform.machine(),
+                "cores": 1,
+                "video": f"320x180 {args.frames} frames 15 fps",
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

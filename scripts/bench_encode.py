@@ -53,8 +53,12 @@ def bench_vae(variant: str, shape: tuple[int, int, int], batch: int, args) -> di
         config.update(base_dim=8, **({"decoder_base_dim": 8} if variant == "wan2.2" else {}))
     with torch.device(args.device):  # random init where the model runs: full-size models init slowly on a CPU
         model = AutoencoderKLWan(**config)
-    vae = WanVAE(model, VaeInfo(variant, config["z_dim"], 16 if variant == "wan2.2" else 8, 4,
-                                                     "random"), args.device, dtype=compute_dtype(args))
+    vae = WanVAE(
+        model,
+        VaeInfo(variant, config["z_dim"], 16 if variant == "wan2.2" else 8, 4, "random"),
+        args.device,
+        dtype=compute_dtype(args),
+    )
     # encoding never decodes; None drops the submodule (Module.__setattr__), which diffusers types as always present
     vae.model.decoder = None  # pyright: ignore[reportAttributeAccessIssue]
     t, h, w = shape
@@ -70,8 +74,9 @@ def bench_vae(variant: str, shape: tuple[int, int, int], batch: int, args) -> di
 def bench_umt5(args) -> dict:
     from transformers import UMT5Config, UMT5EncoderModel
 
-    cfg: dict[str, Any] = dict(UMT5_XXL, **({"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
-                                             "num_heads": 4} if args.quick else {}))
+    cfg: dict[str, Any] = dict(
+        UMT5_XXL, **({"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4} if args.quick else {})
+    )
     with torch.device(args.device):
         model = UMT5EncoderModel(UMT5Config(**cfg))
     enc = TextEncoder(model, tokenizer=None, device=args.device, dtype=compute_dtype(args))
@@ -84,8 +89,14 @@ def bench_umt5(args) -> dict:
 def bench_clip(args) -> dict:
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
-    cfg: dict[str, Any] = dict(VIT_H_14, **({"hidden_size": 160, "intermediate_size": 320, "num_hidden_layers": 3,
-                                             "num_attention_heads": 2} if args.quick else {}))
+    cfg: dict[str, Any] = dict(
+        VIT_H_14,
+        **(
+            {"hidden_size": 160, "intermediate_size": 320, "num_hidden_layers": 3, "num_attention_heads": 2}
+            if args.quick
+            else {}
+        ),
+    )
     with torch.device(args.device):
         model = CLIPVisionModelWithProjection(CLIPVisionConfig(**cfg))
     enc = ImageEncoder(model, args.device, dtype=compute_dtype(args))
@@ -122,8 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     args = cli(Args, args=argv, description=__doc__)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "quick": args.quick}
+    result = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "quick": args.quick,
+    }
     only = set(args.only.split(","))
     if "vae" in only:
         small = args.quick  # smoke run: tiny clips too

@@ -51,9 +51,11 @@ if TYPE_CHECKING:
     from wampipe.preprocess.spec import BuildSpec
 
 # the recipes whose preprocess section names a model (configs/<name>.yaml): name -> (dataset, model, sample layout)
-RECIPES = {name: (pre["dataset"], pre["model"], DATASETS[pre["dataset"]].sample_layout)
-           for name in configs.names()
-           if "model" in (pre := configs.section(configs.recipe(name), "preprocess", name))}
+RECIPES = {
+    name: (pre["dataset"], pre["model"], DATASETS[pre["dataset"]].sample_layout)
+    for name in configs.names()
+    if "model" in (pre := configs.section(configs.recipe(name), "preprocess", name))
+}
 
 
 def encoder_gpus(device: str) -> list[str]:
@@ -62,8 +64,11 @@ def encoder_gpus(device: str) -> list[str]:
     if not device.startswith("cuda"):
         return []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [
-        str(i) for i in range(torch.cuda.device_count())]
+    ids = (
+        [v.strip() for v in visible.split(",") if v.strip()]
+        if visible
+        else [str(i) for i in range(torch.cuda.device_count())]
+    )
     return ids if device == "cuda" else [ids[torch.device(device).index or 0]]
 
 
@@ -78,9 +83,18 @@ class BusySampler:
     def _run(self) -> None:
         while self.ids and not self._stop.wait(self.period_s):
             try:
-                out = subprocess.run(["nvidia-smi", "-i", ",".join(self.ids), "--query-gpu=utilization.gpu",
-                                      "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=5).stdout.split()
+                out = subprocess.run(
+                    [
+                        "nvidia-smi",
+                        "-i",
+                        ",".join(self.ids),
+                        "--query-gpu=utilization.gpu",
+                        "--format=csv,noheader,nounits",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                ).stdout.split()
                 self.samples.append([float(v) for v in out])
                 self.times.append(time.time())
             except (OSError, subprocess.SubprocessError, ValueError):
@@ -94,8 +108,9 @@ class BusySampler:
         self._stop.set()
         self._thread.join()
 
-    def steady_start(self, busy_pct: float = 70.0, hold_s: float = 10.0, idle_pct: float = 10.0,
-                     idle_s: float = 2.0) -> float | None:
+    def steady_start(
+        self, busy_pct: float = 70.0, hold_s: float = 10.0, idle_pct: float = 10.0, idle_s: float = 2.0
+    ) -> float | None:
         """Epoch time at which the steady state begins: the GPUs' first sustained work (`hold_s` seconds at least
         `busy_pct` busy on average) counted back to the end of the idle stretch before it (`idle_s` seconds with
         every sample under `idle_pct`). So the blips before it stay out (CUDA start-up, weight loading, the compiled
@@ -129,8 +144,11 @@ class BusySampler:
 
 
 def cpu_seconds() -> float:
-    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-               for f in ("ru_utime", "ru_stime"))
+    return sum(
+        getattr(resource.getrusage(who), f)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for f in ("ru_utime", "ru_stime")
+    )
 
 
 def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
@@ -142,11 +160,18 @@ def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
     device = "cuda:0" if cli.device == "cuda" else cli.device
     emb = get_embodiment(DATASETS[cli.dataset].embodiment)
     # a stand-in for the run's BuildSpec: the fields Encoders reads, resolved as preprocess shards resolves them
-    spec = SimpleNamespace(vae=str(cli.vae), image_encoder=str(cli.image_encoder), model=cli.model,
-                           embodiment=emb.tag,
-                           device=device, dtype=cli.dtype, image_features=cli.image_features,
-                           vae_compile=cli.vae_compile == "on", batch_size=cli.batch_size,
-                           compile_cache=str(cli.compile_cache or ""))
+    spec = SimpleNamespace(
+        vae=str(cli.vae),
+        image_encoder=str(cli.image_encoder),
+        model=cli.model,
+        embodiment=emb.tag,
+        device=device,
+        dtype=cli.dtype,
+        image_features=cli.image_features,
+        vae_compile=cli.vae_compile == "on",
+        batch_size=cli.batch_size,
+        compile_cache=str(cli.compile_cache or ""),
+    )
     encoders = Encoders(cast("BuildSpec", spec))
     (h, w), t = emb.preset(cli.model).target_hw, emb.window.num_frames
     # the batch as a worker sends it (the workers stack and cast in the farm: not part of the encoders' time)
@@ -172,13 +197,26 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
         write_sample_dataset(src, layout, args.episodes, seed=0, workers=max(1, (os.cpu_count() or 2) // 2))
     out = work / f"shards-{recipe}"
     vae = "wan2.1" if model == "14b" else "wan2.2"
-    cli = shards.Args(dataset=dataset, src=src, out=str(out), model=model, device=args.device,
-                      batch_size=args.batch_size, workers=args.workers, stage="units", executor=args.executor,
-                      anchor_stride=args.anchor_stride, decode_backend=args.decode_backend,
-                      episodes_per_unit=args.episodes_per_unit, image_features=args.image_features,
-                      vae_compile=args.vae_compile, vae=weights / vae / "vae",
-                      image_encoder=weights / "clip" / "image_encoder",
-                      text_encoder=weights / "umt5" / "text_encoder", tokenizer=weights / "umt5" / "tokenizer")
+    cli = shards.Args(
+        dataset=dataset,
+        src=src,
+        out=str(out),
+        model=model,
+        device=args.device,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        stage="units",
+        executor=args.executor,
+        anchor_stride=args.anchor_stride,
+        decode_backend=args.decode_backend,
+        episodes_per_unit=args.episodes_per_unit,
+        image_features=args.image_features,
+        vae_compile=args.vae_compile,
+        vae=weights / vae / "vae",
+        image_encoder=weights / "clip" / "image_encoder",
+        text_encoder=weights / "umt5" / "text_encoder",
+        tokenizer=weights / "umt5" / "tokenizer",
+    )
     gpus = encoder_gpus(args.device)
     devices = len(gpus) or 1  # one encoder process per GPU, or one on the CPU
     cpu0, start, start_epoch = cpu_seconds(), time.perf_counter(), time.time()
@@ -198,32 +236,50 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
         trace = args.busy_trace
         if len(args.recipes) > 1:
             trace = trace.with_stem(f"{trace.stem}-{recipe}")
-        trace.write_text(json.dumps({"start": start_epoch, "end": end_epoch, "gpus": busy.ids, "times": busy.times,
-                                     "busy": busy.samples}))
+        trace.write_text(
+            json.dumps(
+                {"start": start_epoch, "end": end_epoch, "gpus": busy.ids, "times": busy.times, "busy": busy.samples}
+            )
+        )
     first = busy.steady_start()
     window = (first, end_epoch) if first is not None else None
     steady = samples / (window[1] - window[0]) / devices if window else None
     bound = encoder_bound(cli, args.bound_iters)
     rate = samples / wall / devices
-    return {"bench": "farm", "recipe": recipe, "device": torch.cuda.get_device_name() if args.device == "cuda" else
-            args.device, "devices": devices, "workers": cli.workers, "executor": args.executor,
-            "batch_size": args.batch_size, "episodes": args.episodes, "anchor_stride": args.anchor_stride,
-            "episodes_per_unit": args.episodes_per_unit, "image_features": args.image_features,
-            "vae_compile": cli.vae_compile, "samples": samples, "wall_s": round(wall, 2),
-            "samples_per_s_per_device": round(rate, 3), "bound_samples_per_s": round(bound, 3),
-            "ratio_to_bound": round(rate / bound, 4), "busy_pct": busy.mean_pct(),
-            "steady_samples_per_s_per_device": steady and round(steady, 3),
-            "steady_busy_pct": busy.mean_pct(*window) if window else None,
-            "start_s": window and round(window[0] - start_epoch, 1),
-            "steady_ratio_to_bound": steady and round(steady / bound, 4),
-            "cpu_cores_per_device": round(cores / devices, 2), "bytes_per_sample": round(spill_bytes / max(1, samples)),
-            "torch": torch.__version__}
+    return {
+        "bench": "farm",
+        "recipe": recipe,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+        "devices": devices,
+        "workers": cli.workers,
+        "executor": args.executor,
+        "batch_size": args.batch_size,
+        "episodes": args.episodes,
+        "anchor_stride": args.anchor_stride,
+        "episodes_per_unit": args.episodes_per_unit,
+        "image_features": args.image_features,
+        "vae_compile": cli.vae_compile,
+        "samples": samples,
+        "wall_s": round(wall, 2),
+        "samples_per_s_per_device": round(rate, 3),
+        "bound_samples_per_s": round(bound, 3),
+        "ratio_to_bound": round(rate / bound, 4),
+        "busy_pct": busy.mean_pct(),
+        "steady_samples_per_s_per_device": steady and round(steady, 3),
+        "steady_busy_pct": busy.mean_pct(*window) if window else None,
+        "start_s": window and round(window[0] - start_epoch, 1),
+        "steady_ratio_to_bound": steady and round(steady / bound, 4),
+        "cpu_cores_per_device": round(cores / devices, 2),
+        "bytes_per_sample": round(spill_bytes / max(1, samples)),
+        "torch": torch.__version__,
+    }
 
 
 @dataclass
 class Args:
     recipes: tuple[Literal[tuple(RECIPES)], ...] = tuple(  # type: ignore[valid-type]
-        sorted(RECIPES, key=lambda r: (RECIPES[r][1] != "5b", r)))
+        sorted(RECIPES, key=lambda r: (RECIPES[r][1] != "5b", r))
+    )
     """Recipes to measure (all by default, the 14B last)."""
     device: str = "cuda"
     """Encoder device: cuda (every local GPU), cuda:N or cpu."""

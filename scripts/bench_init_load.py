@@ -100,8 +100,10 @@ def worker(args: Args) -> None:
     model_cfg = preset(args.preset)
     if args.num_layers:
         model_cfg = replace(model_cfg, num_layers=args.num_layers)
-    cfg = Config(model=ModelConfig(name=args.preset, init_from=base_dir(args), init_device=args.init_device),
-                 parallel=ParallelConfig(backend=backend))
+    cfg = Config(
+        model=ModelConfig(name=args.preset, init_from=base_dir(args), init_device=args.init_device),
+        parallel=ParallelConfig(backend=backend),
+    )
     rss_before = _status_kib("VmRSS") / (1 << 20)
     sampler = RssSampler()
     sampler.start()
@@ -112,18 +114,30 @@ def worker(args: Args) -> None:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak_anon = sampler.stop()
-    mine = {"rank": rank, "build_load_s": round(seconds, 3), "rss_before_gib": round(rss_before, 3),
-            "peak_rss_gib": round(_status_kib("VmHWM") / (1 << 20), 3), "peak_anon_rss_gib": round(peak_anon, 3),
-            "device_mem_gib": round(torch.cuda.max_memory_allocated(device) / GIB, 3) if cuda else None}
+    mine = {
+        "rank": rank,
+        "build_load_s": round(seconds, 3),
+        "rss_before_gib": round(rss_before, 3),
+        "peak_rss_gib": round(_status_kib("VmHWM") / (1 << 20), 3),
+        "peak_anon_rss_gib": round(peak_anon, 3),
+        "device_mem_gib": round(torch.cuda.max_memory_allocated(device) / GIB, 3) if cuda else None,
+    }
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if rank == 0:
         numel = sum(p.numel() for p in model.parameters())
-        result = {"preset": args.preset, "num_layers": model_cfg.num_layers, "world_size": len(ranks),
-                  "init_device": args.init_device, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-                  "backend": backend, "params": numel, "full_model_fp32_gib": round(numel * 4 / GIB, 3),
-                  "checkpoint_gib": round(sum(f.stat().st_size for f in base_dir(args).glob("*.safetensors")) / GIB, 3),
-                  "ranks": ranks}
+        result = {
+            "preset": args.preset,
+            "num_layers": model_cfg.num_layers,
+            "world_size": len(ranks),
+            "init_device": args.init_device,
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "backend": backend,
+            "params": numel,
+            "full_model_fp32_gib": round(numel * 4 / GIB, 3),
+            "checkpoint_gib": round(sum(f.stat().st_size for f in base_dir(args).glob("*.safetensors")) / GIB, 3),
+            "ranks": ranks,
+        }
         (args.dir / "result.json").write_text(json.dumps(result) + "\n")
     dist.barrier()
     dist.destroy_process_group()
@@ -140,10 +154,28 @@ def main(args: Args) -> None:
         tiny_base.write_base(tiny_base.Args(out=base, preset=args.preset, num_layers=args.num_layers))
         write_s = round(time.perf_counter() - start, 1)
     (args.dir / "result.json").unlink(missing_ok=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-                    str(Path(__file__).resolve()), "--worker", "--preset", args.preset, "--dir", str(args.dir),
-                    "--num-layers", str(args.num_layers), "--init-device", args.init_device,
-                    "--backend", args.backend], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--preset",
+            args.preset,
+            "--dir",
+            str(args.dir),
+            "--num-layers",
+            str(args.num_layers),
+            "--init-device",
+            args.init_device,
+            "--backend",
+            args.backend,
+        ],
+        check=True,
+    )
     result = json.loads((args.dir / "result.json").read_text())
     result["base_write_s"] = write_s
     (args.dir / "result.json").write_text(json.dumps(result) + "\n")

@@ -111,9 +111,16 @@ def measure(cfg, model, workers: int, batches: int, cache: str) -> dict:
     del it  # stops the worker processes
     samples = batches * cfg.data.micro_batch_size
     rate = samples / dt
-    return {"workers": workers, "cache": cache, "samples": samples, "seconds": float(f"{dt:.6g}"),
-            "samples_per_s": round(rate, 2), "samples_per_s_per_worker": round(rate / max(1, workers), 2),
-            "ms_per_sample": round(1000 * dt / samples, 3), "batch_mib_per_s": round(nbytes / dt / 2**20, 1)}
+    return {
+        "workers": workers,
+        "cache": cache,
+        "samples": samples,
+        "seconds": float(f"{dt:.6g}"),
+        "samples_per_s": round(rate, 2),
+        "samples_per_s_per_worker": round(rate / max(1, workers), 2),
+        "ms_per_sample": round(1000 * dt / samples, 3),
+        "batch_mib_per_s": round(nbytes / dt / 2**20, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -124,8 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
     url = remote_url(shards)
     gpu_rate = args.gpu_samples_per_s or GPU_RATE[args.preset]
     try:
-        cfg = parse_trainer_args(["--preset", args.preset, "--data.shards", shards,
-                                  "--data.micro-batch-size", str(args.micro_batch)])
+        cfg = parse_trainer_args(
+            ["--preset", args.preset, "--data.shards", shards, "--data.micro-batch-size", str(args.micro_batch)]
+        )
         if url is None:
             write_shards(cfg, args.preset, Path(shards), args.windows)
         elif not ShardStore(url).exists(MANIFEST):
@@ -141,14 +149,22 @@ def main(argv: list[str] | None = None) -> dict:
                 print(json.dumps(r), flush=True)
                 runs.append(r)
         manifest = ShardStore(shards).read_json(MANIFEST)
-        result = {"bench": "loader", "preset": args.preset, "shards": "local" if url is None else url.split(":")[0],
-                  "micro_batch": args.micro_batch,
-                  "compact_text": cfg.data.compact_text, "gpu_samples_per_s": gpu_rate,
-                  "sample_kib": round(manifest["totals"]["bytes"] / manifest["totals"]["samples"] / 1024, 1),
-                  "min_ratio_per_worker_to_gpu": min((r["ratio_per_worker_to_gpu"] for r in runs if r["workers"]),
-                                                     default=None),
-                  "runs": runs, "cpu": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-                  **provenance(argv)}
+        result = {
+            "bench": "loader",
+            "preset": args.preset,
+            "shards": "local" if url is None else url.split(":")[0],
+            "micro_batch": args.micro_batch,
+            "compact_text": cfg.data.compact_text,
+            "gpu_samples_per_s": gpu_rate,
+            "sample_kib": round(manifest["totals"]["bytes"] / manifest["totals"]["samples"] / 1024, 1),
+            "min_ratio_per_worker_to_gpu": min(
+                (r["ratio_per_worker_to_gpu"] for r in runs if r["workers"]), default=None
+            ),
+            "runs": runs,
+            "cpu": f"{platform.machine()}, {os.cpu_count()} cores",
+            "torch": torch.__version__,
+            **provenance(argv),
+        }
     finally:
         if args.out is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -55,11 +55,33 @@ def measure(root: Path, recipe: str) -> dict:
     dataset, model = SHAPES[recipe].dataset, SHAPES[recipe].model
     preset = DATASETS[dataset]
     emb = get_embodiment(preset.embodiment)
-    spec = BuildSpec(src=str(root), dataset=dataset, embodiment=emb.tag, model=model, vae="", image_encoder="",
-                     text_encoder="", tokenizer="", metadata=None, device="cpu", dtype="float32", threads_per_worker=1,
-                     batch_size=1, episodes_per_unit=1, max_episodes=None, anchor_stride=1, augment_variants=0, seed=0,
-                     compress="auto", decode_backend="torchcodec", image_features="encoded", vae_compile=False,
-                     samples_per_shard=1, val_episodes=None, fail_fast=True)
+    spec = BuildSpec(
+        src=str(root),
+        dataset=dataset,
+        embodiment=emb.tag,
+        model=model,
+        vae="",
+        image_encoder="",
+        text_encoder="",
+        tokenizer="",
+        metadata=None,
+        device="cpu",
+        dtype="float32",
+        threads_per_worker=1,
+        batch_size=1,
+        episodes_per_unit=1,
+        max_episodes=None,
+        anchor_stride=1,
+        augment_variants=0,
+        seed=0,
+        compress="auto",
+        decode_backend="torchcodec",
+        image_features="encoded",
+        vae_compile=False,
+        samples_per_shard=1,
+        val_episodes=None,
+        fail_fast=True,
+    )
     ds = LeRobotDataset(root)
     samples, start, last = 0, time.perf_counter(), None
     for index in ds.episode_indices:
@@ -75,9 +97,16 @@ def measure(root: Path, recipe: str) -> dict:
     members = {tensor_suffix(n, zstd=False): {"raw": b} for n, b in raw.items()}
     for m, size in stored.items():
         members[m.removesuffix(".zst")] = {"raw": plain[m.removesuffix(".zst")], "stored": size}
-    return {"dataset": dataset, "model": model, "samples": samples, "seconds": elapsed,
-            "samples_per_s_per_core": samples / elapsed, "video_shape": list(video.shape),
-            "bytes_per_sample": members, "total_raw_bytes": sum(v["raw"] for v in members.values())}
+    return {
+        "dataset": dataset,
+        "model": model,
+        "samples": samples,
+        "seconds": elapsed,
+        "samples_per_s_per_core": samples / elapsed,
+        "video_shape": list(video.shape),
+        "bytes_per_sample": members,
+        "total_raw_bytes": sum(v["raw"] for v in members.values()),
+    }
 
 
 @dataclass
@@ -94,15 +123,28 @@ def main(argv: list[str] | None = None) -> None:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        roots = {"droid": write_sample_dataset(Path(tmp) / "droid", "droid", args.episodes, args.seed),
-                 "libero": write_sample_dataset(Path(tmp) / "libero", "libero", args.episodes, args.seed)}
+        roots = {
+            "droid": write_sample_dataset(Path(tmp) / "droid", "droid", args.episodes, args.seed),
+            "libero": write_sample_dataset(Path(tmp) / "libero", "libero", args.episodes, args.seed),
+        }
         results = [measure(roots[SHAPES[recipe].dataset], recipe) for recipe in RECIPES]
     print(f"{'dataset':<8} {'model':<5} {'samples':>7} {'samples/s/core':>15} {'raw KiB/sample':>15}")
     for r in results:
-        print(f"{r['dataset']:<8} {r['model']:<5} {r['samples']:>7} {r['samples_per_s_per_core']:>15.2f} "
-              f"{r['total_raw_bytes'] / 1024:>15.0f}")
-    print(json.dumps({"bench": "preprocess", "cpu": platform.processor() or platform.machine(), "cores": 1,
-                      "torch": torch.__version__, "results": results}))
+        print(
+            f"{r['dataset']:<8} {r['model']:<5} {r['samples']:>7} {r['samples_per_s_per_core']:>15.2f} "
+            f"{r['total_raw_bytes'] / 1024:>15.0f}"
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "preprocess",
+                "cpu": platform.processor() or platform.machine(),
+                "cores": 1,
+                "torch": torch.__version__,
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -64,18 +64,24 @@ class Args:
 # Linux counts a process's peak RSS from its fork: a child of this (large) process would report at least this
 # process's size. So a small launcher forks the measured command and reports the rusage wait4 gives it, the peak of
 # the largest process of the command's tree (the command and every descendant it waited for).
-LAUNCH = ("import os, sys\npid = os.fork()\nif pid == 0:\n    os.execvp(sys.argv[2], sys.argv[2:])\n"
-          "_, status, usage = os.wait4(pid, 0)\nopen(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
-          "sys.exit(os.waitstatus_to_exitcode(status))\n")
+LAUNCH = (
+    "import os, sys\npid = os.fork()\nif pid == 0:\n    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "_, status, usage = os.wait4(pid, 0)\nopen(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+    "sys.exit(os.waitstatus_to_exitcode(status))\n"
+)
 
 
 def run_measured(command: list[str], env: dict | None = None) -> dict:
     """Wall seconds and the peak RSS (MB) of the largest process of `command`'s tree (`LAUNCH`)."""
     report = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-scale-rss-{os.getpid()}"
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-S", "-c", LAUNCH, str(report), *map(str, command)], cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT)
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", LAUNCH, str(report), *map(str, command)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     wall = time.perf_counter() - start
     text = done.stdout.decode(errors="replace")
     if done.returncode:
@@ -119,12 +125,17 @@ def write_units(out: Path, n: int, template: Path) -> None:
             for ep in eps:
                 for w in range(min(WINDOWS_PER_EPISODE, n - ep * WINDOWS_PER_EPISODE)):
                     key = sample_key(meta["dataset"], ep, w * 8, 0)
-                    m = {**meta, "episode": ep, "window_start": w * 8,
-                         "anchor_multiplicity": 3 if w == 0 else 2 if w == WINDOWS_PER_EPISODE - 1 else 1}
+                    m = {
+                        **meta,
+                        "episode": ep,
+                        "window_start": w * 8,
+                        "anchor_multiplicity": 3 if w == 0 else 2 if w == WINDOWS_PER_EPISODE - 1 else 1,
+                    }
                     yield key, [*((f"{key}.{s}", d) for s, d in tensors), (f"{key}.{META}", json.dumps(m).encode())]
 
-        write.write_unit(out, unit, samples(), {"episodes": eps, "failures": [], "skipped": [], "encoded": eps,
-                                                "prompts": {}})
+        write.write_unit(
+            out, unit, samples(), {"episodes": eps, "failures": [], "skipped": [], "encoded": eps, "prompts": {}}
+        )
     for name in ("metadata.json", "text"):
         src, dst = template / name, out / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
@@ -149,22 +160,41 @@ def finalize_units(out: Path, workers: int, samples_per_shard: int, val_every: i
     if held:
         train, val = split_summaries(summaries, held)
         record = {"choice": f"every {val_every}th", "episodes": held}
-        splits = [(out / VAL_DIR, val, {"split": "val", **record}),
-                  (out, train, {"split": "train", **record, "val_dir": VAL_DIR})]
+        splits = [
+            (out / VAL_DIR, val, {"split": "val", **record}),
+            (out, train, {"split": "train", **record, "val_dir": VAL_DIR}),
+        ]
         for name in ("metadata.json", "text"):
             src, dst = out / name, out / VAL_DIR / name
             if not dst.exists():
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
-    keep = ("source", "dataset", "embodiment", "model", "modality_keys", "transform", "encoders", "compress",
-            "text_table", "statistics")
+    keep = (
+        "source",
+        "dataset",
+        "embodiment",
+        "model",
+        "modality_keys",
+        "transform",
+        "encoders",
+        "compress",
+        "text_table",
+        "statistics",
+    )
     for into, part, validation in splits:
         mixed = mix(out, into, part, samples_per_shard, 0, held, validation, template["dataset"], workers)
         assert mixed is not None  # mix returns None only for one part of an array job (`part`), not passed here
         shards, sample_index, member_bytes = mixed
-        manifest = build_manifest(part, shards, **{k: template[k] for k in keep}, samples_per_shard=samples_per_shard,
-                                  seed=0, sample_index=sample_index, member_bytes=member_bytes,
-                                  validation=validation or {})
+        manifest = build_manifest(
+            part,
+            shards,
+            **{k: template[k] for k in keep},
+            samples_per_shard=samples_per_shard,
+            seed=0,
+            sample_index=sample_index,
+            member_bytes=member_bytes,
+            validation=validation or {},
+        )
         manifest.write(into)
 
 
@@ -210,15 +240,18 @@ def metadata_only(out: Path, n: int, template: Path, samples_per_shard: int) -> 
         path = out / shard_file(s)
         with open(path, "wb") as f:
             f.truncate(int(counts[s]) * span + 1024)
-        entries.append({"shard": path.name, "count": int(counts[s]), "bytes": int(counts[s]) * span + 1024,
-                        "sha256": "0" * 64})
+        entries.append(
+            {"shard": path.name, "count": int(counts[s]), "bytes": int(counts[s]) * span + 1024, "sha256": "0" * 64}
+        )
     np.save(out / SAMPLE_INDEX, rows, allow_pickle=False)
     for name in ("metadata.json", "text"):
         (shutil.copytree if (template / name).is_dir() else shutil.copy)(template / name, out / name)
     d = manifest.to_dict()
-    d.update(shards=entries, totals={**d["totals"], "samples": n, "shards": shards},
-             sample_index={"file": SAMPLE_INDEX, "sha256": sha256_file(out / SAMPLE_INDEX), "count": n,
-                           "members": names})
+    d.update(
+        shards=entries,
+        totals={**d["totals"], "samples": n, "shards": shards},
+        sample_index={"file": SAMPLE_INDEX, "sha256": sha256_file(out / SAMPLE_INDEX), "count": n, "members": names},
+    )
     Manifest.from_dict(d).write(out)
 
 
@@ -226,8 +259,10 @@ def metadata_only(out: Path, n: int, template: Path, samples_per_shard: int) -> 
 
 
 # the open alone, after the imports every trainer process makes anyway
-OPEN = ("import sys, time; from wampipe.train.data import open_index; t = time.perf_counter(); "
-        "i = open_index(sys.argv[1]); print('OPEN', time.perf_counter() - t, len(i))")
+OPEN = (
+    "import sys, time; from wampipe.train.data import open_index; t = time.perf_counter(); "
+    "i = open_index(sys.argv[1]); print('OPEN', time.perf_counter() - t, len(i))"
+)
 
 
 def open_index_cost(root: str, env: dict | None = None) -> dict:
@@ -250,12 +285,34 @@ def linked_copy(root: Path, to: Path) -> Path:
 def trainer_start(roots: Path | list[Path], ranks: int, loader_workers: int, run_dir: Path) -> dict:
     """A trainer's start to its first step (and its validation, where a set has a split) on one set or a mixture."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    data = (["--data.shards", str(roots)] if isinstance(roots, Path)
-            else ["--data.mixture", *(f"{root}=1" for root in roots)])
-    r = run_measured([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                      "train/main.py", "--preset", "tiny", *data, "--steps", "1",
-                      "--checkpoint.dir", str(run_dir), "--checkpoint.no-save-final", "--checkpoint.no-export",
-                      "--metrics.no-tensorboard", "--metrics.no-progress", "--data.num-workers", str(loader_workers)])
+    data = (
+        ["--data.shards", str(roots)]
+        if isinstance(roots, Path)
+        else ["--data.mixture", *(f"{root}=1" for root in roots)]
+    )
+    r = run_measured(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            "train/main.py",
+            "--preset",
+            "tiny",
+            *data,
+            "--steps",
+            "1",
+            "--checkpoint.dir",
+            str(run_dir),
+            "--checkpoint.no-save-final",
+            "--checkpoint.no-export",
+            "--metrics.no-tensorboard",
+            "--metrics.no-progress",
+            "--data.num-workers",
+            str(loader_workers),
+        ]
+    )
     r.pop("output")
     return r
 
@@ -311,8 +368,9 @@ def main(args: Args) -> None:
             print(f"units of {n} samples written in {time.perf_counter() - t:.1f} s", flush=True)
         for workers in args.finalize_workers:
             clear_finalize(out)
-            r = run_measured([sys.executable, __file__, "--finalize-only", str(out), str(workers),
-                              str(args.samples_per_shard)])
+            r = run_measured(
+                [sys.executable, __file__, "--finalize-only", str(out), str(workers), str(args.samples_per_shard)]
+            )
             r.pop("output")
             report(f"finalize_{workers}", samples=n, **r)
         r = run_measured([sys.executable, "-m", "wampipe.preprocess", "check", str(out), "--no-members"])
@@ -320,19 +378,33 @@ def main(args: Args) -> None:
         report("check", samples=n, **r)
         report("open", samples=n, **open_index_cost(str(out)))
         for ranks in args.trainer_ranks:
-            report(f"trainer_start_{ranks}", samples=n,
-                   **trainer_start(out, ranks, args.loader_workers, args.work / "run"))
+            report(
+                f"trainer_start_{ranks}", samples=n, **trainer_start(out, ranks, args.loader_workers, args.work / "run")
+            )
         if args.mixture_sets >= 2:
             sets = [out] + [linked_copy(out, args.work / f"n{n}-set{k}") for k in range(1, args.mixture_sets)]
-            report("trainer_start_mixture", samples=n, sets=len(sets),
-                   **trainer_start(sets, 1, args.loader_workers, args.work / "run"))
+            report(
+                "trainer_start_mixture",
+                samples=n,
+                sets=len(sets),
+                **trainer_start(sets, 1, args.loader_workers, args.work / "run"),
+            )
             for extra in sets[1:]:
                 shutil.rmtree(extra)
         if args.val_fraction:
             every = max(2, round(1 / args.val_fraction))
             clear_finalize(out)
-            r = run_measured([sys.executable, __file__, "--finalize-only", str(out), str(max(args.finalize_workers)),
-                              str(args.samples_per_shard), str(every)])
+            r = run_measured(
+                [
+                    sys.executable,
+                    __file__,
+                    "--finalize-only",
+                    str(out),
+                    str(max(args.finalize_workers)),
+                    str(args.samples_per_shard),
+                    str(every),
+                ]
+            )
             r.pop("output")
             report("finalize_val", samples=n, val_every=every, workers=max(args.finalize_workers), **r)
             report("trainer_start_val", samples=n, **trainer_start(out, 1, args.loader_workers, args.work / "run"))

@@ -42,8 +42,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/: fixtu
 from wampipe.configs.cli import cli, refuse
 from wampipe.errors import entry_point
 from devtools import synthetic
-from devtools.bench import (check_same_resolution, device_name, emit, measured_window, provenance,
-                         run_trainer, split_passthrough, trainer_argv, trainer_device, write_shards)
+from devtools.bench import (
+    check_same_resolution,
+    device_name,
+    emit,
+    measured_window,
+    provenance,
+    run_trainer,
+    split_passthrough,
+    trainer_argv,
+    trainer_device,
+    write_shards,
+)
 from wampipe.train.dit.attention import make_attention_mask
 from wampipe.train.planning.auto import device_memory_gib, resolve_auto
 from wampipe.train.builder import model_config
@@ -120,6 +130,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Args, list[str]]:
 
 # ---------------------------------------------------------------- the bound
 
+
 class BlockStack(nn.Module):
     """The DiT's transformer blocks alone (train.dit.model.Block), built in `dtype` on `device` one block at a time."""
 
@@ -142,9 +153,22 @@ class BlockStack(nn.Module):
         return x
 
 
-def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, text_rows: int,
-                     compile_: bool, attention: str, mask_options: dict, device: torch.device, warmup: int,
-                     steps: int, ac_others: str = "none", float8: str = "none") -> dict:
+def _time_bound_once(
+    cfg: DiTConfig,
+    latent_fhw,
+    batch: int,
+    ac: str,
+    ac_blocks: int,
+    text_rows: int,
+    compile_: bool,
+    attention: str,
+    mask_options: dict,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    ac_others: str = "none",
+    float8: str = "none",
+) -> dict:
     nf, h, w = latent_fhw
     grid = (h // 2, w // 2)
     layout = cfg.layout(nf, grid[0] * grid[1])
@@ -189,14 +213,32 @@ def _time_bound_once(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks:
     flops = dit_flops(cfg, latent_fhw, text_rows).blocks_forward * (3 + recomputed / cfg.num_layers)
     peak = device_peak_flops(device)
     sps = batch / dt
-    return {"samples_per_s": sps, "batch": batch, "ac": ac, "step_s": dt,
-            "mfu_pct": 100 * sps * flops / peak if peak else None,
-            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
+    return {
+        "samples_per_s": sps,
+        "batch": batch,
+        "ac": ac,
+        "step_s": dt,
+        "mfu_pct": 100 * sps * flops / peak if peak else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+    }
 
 
-def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, text_rows: int, compile_: bool,
-               attention: str, mask_options: dict, device: torch.device, warmup: int, steps: int,
-               ac_others: str = "none", float8: str = "none") -> dict:
+def time_bound(
+    cfg: DiTConfig,
+    latent_fhw,
+    batch: int,
+    ac: str,
+    ac_blocks: int,
+    text_rows: int,
+    compile_: bool,
+    attention: str,
+    mask_options: dict,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    ac_others: str = "none",
+    float8: str = "none",
+) -> dict:
     """Bound samples/s; a batch that runs out of device memory is halved (per-sample rate, so comparable); {} with a
     note when not even one sample fits."""
     while True:
@@ -205,8 +247,22 @@ def time_bound(cfg: DiTConfig, latent_fhw, batch: int, ac: str, ac_blocks: int, 
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            return _time_bound_once(cfg, latent_fhw, batch, ac, ac_blocks, text_rows, compile_, attention,
-                                    mask_options, device, warmup, steps, ac_others, float8)
+            return _time_bound_once(
+                cfg,
+                latent_fhw,
+                batch,
+                ac,
+                ac_blocks,
+                text_rows,
+                compile_,
+                attention,
+                mask_options,
+                device,
+                warmup,
+                steps,
+                ac_others,
+                float8,
+            )
         except Exception as e:  # noqa: BLE001 - compiled code may wrap the OOM in its own exception type
             if "out of memory" not in str(e).lower():
                 raise
@@ -245,14 +301,25 @@ def offload_split(cfg, plan, world: int, device: torch.device, samples_per_s: fl
     size = run_size(cfg)
     if size is None:  # a recipe without a sample shape: nothing to count
         return {}
-    traffic = Plan(cfg.parallel.activation_checkpoint, plan.micro, cfg.parallel.reshard_after_forward,
-                   bool(cfg.parallel.reduce_every_micro_batch), plan.accum, world, cpu_offload=True)
+    traffic = Plan(
+        cfg.parallel.activation_checkpoint,
+        plan.micro,
+        cfg.parallel.reshard_after_forward,
+        bool(cfg.parallel.reduce_every_micro_batch),
+        plan.accum,
+        world,
+        cpu_offload=True,
+    )
     bytes_in, bytes_out = offload_traffic(size, traffic, cfg.parallel.gather_once_per_step)
     to_device, to_host = pinned_copy_gb_s(device)
-    return {"offload_in_gb": bytes_in / 1e9, "offload_out_gb": bytes_out / 1e9, "pinned_to_gpu_gb_s": to_device,
-            "pinned_to_host_gb_s": to_host,
-            "offload_copy_bound_s": bytes_in / 1e9 / to_device + bytes_out / 1e9 / to_host,
-            "step_s": plan.micro * plan.accum / samples_per_s if samples_per_s else None}
+    return {
+        "offload_in_gb": bytes_in / 1e9,
+        "offload_out_gb": bytes_out / 1e9,
+        "pinned_to_gpu_gb_s": to_device,
+        "pinned_to_host_gb_s": to_host,
+        "offload_copy_bound_s": bytes_in / 1e9 / to_device + bytes_out / 1e9 / to_host,
+        "step_s": plan.micro * plan.accum / samples_per_s if samples_per_s else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -265,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     sets = {preset: work / f"shards-{preset}" for preset in args.mix or ()}
     if sets:  # the sets instead of one directory; the first set stands for the shapes below
         i = argv_trainer.index("--data.shards")
-        argv_trainer[i:i + 2] = ["--data.mixture", *(f"{d}=1" for d in sets.values())]
+        argv_trainer[i : i + 2] = ["--data.mixture", *(f"{d}=1" for d in sets.values())]
         shards = next(iter(sets.values()))
     cfg = parse_trainer_args(argv_trainer)
     cfg, auto = resolve_auto(cfg, device_memory_gib(trainer_device(cfg)), args.nproc)
@@ -274,14 +341,27 @@ def main(argv: list[str] | None = None) -> dict:
     plan = batch_plan(cfg, args.nproc)
     micro, global_batch, accum = plan.micro, plan.global_batch, plan.accum
     total_steps = args.warmup_steps + args.steps
-    result: dict = {"bench": "train", "preset": args.preset, "mix": args.mix, "model": cfg.model.name,
-                    "world_size": args.nproc,
-                    "micro_batch": micro, "global_batch": global_batch, "accum": accum,
-                    "ac": cfg.parallel.activation_checkpoint, "compile": cfg.parallel.compile,
-                    "attention": cfg.model.attention, "reshard_after_forward": cfg.parallel.reshard_after_forward,
-                    "reduce_every_micro_batch": cfg.parallel.reduce_every_micro_batch,
-                    "float8": cfg.parallel.float8, "cpu_offload": cfg.parallel.cpu_offload, "auto": auto,
-                    "warmup_steps": args.warmup_steps, "steps": args.steps, "trainer_extra": extra}
+    result: dict = {
+        "bench": "train",
+        "preset": args.preset,
+        "mix": args.mix,
+        "model": cfg.model.name,
+        "world_size": args.nproc,
+        "micro_batch": micro,
+        "global_batch": global_batch,
+        "accum": accum,
+        "ac": cfg.parallel.activation_checkpoint,
+        "compile": cfg.parallel.compile,
+        "attention": cfg.model.attention,
+        "reshard_after_forward": cfg.parallel.reshard_after_forward,
+        "reduce_every_micro_batch": cfg.parallel.reduce_every_micro_batch,
+        "float8": cfg.parallel.float8,
+        "cpu_offload": cfg.parallel.cpu_offload,
+        "auto": auto,
+        "warmup_steps": args.warmup_steps,
+        "steps": args.steps,
+        "trainer_extra": extra,
+    }
     try:
         # windows for every step, plus the batches the loader workers have prefetched when the run ends
         ahead = (cfg.data.num_workers * cfg.data.prefetch_factor + 2) * micro * args.nproc
@@ -294,11 +374,20 @@ def main(argv: list[str] | None = None) -> dict:
         latent_fhw = tuple(synthetic.SHAPES[args.preset].latents[1:])
         layout = model_cfg.layout(latent_fhw[0], (latent_fhw[1] // 2) * (latent_fhw[2] // 2))
         # compact text: the rows of a batch holding the longest prompt (the trainer's batches have at most these)
-        text_rows = (compact_text_rows(data_dims(shards)["text_len"], model_cfg.text_len) if cfg.data.compact_text
-                     else model_cfg.text_len)
-        result.update(latent=list(latent_fhw), seq_len=layout.seq_len, compact_text=cfg.data.compact_text,
-                      ac_blocks=cfg.parallel.ac_blocks, ac_others=cfg.parallel.ac_others, text_rows=text_rows,
-                      context_len=text_rows + (model_cfg.image_len if model_cfg.model_type != "t2v" else 0))
+        text_rows = (
+            compact_text_rows(data_dims(shards)["text_len"], model_cfg.text_len)
+            if cfg.data.compact_text
+            else model_cfg.text_len
+        )
+        result.update(
+            latent=list(latent_fhw),
+            seq_len=layout.seq_len,
+            compact_text=cfg.data.compact_text,
+            ac_blocks=cfg.parallel.ac_blocks,
+            ac_others=cfg.parallel.ac_others,
+            text_rows=text_rows,
+            context_len=text_rows + (model_cfg.image_len if model_cfg.model_type != "t2v" else 0),
+        )
 
         trainer = {}
         if not args.bound_only:
@@ -307,14 +396,27 @@ def main(argv: list[str] | None = None) -> dict:
             result["trainer_wall_s"] = run_trainer(args, argv_trainer, run_dir)
             check_same_resolution(cfg, run_dir)
             trainer = measured_window(run_dir, args.warmup_steps, micro * accum)
-        result.update({k: trainer.get(k) for k in ("samples_per_s_per_gpu", "mfu_pct", "data_wait_pct",
-                                                    "peak_mem_gib", "peak_reserved_gib", "alloc_retries_per_step",
-                                                    "cpu_optimizer_s", "measured_steps", "measured_s", "loss_last")})
+        result.update(
+            {
+                k: trainer.get(k)
+                for k in (
+                    "samples_per_s_per_gpu",
+                    "mfu_pct",
+                    "data_wait_pct",
+                    "peak_mem_gib",
+                    "peak_reserved_gib",
+                    "alloc_retries_per_step",
+                    "cpu_optimizer_s",
+                    "measured_steps",
+                    "measured_s",
+                    "loss_last",
+                )
+            }
+        )
 
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         use_expandable_segments(device)  # the trainer's allocator, for the bound too
-        result.update(device=device.type, gpu=device_name(device), torch=torch.__version__,
-                      **provenance(argv))
+        result.update(device=device.type, gpu=device_name(device), torch=torch.__version__, **provenance(argv))
         if cfg.parallel.cpu_offload and device.type == "cuda":
             split = offload_split(cfg, plan, args.nproc, device, result["samples_per_s_per_gpu"])
             result.update(split)
@@ -322,13 +424,26 @@ def main(argv: list[str] | None = None) -> dict:
         bounds = {}
         if not args.trainer_only:
             ac = cfg.parallel.activation_checkpoint
-            settings = [("bound", ac)] + ([("bound_no_recompute", "none")]
-                                          if ac != "none" and not args.skip_no_recompute_bound else [])
+            settings = [("bound", ac)] + (
+                [("bound_no_recompute", "none")] if ac != "none" and not args.skip_no_recompute_bound else []
+            )
             for name, mode in settings:
-                bounds[name] = time_bound(model_cfg, latent_fhw, micro, mode, cfg.parallel.ac_blocks, text_rows,
-                                          cfg.parallel.compile, cfg.model.attention, cfg.model.flex_mask_options(),
-                                          device, args.bound_warmup, args.bound_steps, cfg.parallel.ac_others,
-                                          cfg.parallel.float8)
+                bounds[name] = time_bound(
+                    model_cfg,
+                    latent_fhw,
+                    micro,
+                    mode,
+                    cfg.parallel.ac_blocks,
+                    text_rows,
+                    cfg.parallel.compile,
+                    cfg.model.attention,
+                    cfg.model.flex_mask_options(),
+                    device,
+                    args.bound_warmup,
+                    args.bound_steps,
+                    cfg.parallel.ac_others,
+                    cfg.parallel.float8,
+                )
                 print(f"{name}: {bounds[name]}", flush=True)
         sps = result["samples_per_s_per_gpu"]
         for name in ("bound", "bound_no_recompute"):

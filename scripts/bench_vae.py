@@ -48,8 +48,9 @@ def build_vae(variant: str, device: str, quick: bool) -> WanVAE:
     # offline encoding never decodes; None drops the submodule, which diffusers types as always present
     model.decoder = None  # pyright: ignore[reportAttributeAccessIssue]
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return WanVAE(model, VaeInfo(variant, config["z_dim"], 16 if variant == "wan2.2" else 8, 4, "random"),
-                  device, dtype=dtype)
+    return WanVAE(
+        model, VaeInfo(variant, config["z_dim"], 16 if variant == "wan2.2" else 8, 4, "random"), device, dtype=dtype
+    )
 
 
 def sync(device: str) -> None:
@@ -86,8 +87,10 @@ def top_kernels(vae: WanVAE, x: torch.Tensor, n: int = 8) -> list[dict]:
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in kernels) or 1
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return [{"kernel": e.key[:90], "share": round(e.self_device_time_total / total, 3), "calls": e.count}
-            for e in kernels[:n]]
+    return [
+        {"kernel": e.key[:90], "share": round(e.self_device_time_total / total, 3), "calls": e.count}
+        for e in kernels[:n]
+    ]
 
 
 def set_lever(vae: WanVAE, lever: str | None, on: bool, batch_size: int) -> None:
@@ -120,23 +123,32 @@ def bench_shape(recipe: str, args) -> dict:
     gen = torch.Generator(device=args.device).manual_seed(0)
     x = (torch.rand(args.batch, 3, t, h, w, device=args.device, generator=gen) * 2 - 1).to(vae.dtype)
     flops = encode_flops(vae, x)
-    out = {"recipe": recipe, "variant": variant, "clip": [t, h, w], "batch": args.batch,
-           "gflop_per_clip": round(flops / args.batch / 1e9, 1)}
+    out = {
+        "recipe": recipe,
+        "variant": variant,
+        "clip": [t, h, w],
+        "batch": args.batch,
+        "gflop_per_clip": round(flops / args.batch / 1e9, 1),
+    }
     reference = vae.encode(x)
     for lever in (None, *args.levers):
         set_lever(vae, lever, True, args.batch)
         name = lever or "baseline"
         try:  # a compile warm-up needs more calls: the first chunk of a clip has other shapes than the rest
-            sec = seconds_per_call(lambda: encode_with(vae, x, lever), args.device,
-                                   args.warmup + 2 * (lever == "compile"), args.iters)
+            sec = seconds_per_call(
+                lambda: encode_with(vae, x, lever), args.device, args.warmup + 2 * (lever == "compile"), args.iters
+            )
         except Exception as e:  # report a lever that does not run here and go on with the others
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             set_lever(vae, lever, False, args.batch)
             continue
         first, second = encode_with(vae, x, lever), encode_with(vae, x, lever)
-        out[name] = {"clips_per_s": round(args.batch / sec, 2), "tflops": round(flops / sec / 1e12, 1),
-                     "max_abs_diff_vs_baseline": float((first.float() - reference.float()).abs().max()),
-                     "same_bits_twice": bool(torch.equal(first, second))}
+        out[name] = {
+            "clips_per_s": round(args.batch / sec, 2),
+            "tflops": round(flops / sec / 1e12, 1),
+            "max_abs_diff_vs_baseline": float((first.float() - reference.float()).abs().max()),
+            "same_bits_twice": bool(torch.equal(first, second)),
+        }
         if args.peak_tflops:
             out[name]["fraction_of_peak"] = round(flops / sec / 1e12 / args.peak_tflops, 3)
         set_lever(vae, lever, False, args.batch)

@@ -101,14 +101,35 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="fp8_parity-")) if args.out is None else args.out
     work.mkdir(parents=True, exist_ok=True)
     shards = args.shards or work / "shards"
-    label = " ".join([args.float8] * (args.float8 != "none") + [f"{args.moments}-moments"] * (args.moments != "fp32")
-                     + ["bf16-reduce"] * (args.reduce_dtype != "float32"))
+    label = " ".join(
+        [args.float8] * (args.float8 != "none")
+        + [f"{args.moments}-moments"] * (args.moments != "fp32")
+        + ["bf16-reduce"] * (args.reduce_dtype != "float32")
+    )
     label = label or "bf16 again"
-    runs = {"bf16": ("none", "fp32", "float32", work / "run-bf16"),
-            label: (args.float8, args.moments, args.reduce_dtype, work / f"run-{label.replace(' ', '-')}")}
-    argvs = {name: bench.trainer_argv(args, shards, run_dir, [
-        "--metrics.interval", "1", *extra, "--parallel.float8", mode, "--optim.moments", moments,
-        "--parallel.reduce-dtype", reduce_dtype]) for name, (mode, moments, reduce_dtype, run_dir) in runs.items()}
+    runs = {
+        "bf16": ("none", "fp32", "float32", work / "run-bf16"),
+        label: (args.float8, args.moments, args.reduce_dtype, work / f"run-{label.replace(' ', '-')}"),
+    }
+    argvs = {
+        name: bench.trainer_argv(
+            args,
+            shards,
+            run_dir,
+            [
+                "--metrics.interval",
+                "1",
+                *extra,
+                "--parallel.float8",
+                mode,
+                "--optim.moments",
+                moments,
+                "--parallel.reduce-dtype",
+                reduce_dtype,
+            ],
+        )
+        for name, (mode, moments, reduce_dtype, run_dir) in runs.items()
+    }
     cfg = parse_trainer_args(argvs["bf16"])
     device = bench.trainer_device(cfg)
     check_float8(args.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
@@ -133,17 +154,37 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{step:>5} {a:>10.5f} {b:>10.5f} {abs(a - b):>10.5f}")
     stats = compare(curves["bf16"], curves[label])
     parity = stats["ratio"] is not None and stats["ratio"] <= args.max_ratio
-    result = bench.emit({
-        "check": "fp8_parity", "preset": args.preset, "float8": args.float8, "moments": args.moments,
-        "reduce_dtype": args.reduce_dtype, "world_size": args.nproc,
-        "steps": args.steps, "micro_batch": micro, "global_batch": global_batch, "trainer_extra": extra, **stats,
-        "max_ratio": args.max_ratio, "parity": parity, "samples_per_s_per_gpu_bf16": rates["bf16"],
-        "samples_per_s_per_gpu_other": rates[label], "loss_bf16": curves["bf16"], "loss_other": curves[label],
-        "gpu": bench.device_name(device), "torch": torch.__version__, **bench.provenance(argv)}, args.out)
+    result = bench.emit(
+        {
+            "check": "fp8_parity",
+            "preset": args.preset,
+            "float8": args.float8,
+            "moments": args.moments,
+            "reduce_dtype": args.reduce_dtype,
+            "world_size": args.nproc,
+            "steps": args.steps,
+            "micro_batch": micro,
+            "global_batch": global_batch,
+            "trainer_extra": extra,
+            **stats,
+            "max_ratio": args.max_ratio,
+            "parity": parity,
+            "samples_per_s_per_gpu_bf16": rates["bf16"],
+            "samples_per_s_per_gpu_other": rates[label],
+            "loss_bf16": curves["bf16"],
+            "loss_other": curves[label],
+            "gpu": bench.device_name(device),
+            "torch": torch.__version__,
+            **bench.provenance(argv),
+        },
+        args.out,
+    )
     if not parity:
         ratio = "undefined" if stats["ratio"] is None else f"{stats['ratio']:.3g}"
-        raise SystemExit(f"no loss parity: mean |{label} - bf16| loss {stats['mean_abs_diff']:.4g} is {ratio} x the "
-                         f"bf16 step-to-step noise {stats['bf16_step_noise']:.4g} (--max-ratio {args.max_ratio})")
+        raise SystemExit(
+            f"no loss parity: mean |{label} - bf16| loss {stats['mean_abs_diff']:.4g} is {ratio} x the "
+            f"bf16 step-to-step noise {stats['bf16_step_noise']:.4g} (--max-ratio {args.max_ratio})"
+        )
     return result
 
 

@@ -65,10 +65,12 @@ def check_attention(dev) -> dict:
         bm, dm = flex_block_mask(layout, dev), dense_mask(layout, dev)
         for dtype in (torch.float32, torch.bfloat16):
             g = torch.Generator(device=dev).manual_seed(0)
-            q, k, v = (torch.randn(2, heads, layout.seq_len, hd, device=dev, generator=g, dtype=dtype)
-                       for _ in range(3))
-            out[f"attn_{name}_{str(dtype)[6:]}"] = max_rel_err(masked_attention(q, k, v, bm),
-                                                                masked_attention(q, k, v, dm))
+            q, k, v = (
+                torch.randn(2, heads, layout.seq_len, hd, device=dev, generator=g, dtype=dtype) for _ in range(3)
+            )
+            out[f"attn_{name}_{str(dtype)[6:]}"] = max_rel_err(
+                masked_attention(q, k, v, bm), masked_attention(q, k, v, dm)
+            )
         print(f"{name}: {bm}".splitlines()[0])
     return out
 
@@ -76,8 +78,10 @@ def check_attention(dev) -> dict:
 def check_model(dev) -> dict:
     """Whole-model forward + grads through both paths: tiny in fp32, a 2-layer 5B in bf16 autocast."""
     out = {}
-    for name, kw, shape, dtype in [("tiny", {}, (9, 4, 4), torch.float32),
-                                   ("5b", {"num_layers": 2}, (9, 10, 20), torch.bfloat16)]:
+    for name, kw, shape, dtype in [
+        ("tiny", {}, (9, 4, 4), torch.float32),
+        ("5b", {"num_layers": 2}, (9, 10, 20), torch.bfloat16),
+    ]:
         torch.manual_seed(0)
         cfg_name = "tiny" if name == "tiny" else "libero-5b"
         model = build_model(cfg_name, **kw).to(dev)
@@ -93,8 +97,9 @@ def check_model(dev) -> dict:
             model.attention_backend = "dense" if backend == "dense" else "flex"  # compact text runs on flex
             model.zero_grad()
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                loss, _ = flow_matching_loss(model, batch_run, FlowMatchScheduler(),
-                                             generator=torch.Generator(device=dev).manual_seed(1))
+                loss, _ = flow_matching_loss(
+                    model, batch_run, FlowMatchScheduler(), generator=torch.Generator(device=dev).manual_seed(1)
+                )
             loss.backward()
             # every parameter takes part in the loss, so the backward gave each one a gradient
             grads = torch.cat([cast(torch.Tensor, p.grad).flatten().float() for p in model.parameters()])
@@ -116,6 +121,7 @@ def time_5b(args: Args, dev) -> dict:
     model.attention_backend = "flex" if dev.type == "cuda" else "dense"
     if args.recompute:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
         for i, blk in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(blk)
     if args.compile:  # as train/parallel.py: each block compiled whole (fullgraph)
@@ -147,13 +153,24 @@ def time_5b(args: Args, dev) -> dict:
     per_sample = dit_flops(model.cfg, args.latent).train_step(args.recompute)
     sps = args.batch / dt
     tflops = per_sample * sps / 1e12
-    return {"check": "dit_fwd_bwd", "preset": args.preset, "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "torch": torch.__version__, "layers": args.layers, "batch": args.batch, "recompute": args.recompute,
-            "compile": args.compile, "seq_len": layout.seq_len,
-            "context": model.cfg.text_len + model.cfg.image_len, "step_s": round(dt, 4),
-            "samples_per_s": round(sps, 3), "tflop_per_sample": round(per_sample / 1e12, 3),
-            "tflops_per_gpu": round(tflops, 1), "mfu": round(tflops / args.peak_tflops, 3),
-            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
+    return {
+        "check": "dit_fwd_bwd",
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "layers": args.layers,
+        "batch": args.batch,
+        "recompute": args.recompute,
+        "compile": args.compile,
+        "seq_len": layout.seq_len,
+        "context": model.cfg.text_len + model.cfg.image_len,
+        "step_s": round(dt, 4),
+        "samples_per_s": round(sps, 3),
+        "tflop_per_sample": round(per_sample / 1e12, 3),
+        "tflops_per_gpu": round(tflops, 1),
+        "mfu": round(tflops / args.peak_tflops, 3),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+    }
 
 
 def main(args: Args):
@@ -164,11 +181,13 @@ def main(args: Args):
         agreement.update(check_attention(dev))
         agreement.update(check_model(dev))
         for k, v in agreement.items():
-            print(f"{'compact vs 512-row text' if k.startswith('compact') else 'flex vs dense'} {k}: "
-                  f"max rel err {v:.2e}")
+            print(
+                f"{'compact vs 512-row text' if k.startswith('compact') else 'flex vs dense'} {k}: max rel err {v:.2e}"
+            )
 
         def tol(key):  # fp32 runs (tiny model, fp32 attention) vs bf16 runs
             return 1e-4 if ("float32" in key or key.startswith(("model_tiny", "compact_text_tiny"))) else 3e-2
+
         bad = {k: v for k, v in agreement.items() if v > tol(k)}
         if bad:
             print(f"DISAGREE: {bad}")

@@ -92,23 +92,29 @@ FIRST_NORMS, LATE_NORMS = slice(0, 4), slice(8, None)  # the 4 at full resolutio
 # Wan2.2's average-pooling shortcuts eager. Channels-last (`-cl`): eager itself in that layout (what the layout alone
 # changes); the product; the product with its norms summed in eager's channels-first order; the norms fused; fused
 # but the first four norms (full resolution) or those from the third stage on eager; fused with cuDNN's benchmark
-COMPILED = {"inductor": Setting(lambda: {}, True), "casts": Setting(lambda: CASTS, True),
-            "casts-eager-layout": Setting(lambda: {**CASTS, "layout_optimization": False}, True),
-            "product-fused-norms": Setting(fuse_norms=True),
-            "product-fused-norms-eager-silu": Setting(fuse_norms=True, keep_eager=(_keep_eager_silu,)),
-            "product": Setting(),
-            "product-eager-layout": Setting(lambda: {**compile_options(), "layout_optimization": False}),
-            "product-eager-avg-down": Setting(keep_eager=(_keep_eager_avg_down,)),
-            "eager-cl": Setting(channels_last=True, compiled=False),
-            "product-cl": Setting(channels_last=True),
-            "product-cl-norms-in-eager-order": Setting(fuse_norms=True, channels_last=True,
-                                                       keep_eager=(_eager_norms(in_eager_order=True),)),
-            "fused-norms-cl": Setting(fuse_norms=True, channels_last=True),
-            "fused-norms-cl-eager-first-norms": Setting(fuse_norms=True, channels_last=True,
-                                                        keep_eager=(_eager_norms(FIRST_NORMS),)),
-            "fused-norms-cl-eager-late-norms": Setting(fuse_norms=True, channels_last=True,
-                                                       keep_eager=(_eager_norms(LATE_NORMS),)),
-            "fused-norms-cl-cudnn-benchmark": Setting(fuse_norms=True, channels_last=True, cudnn_benchmark=True)}
+COMPILED = {
+    "inductor": Setting(lambda: {}, True),
+    "casts": Setting(lambda: CASTS, True),
+    "casts-eager-layout": Setting(lambda: {**CASTS, "layout_optimization": False}, True),
+    "product-fused-norms": Setting(fuse_norms=True),
+    "product-fused-norms-eager-silu": Setting(fuse_norms=True, keep_eager=(_keep_eager_silu,)),
+    "product": Setting(),
+    "product-eager-layout": Setting(lambda: {**compile_options(), "layout_optimization": False}),
+    "product-eager-avg-down": Setting(keep_eager=(_keep_eager_avg_down,)),
+    "eager-cl": Setting(channels_last=True, compiled=False),
+    "product-cl": Setting(channels_last=True),
+    "product-cl-norms-in-eager-order": Setting(
+        fuse_norms=True, channels_last=True, keep_eager=(_eager_norms(in_eager_order=True),)
+    ),
+    "fused-norms-cl": Setting(fuse_norms=True, channels_last=True),
+    "fused-norms-cl-eager-first-norms": Setting(
+        fuse_norms=True, channels_last=True, keep_eager=(_eager_norms(FIRST_NORMS),)
+    ),
+    "fused-norms-cl-eager-late-norms": Setting(
+        fuse_norms=True, channels_last=True, keep_eager=(_eager_norms(LATE_NORMS),)
+    ),
+    "fused-norms-cl-cudnn-benchmark": Setting(fuse_norms=True, channels_last=True, cudnn_benchmark=True),
+}
 
 
 def ordered_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -122,12 +128,14 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> dict:
     ulps = (ordered_bf16(a) - ordered_bf16(b)).abs().flatten().float()
     a, b = a.float(), b.float()
     rms = a.pow(2).mean().sqrt().item()
-    return {"frac_differ": round(ulps.gt(0).float().mean().item(), 5),
-            "frac_over_1_ulp": round(ulps.gt(1).float().mean().item(), 5),
-            # near zero one step of the value is many ulps: the tail of the count, not its max, says how far
-            "p99_ulps": float(ulps.kthvalue(max(1, int(0.99 * ulps.numel()))).values),
-            "max_abs_over_rms": float((a - b).abs().max()) / rms if rms else 0.0,
-            "rel_rms": (a - b).pow(2).mean().sqrt().item() / rms if rms else 0.0}
+    return {
+        "frac_differ": round(ulps.gt(0).float().mean().item(), 5),
+        "frac_over_1_ulp": round(ulps.gt(1).float().mean().item(), 5),
+        # near zero one step of the value is many ulps: the tail of the count, not its max, says how far
+        "p99_ulps": float(ulps.kthvalue(max(1, int(0.99 * ulps.numel()))).values),
+        "max_abs_over_rms": float((a - b).abs().max()) / rms if rms else 0.0,
+        "rel_rms": (a - b).pow(2).mean().sqrt().item() / rms if rms else 0.0,
+    }
 
 
 def distances(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -145,8 +153,9 @@ def clips(n: int, t: int, h: int, w: int) -> torch.Tensor:
     smooth = []
     for _ in range(n // 2):
         f, p = torch.rand(3, 3, generator=gen) * 6 + 1, torch.rand(3, generator=gen) * 2 * math.pi
-        smooth.append(torch.stack([torch.sin(f[c, 0] * xs + f[c, 1] * ys + f[c, 2] * time + p[c])[0]
-                                   for c in range(3)]))
+        smooth.append(
+            torch.stack([torch.sin(f[c, 0] * xs + f[c, 1] * ys + f[c, 2] * time + p[c])[0] for c in range(3)])
+        )
     return torch.cat([noise, torch.stack(smooth)]) if smooth else noise
 
 
@@ -204,8 +213,20 @@ def warm_in_parallel(args) -> None:
 
     def one(job: tuple[str, str]) -> str:
         recipe, name = job
-        command = [sys.executable, __file__, "--warm-only", "--device", args.device, "--recipes", recipe,
-                   "--compiled", name, "--batch-sizes", str(args.batch_sizes[0]), *(["--quick"] if args.quick else [])]
+        command = [
+            sys.executable,
+            __file__,
+            "--warm-only",
+            "--device",
+            args.device,
+            "--recipes",
+            recipe,
+            "--compiled",
+            name,
+            "--batch-sizes",
+            str(args.batch_sizes[0]),
+            *(["--quick"] if args.quick else []),
+        ]
         start = time.perf_counter()
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode:
@@ -245,8 +266,11 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
     again = vae.encode(x, batch_size=batch).cpu()
     eager = [f"eager_b{b}" for b in args.batch_sizes]
     # every pair of eager batch sizes: the spread the eager encoder itself has, not only against the baseline
-    pairs = {f"{a}_vs_{b}": {half: d["rel_rms"] for half, d in distances(latents[a], latents[b]).items()}
-             for i, a in enumerate(eager) for b in eager[i + 1:]}
+    pairs = {
+        f"{a}_vs_{b}": {half: d["rel_rms"] for half, d in distances(latents[a], latents[b]).items()}
+        for i, a in enumerate(eager)
+        for b in eager[i + 1 :]
+    }
     spread = {half: max((p[half] for p in pairs.values()), default=0.0) for half in ("noise", "smooth")}
     same_bits = {}
     if cuda:  # the eager encoder replayed as a CUDA graph: expected the same bits
@@ -267,20 +291,33 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
             if cuda:  # as the farm runs it: replayed as a CUDA graph (the same bits, faster)
                 vae.capture(t, h, w)
                 graphed = timed(f"{key}_graph", lambda: vae.encode(x))
-                row.update(graph_clips_per_s=speed[f"{key}_graph"], graph_rerun_same_bits=rerun[f"{key}_graph"],
-                           graph_same_bits_as_without=bool(torch.equal(graphed, latents[key])))
+                row.update(
+                    graph_clips_per_s=speed[f"{key}_graph"],
+                    graph_rerun_same_bits=rerun[f"{key}_graph"],
+                    graph_same_bits_as_without=bool(torch.equal(graphed, latents[key])),
+                )
                 same_bits[f"compiled_{name}_graph"] = row["graph_same_bits_as_without"]
             d = distances(latents[key], latents[base])
-            row.update(rel_rms_vs_eager={half: round(v["rel_rms"], 6) for half, v in d.items()},
-                       over_eager_spread={half: round(d[half]["rel_rms"] / spread[half], 3) if spread[half] else None
-                                          for half in d})
+            row.update(
+                rel_rms_vs_eager={half: round(v["rel_rms"], 6) for half, v in d.items()},
+                over_eager_spread={
+                    half: round(d[half]["rel_rms"] / spread[half], 3) if spread[half] else None for half in d
+                },
+            )
             settings[name] = row
             print(json.dumps({"recipe": recipe, "setting": name, **row}), flush=True)  # compiling takes minutes
         torch.backends.cudnn.benchmark = False
-    out = {"recipe": recipe, "variant": variant, "clip": [t, h, w], "clips": args.clips,
-           "device": torch.cuda.get_device_name() if cuda else args.device,
-           "torch": torch.__version__, "eager_rerun_same_bits": bool(torch.equal(again, latents[base])),
-           "clips_per_s": speed, "graph_same_bits_as_without": same_bits}
+    out = {
+        "recipe": recipe,
+        "variant": variant,
+        "clip": [t, h, w],
+        "clips": args.clips,
+        "device": torch.cuda.get_device_name() if cuda else args.device,
+        "torch": torch.__version__,
+        "eager_rerun_same_bits": bool(torch.equal(again, latents[base])),
+        "clips_per_s": speed,
+        "graph_same_bits_as_without": same_bits,
+    }
     for name, value in latents.items():
         if name != base:
             out[f"{name}_vs_{base}"] = distances(value, latents[base])
@@ -297,9 +334,16 @@ def compare(files: list[Path]) -> list[dict]:
     rows = []
     for recipe in sorted(first.keys() & second.keys()):
         a, b = first[recipe], second[recipe]
-        rows.append({"recipe": recipe, "devices": [a["device"], b["device"]],
-                     **{name: distances(a["latents"][name], b["latents"][name])
-                        for name in sorted(a["latents"].keys() & b["latents"].keys())}})
+        rows.append(
+            {
+                "recipe": recipe,
+                "devices": [a["device"], b["device"]],
+                **{
+                    name: distances(a["latents"][name], b["latents"][name])
+                    for name in sorted(a["latents"].keys() & b["latents"].keys())
+                },
+            }
+        )
     return rows
 
 
@@ -359,19 +403,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row, latents = measure(recipe, args)
             rows.append(row)
             if args.save:
-                torch.save({recipe: {"device": row["device"], "latents": latents}},
-                           args.save.with_stem(f"{args.save.stem}-{recipe}"))
+                torch.save(
+                    {recipe: {"device": row["device"], "latents": latents}},
+                    args.save.with_stem(f"{args.save.stem}-{recipe}"),
+                )
     for row in rows:
         print(json.dumps(row), flush=True)
     for row in rows:  # the short table last
         if row.get("settings"):
             spread = row["eager_spread_rel_rms"]
-            print(f"{row['recipe']}: eager b{args.batch_sizes[0]} {row['clips_per_s'][f'eager_b{args.batch_sizes[0]}']}"
-                  f" clips/s; eager spread {100 * spread['noise']:.3f} % / {100 * spread['smooth']:.3f} %")
+            print(
+                f"{row['recipe']}: eager b{args.batch_sizes[0]} {row['clips_per_s'][f'eager_b{args.batch_sizes[0]}']}"
+                f" clips/s; eager spread {100 * spread['noise']:.3f} % / {100 * spread['smooth']:.3f} %"
+            )
             for name, s in row["settings"].items():
-                print(f"  {name:36} {s['clips_per_s']:8.2f} {s.get('graph_clips_per_s', 0):8.2f} clips/s  "
-                      f"{100 * s['rel_rms_vs_eager']['noise']:.3f} % / {100 * s['rel_rms_vs_eager']['smooth']:.3f} %  "
-                      f"{s['over_eager_spread']['noise']} / {s['over_eager_spread']['smooth']}x spread")
+                print(
+                    f"  {name:36} {s['clips_per_s']:8.2f} {s.get('graph_clips_per_s', 0):8.2f} clips/s  "
+                    f"{100 * s['rel_rms_vs_eager']['noise']:.3f} % / {100 * s['rel_rms_vs_eager']['smooth']:.3f} %  "
+                    f"{s['over_eager_spread']['noise']} / {s['over_eager_spread']['smooth']}x spread"
+                )
     return rows
 
 

@@ -37,11 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.rand(6, 3, 180, 320, generator=gen)
     diffs = {}
     for factor in (0.7, 1.3):
-        diffs[f"brightness_{factor}"] = (views.adjust_brightness(x, factor)
-                                         - TF.adjust_brightness(x, factor)).abs().max()
+        diffs[f"brightness_{factor}"] = (
+            (views.adjust_brightness(x, factor) - TF.adjust_brightness(x, factor)).abs().max()
+        )
         diffs[f"contrast_{factor}"] = (views.adjust_contrast(x, factor) - TF.adjust_contrast(x, factor)).abs().max()
-        diffs[f"saturation_{factor}"] = (views.adjust_saturation(x, factor)
-                                         - TF.adjust_saturation(x, factor)).abs().max()
+        diffs[f"saturation_{factor}"] = (
+            (views.adjust_saturation(x, factor) - TF.adjust_saturation(x, factor)).abs().max()
+        )
     for factor in (-0.08, 0.05):
         diffs[f"hue_{factor}"] = (views.adjust_hue(x, factor) - TF.adjust_hue(x, factor)).abs().max()
     params = views.draw_train_params(180, 320, gen)
@@ -51,8 +53,9 @@ def main(argv: list[str] | None = None) -> None:
         theirs = getattr(TF, f"adjust_{name}")(theirs, params["jitter"][name])
     diffs["jitter_drawn"] = (ours - theirs).abs().max()
     top, left, ch, cw = params["crop"]
-    crop_ours = torch.nn.functional.interpolate(x[:, :, top : top + ch, left : left + cw], size=(176, 320),
-                                                mode="bilinear", align_corners=False, antialias=True)
+    crop_ours = torch.nn.functional.interpolate(
+        x[:, :, top : top + ch, left : left + cw], size=(176, 320), mode="bilinear", align_corners=False, antialias=True
+    )
     crop_theirs = TF.resize(TF.crop(x, top, left, ch, cw), [176, 320], InterpolationMode.BILINEAR, antialias=True)
     diffs["crop_resize"] = (crop_ours - crop_theirs).abs().max()
     center = views.eval_params(180, 320)["crop"]
@@ -60,8 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     diffs["center_crop_offset"] = torch.tensor(float(tv_center[0, 0, 0] != center[0] * 320 + center[1]))
     result = {k: float(v) for k, v in diffs.items()}
     ok = all(v <= args.tolerance for v in result.values())
-    print(json.dumps({"check": "views_vs_torchvision", "torchvision": torchvision.__version__, "ok": ok,
-                      "max_abs_diff": result}))
+    print(
+        json.dumps(
+            {"check": "views_vs_torchvision", "torchvision": torchvision.__version__, "ok": ok, "max_abs_diff": result}
+        )
+    )
     raise SystemExit(0 if ok else 1)
 
 

@@ -1,6 +1,8 @@
-"""Synthetic shard directories in the real format, of a recipe's exact sample shapes (devtools/synthetic.py).
+"""Synthetic shard directories in the real format, of a recipe's exact sample shapes (devtools/synthetic.py):
 
     python scripts/make_synthetic_shards.py --preset tiny --out build/shards-tiny --episodes 6
+
+The sample shapes are the recipe's `synthetic` section (configs/).
 """
 
 from __future__ import annotations
@@ -40,8 +42,17 @@ class Args:
 
 
 def main(args: Args) -> None:
-    m = make_synthetic_shards(args.out, args.preset, args.episodes, args.windows_per_episode, args.augment_variants,
-                              args.samples_per_shard, args.episodes_per_unit, args.seed, args.compress)
+    m = make_synthetic_shards(
+        args.out,
+        args.preset,
+        args.episodes,
+        args.windows_per_episode,
+        args.augment_variants,
+        args.samples_per_shard,
+        args.episodes_per_unit,
+        args.seed,
+        args.compress,
+    )
     print(f"wrote {args.out}: {m['totals']['samples']} samples in {m['totals']['shards']} shards ({args.preset})")
 
 

@@ -125,14 +125,16 @@ def lock_directory(lock: Path, what: str, instead: str, shared: bool = False) ->
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
-            raise UsageError(f"{lock}: not a plain file of its own (a device, pipe or hard link): remove it, or "
-                             f"{instead}")
+            raise UsageError(
+                f"{lock}: not a plain file of its own (a device, pipe or hard link): remove it, or {instead}"
+            )
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            raise UsageError(f"{lock.parent} is in use by another {what} (pid {holder}): wait for it to end, or "
-                             f"{instead}") from None
+            raise UsageError(
+                f"{lock.parent} is in use by another {what} (pid {holder}): wait for it to end, or {instead}"
+            ) from None
         os.ftruncate(fd, 0)  # every holder names itself: the pid shown is a process that holds the directory now
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd

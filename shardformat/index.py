@@ -53,8 +53,9 @@ class Windows(Sequence):
             return [self[i] for i in range(*w.indices(len(self)))]
         w = range(len(self))[w]
         rows = tuple(self.table.window_rows(w))
-        return Window(window_name(self.table.key(rows[0])), int(self.table.rows[rows[0]]["multiplicity"]), rows,
-                      self.table)
+        return Window(
+            window_name(self.table.key(rows[0])), int(self.table.rows[rows[0]]["multiplicity"]), rows, self.table
+        )
 
 
 def open_sample_table(store: ShardStore, manifest: Manifest, where: str | None = None) -> SampleTable:
@@ -103,8 +104,9 @@ class ShardIndex:
             if entry.shard not in sizes:
                 raise ShardFormatError(f"{self.store.where(entry.shard)}: listed in the manifest but missing")
             if sizes[entry.shard] != entry.bytes:  # members are bounded by entry.bytes: it must be the tar's size
-                raise ShardFormatError(f"{self.store.where(entry.shard)}: {sizes[entry.shard]} bytes, the manifest "
-                                       f"says {entry.bytes}")
+                raise ShardFormatError(
+                    f"{self.store.where(entry.shard)}: {sizes[entry.shard]} bytes, the manifest says {entry.bytes}"
+                )
 
     def _read_statistics(self) -> tuple[dict, dict]:
         """q01 and q99 of the state and action columns, from the statistics file of the manifest's embodiment."""
@@ -124,8 +126,10 @@ class ShardIndex:
         keys = self.manifest.modality_keys
         try:
             stats = metadata[tag]["statistics"]
-            return ({m: stat_vector(stats, m, keys[m], "q01") for m in (STATE, ACTION)},
-                    {m: stat_vector(stats, m, keys[m], "q99") for m in (STATE, ACTION)})
+            return (
+                {m: stat_vector(stats, m, keys[m], "q01") for m in (STATE, ACTION)},
+                {m: stat_vector(stats, m, keys[m], "q99") for m in (STATE, ACTION)},
+            )
         except (KeyError, TypeError, ValueError) as err:
             raise ShardFormatError(f"{where}: statistics of {tag!r} unusable: {err}") from None
 
@@ -142,7 +146,6 @@ class ShardIndex:
 
     def __len__(self) -> int:
         return len(self.windows)
-
 
 
 class ShardReader:

@@ -28,10 +28,12 @@ FORMAT_VERSION = "wampipe-shards/4"
 SEAL = "content_sha256"
 MAX_JSON_BYTES = 1 << 28  # 256 MiB: far above any manifest or shard JSON, far below what exhausts a reader's memory
 # (manifest block, field, pattern) of every file besides the shards that the manifest names
-SIDE_FILES = (("text_table", "file", re.compile(r".+\.safetensors")),
-              ("text_table", "prompts", re.compile(r".+\.json")),
-              ("statistics", "file", re.compile(r".+\.json")),
-              ("sample_index", "file", re.compile(r"[^/]+\.npy")))
+SIDE_FILES = (
+    ("text_table", "file", re.compile(r".+\.safetensors")),
+    ("text_table", "prompts", re.compile(r".+\.json")),
+    ("statistics", "file", re.compile(r".+\.json")),
+    ("sample_index", "file", re.compile(r"[^/]+\.npy")),
+)
 
 
 class ShardFormatError(WampipeError, ValueError):
@@ -43,11 +45,16 @@ def relative_path(name, where, field: str, pattern: re.Pattern | None = None) ->
     backslash or control character, and of `pattern` (matched whole) when given; else ShardFormatError naming the
     file `where` and the field."""
     parts = name.split("/") if isinstance(name, str) else [""]
-    if (any(p in ("", ".", "..") for p in parts) or any(c == "\\" or ord(c) < 32 for c in name)
-            or (pattern is not None and not pattern.fullmatch(name))):
+    if (
+        any(p in ("", ".", "..") for p in parts)
+        or any(c == "\\" or ord(c) < 32 for c in name)
+        or (pattern is not None and not pattern.fullmatch(name))
+    ):
         shape = f" of the form {pattern.pattern}" if pattern is not None else ""
-        raise ShardFormatError(f"{where}: {field} {name!r} is not a relative path{shape} inside the shard directory "
-                               f"(crafted or corrupt): rebuild the shards")
+        raise ShardFormatError(
+            f"{where}: {field} {name!r} is not a relative path{shape} inside the shard directory "
+            f"(crafted or corrupt): rebuild the shards"
+        )
     return name
 
 
@@ -106,8 +113,10 @@ def parse_sealed_json(data: bytes, where: Path | str) -> dict:
 
 def check_version(path: Path | str, version) -> None:
     if version != FORMAT_VERSION:
-        raise ShardFormatError(f"{path}: format {version!r}, this code reads {FORMAT_VERSION!r}: rebuild the shards "
-                               f"with this version (python -m preprocess shards)")
+        raise ShardFormatError(
+            f"{path}: format {version!r}, this code reads {FORMAT_VERSION!r}: rebuild the shards "
+            f"with this version (python -m preprocess shards)"
+        )
 
 
 @dataclass(frozen=True)
@@ -177,8 +186,11 @@ class Manifest:
         for block, name, pattern in SIDE_FILES:
             relative_path(d[block].get(name), where, f"{block}.{name}", pattern)
         members = d["sample_index"].get("members")
-        if (not isinstance(members, list) or not all(isinstance(m, str) for m in members)
-                or not isinstance(d["sample_index"].get("sha256"), str)):
+        if (
+            not isinstance(members, list)
+            or not all(isinstance(m, str) for m in members)
+            or not isinstance(d["sample_index"].get("sha256"), str)
+        ):
             raise ShardFormatError(f"{where}: sample_index needs sha256 and a list of member names")
         non_negative(d["sample_index"].get("count"), where, "sample_index.count")
         if d.get("image_features", "encoded") not in IMAGE_MEMBER:
@@ -228,8 +240,12 @@ class Manifest:
 
     def wids_index(self) -> dict:
         """The shard list in wids' format; urls are relative to the file, so the directory can move."""
-        return {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": self.dataset,
-                "shardlist": [{"url": s.shard, "nsamples": s.count, "filesize": s.bytes} for s in self.shards]}
+        return {
+            "__kind__": "wids-shard-index-v1",
+            "wids_version": 1,
+            "name": self.dataset,
+            "shardlist": [{"url": s.shard, "nsamples": s.count, "filesize": s.bytes} for s in self.shards],
+        }
 
 
 def build_manifest(units: list[dict], shards: list[dict], **fields) -> Manifest:
@@ -244,8 +260,22 @@ def build_manifest(units: list[dict], shards: list[dict], **fields) -> Manifest:
         schema = merge_schemas([u["schema"] for u in units if u["count"]])
     except SchemaError as err:
         raise ShardFormatError(str(err)) from None
-    totals = {"samples": sum(s["count"] for s in entries), "bytes": sum(s["bytes"] for s in entries),
-              "shards": len(entries), "episodes_encoded": sum(len(u["encoded"]) for u in units),
-              "episodes_failed": len(failures), "episodes_skipped": len(skipped)}
-    return Manifest.from_dict({"format": FORMAT_VERSION, **fields, "shards": entries, "schema": schema,
-                               "failures": failures, "skipped": skipped, "totals": totals})
+    totals = {
+        "samples": sum(s["count"] for s in entries),
+        "bytes": sum(s["bytes"] for s in entries),
+        "shards": len(entries),
+        "episodes_encoded": sum(len(u["encoded"]) for u in units),
+        "episodes_failed": len(failures),
+        "episodes_skipped": len(skipped),
+    }
+    return Manifest.from_dict(
+        {
+            "format": FORMAT_VERSION,
+            **fields,
+            "shards": entries,
+            "schema": schema,
+            "failures": failures,
+            "skipped": skipped,
+            "totals": totals,
+        }
+    )

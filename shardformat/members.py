@@ -130,8 +130,9 @@ def decode_members(members: dict[str, bytes]) -> tuple[dict, dict[str, np.ndarra
         raise ValueError(f"no {META} member")
     meta = json.loads(members[META])
     records = meta.get("tensors", {}) if isinstance(meta, dict) else None
-    if not isinstance(records, dict) or not all(isinstance(r, dict) and {"dtype", "shape", "zstd"} <= r.keys()
-                                                for r in records.values()):
+    if not isinstance(records, dict) or not all(
+        isinstance(r, dict) and {"dtype", "shape", "zstd"} <= r.keys() for r in records.values()
+    ):
         raise ValueError(f"{META}: tensors is not a record of dtype, shape and zstd per tensor")
     tensors = {}
     seen = {META}

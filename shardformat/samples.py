@@ -36,9 +36,19 @@ U32 = 1 << 32
 
 def row_dtype(slots: int) -> np.dtype:
     """One sample's row with `slots` member slots (packed: 16 + 17 x slots bytes)."""
-    return np.dtype([("episode", "<u4"), ("start", "<u4"), ("variant", "<u2"), ("multiplicity", "<u2"),
-                     ("shard", "<u4"), ("member", "u1", (slots,)), ("offset", "<u8", (slots,)),
-                     ("size", "<u4", (slots,)), ("crc32", "<u4", (slots,))])
+    return np.dtype(
+        [
+            ("episode", "<u4"),
+            ("start", "<u4"),
+            ("variant", "<u2"),
+            ("multiplicity", "<u2"),
+            ("shard", "<u4"),
+            ("member", "u1", (slots,)),
+            ("offset", "<u8", (slots,)),
+            ("size", "<u4", (slots,)),
+            ("crc32", "<u4", (slots,)),
+        ]
+    )
 
 
 def member_names(schema: dict) -> list[str]:
@@ -55,8 +65,13 @@ def shard_index_rows(shard: int, samples: Sequence[SampleRecord], names: list[st
     rows["member"], rows["shard"] = FREE, shard
     for r, s in enumerate(samples):
         key = parse_key(s.key)
-        if (key.episode >= U32 or key.start >= U32 or key.variant >= 1 << 16 or len(s.members) > slots
-                or not 0 <= s.anchor_multiplicity < 1 << 16):
+        if (
+            key.episode >= U32
+            or key.start >= U32
+            or key.variant >= 1 << 16
+            or len(s.members) > slots
+            or not 0 <= s.anchor_multiplicity < 1 << 16
+        ):
             raise ValueError(f"sample {s.key}: episode, start, variant, members or anchor multiplicity out of range")
         n = len(s.members)
         rows[r]["episode"], rows[r]["start"], rows[r]["variant"] = key.episode, key.start, key.variant
@@ -108,8 +123,10 @@ def _same_key(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _after(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Whether each row of `a` sorts strictly after the row of `b` at the same position."""
-    return ((a["episode"] > b["episode"]) | ((a["episode"] == b["episode"]) & (
-        (a["start"] > b["start"]) | ((a["start"] == b["start"]) & (a["variant"] > b["variant"])))))
+    return (a["episode"] > b["episode"]) | (
+        (a["episode"] == b["episode"])
+        & ((a["start"] > b["start"]) | ((a["start"] == b["start"]) & (a["variant"] > b["variant"])))
+    )
 
 
 class SampleTable:
@@ -134,8 +151,10 @@ class SampleTable:
         if not 0 < slots <= MAX_SLOTS or self.rows.dtype != row_dtype(slots):
             raise ShardFormatError(f"{where}: rows of {self.rows.dtype}, not this format's")
         if len(self.rows) != block["count"] or len(self.rows) != sum(s.count for s in shards):
-            raise ShardFormatError(f"{where}: {len(self.rows)} samples, the manifest says {block['count']} and its "
-                                   f"shards {sum(s.count for s in shards)}")
+            raise ShardFormatError(
+                f"{where}: {len(self.rows)} samples, the manifest says {block['count']} and its "
+                f"shards {sum(s.count for s in shards)}"
+            )
         self.window_starts = self._check(shards)
 
     def __getstate__(self) -> dict:
@@ -152,40 +171,49 @@ class SampleTable:
         counts = np.zeros(len(shards), np.int64)
         starts, names = [], len(self.names)
         for lo in range(0, n, BLOCK):
-            block = np.asarray(self.rows[lo:lo + BLOCK])
-            before = np.asarray(self.rows[max(lo - 1, 0):lo + len(block) - 1])
+            block = np.asarray(self.rows[lo : lo + BLOCK])
+            before = np.asarray(self.rows[max(lo - 1, 0) : lo + len(block) - 1])
             bad = np.flatnonzero(block["shard"] >= len(shards))
             if bad.size:
                 self._refuse(lo + bad[0], f"shard {block['shard'][bad[0]]} of {len(shards)}")
             used = block["member"] != FREE
-            bad = np.flatnonzero((~used[:, 0]) | ((block["member"] >= names) & used).any(1)
-                                 | (~used[:, :-1] & used[:, 1:]).any(1))
+            bad = np.flatnonzero(
+                (~used[:, 0]) | ((block["member"] >= names) & used).any(1) | (~used[:, :-1] & used[:, 1:]).any(1)
+            )
             if bad.size:
                 self._refuse(lo + bad[0], f"member ids {block['member'][bad[0]].tolist()} of {names} names")
             ends = block["offset"] + block["size"].astype(np.uint64)
-            bad = np.flatnonzero((((ends > sizes[block["shard"]][:, None]) | (ends < block["offset"])) & used)
-                                 .any(1)).tolist()
+            bad = np.flatnonzero(
+                (((ends > sizes[block["shard"]][:, None]) | (ends < block["offset"])) & used).any(1)
+            ).tolist()
             if bad:
                 shard = int(block["shard"][bad[0]])
-                self._refuse(lo + bad[0], f"a member lies outside the {sizes[shard]} bytes of "
-                                          f"{self.shard_names[shard]} (crafted or corrupt): rebuild the shards")
+                self._refuse(
+                    lo + bad[0],
+                    f"a member lies outside the {sizes[shard]} bytes of "
+                    f"{self.shard_names[shard]} (crafted or corrupt): rebuild the shards",
+                )
             counts += np.bincount(block["shard"], minlength=len(shards))
             head = block if lo else block[1:]
             bad = np.flatnonzero(~_after(head, before)).tolist()
             if bad:
-                self._refuse(lo + bad[0] + (0 if lo else 1), "rows not sorted by (episode, start, variant), or a "
-                                                             "sample twice")
+                self._refuse(
+                    lo + bad[0] + (0 if lo else 1), "rows not sorted by (episode, start, variant), or a sample twice"
+                )
             new = (head["episode"] != before["episode"]) | (head["start"] != before["start"])
             same_window = ~new
             bad = np.flatnonzero(same_window & (head["multiplicity"] != before["multiplicity"])).tolist()
             if bad:
-                self._refuse(lo + bad[0] + (0 if lo else 1), "the variants of its window disagree on "
-                                                             "anchor_multiplicity")
+                self._refuse(
+                    lo + bad[0] + (0 if lo else 1), "the variants of its window disagree on anchor_multiplicity"
+                )
             starts.append(np.flatnonzero(new) + lo + (0 if lo else 1))
         differ = np.flatnonzero(counts != [s.count for s in shards]).tolist()
         if differ:
-            raise ShardFormatError(f"{self.where}: {counts[differ[0]]} samples in {self.shard_names[differ[0]]}, the "
-                                   f"manifest says {shards[differ[0]].count}")
+            raise ShardFormatError(
+                f"{self.where}: {counts[differ[0]]} samples in {self.shard_names[differ[0]]}, the "
+                f"manifest says {shards[differ[0]].count}"
+            )
         return np.concatenate([[0] if n else [], *starts, [n]]).astype(np.int64)
 
     def _refuse(self, row: int, reason: str):
@@ -216,9 +244,14 @@ class SampleTable:
         """The sample's record, as its shard JSON states it."""
         r = self.rows[row]
         used = int((r["member"] != FREE).sum())
-        return SampleRecord(self.key(row), int(r["multiplicity"]), tuple(
-            MemberRef(self.names[int(r["member"][i])], int(r["offset"][i]), int(r["size"][i]), int(r["crc32"][i]))
-            for i in range(used)))
+        return SampleRecord(
+            self.key(row),
+            int(r["multiplicity"]),
+            tuple(
+                MemberRef(self.names[int(r["member"][i])], int(r["offset"][i]), int(r["size"][i]), int(r["crc32"][i]))
+                for i in range(used)
+            ),
+        )
 
     def shard_rows(self, shard: int) -> list[int]:
         """The rows of one shard in tar order (a scan of the index: for tools, not the training loop)."""

@@ -42,9 +42,13 @@ def validate(schema, image_features: str, samples: int) -> None:
     """SchemaError unless `schema` is {name: {dtype, shape}} with the members every sample holds: latents, state,
     action and frame 0 as `image_features` says (only that one). A build of no samples has an empty schema."""
     if not isinstance(schema, dict) or not all(
-            isinstance(e, dict) and e.keys() == {"dtype", "shape"} and isinstance(e["dtype"], str)
-            and isinstance(e["shape"], list) and all(type(n) is int and n >= 0 for n in e["shape"])
-            for e in schema.values()):
+        isinstance(e, dict)
+        and e.keys() == {"dtype", "shape"}
+        and isinstance(e["dtype"], str)
+        and isinstance(e["shape"], list)
+        and all(type(n) is int and n >= 0 for n in e["shape"])
+        for e in schema.values()
+    ):
         raise SchemaError("schema is not {member: {dtype, shape}}")
     if not samples:
         return
@@ -57,8 +61,10 @@ def validate(schema, image_features: str, samples: int) -> None:
         raise SchemaError(f"schema lacks {missing}, which every sample holds")
     ranks = {name: len(schema[name]["shape"]) for name in REQUIRED}
     if ranks != {LATENTS: 4, STATE: 2, ACTION: 2} or not schema[STATE]["shape"][0]:
-        raise SchemaError(f"schema: latents are not [C, F, H, W], state [chunks > 0, dims] and action [rows, dims]: "
-                          f"{describe(schema)}")
+        raise SchemaError(
+            f"schema: latents are not [C, F, H, W], state [chunks > 0, dims] and action [rows, dims]: "
+            f"{describe(schema)}"
+        )
 
 
 def check_sample(tensors: dict, schema: dict) -> None:
@@ -83,9 +89,13 @@ def model_dims(schema: dict, patch_hw: tuple[int, int] = (2, 2)) -> dict:
     shape = {name: entry["shape"] for name, entry in schema.items()}
     channels, _, h, w = shape[LATENTS]
     y = shape[Y][0] if Y in shape else 0
-    dims = {"model_type": "i2v" if y else "ti2v", "in_dim": channels + y, "out_dim": channels,
-            "frame_seqlen": (h // patch_hw[0]) * (w // patch_hw[1]),
-            "num_action_per_block": shape[ACTION][0] // shape[STATE][0]}
+    dims = {
+        "model_type": "i2v" if y else "ti2v",
+        "in_dim": channels + y,
+        "out_dim": channels,
+        "frame_seqlen": (h // patch_hw[0]) * (w // patch_hw[1]),
+        "num_action_per_block": shape[ACTION][0] // shape[STATE][0],
+    }
     if CLIP in shape:
         dims |= {"image_len": shape[CLIP][0], "image_dim": shape[CLIP][-1]}
     return dims

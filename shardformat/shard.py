@@ -12,8 +12,15 @@ from pathlib import Path
 from typing import Callable
 
 from wampipe.shardformat.layout import MANIFEST, SHARD_NAME
-from wampipe.shardformat.manifest import (FORMAT_VERSION, ShardEntry, ShardFormatError, non_negative, read_sealed_json,
-                                  relative_path, write_sealed_json)
+from wampipe.shardformat.manifest import (
+    FORMAT_VERSION,
+    ShardEntry,
+    ShardFormatError,
+    non_negative,
+    read_sealed_json,
+    relative_path,
+    write_sealed_json,
+)
 from wampipe.shardformat.members import checksum, decode_members
 from wampipe.shardformat.schema import check_sample
 
@@ -49,17 +56,33 @@ class ShardRecord:
         return [s.key for s in self.samples]
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT_VERSION, "shard": self.shard, "count": self.count, "bytes": self.bytes,
-                "sha256": self.sha256, "keys": self.keys,
-                "samples": {s.key: {"anchor_multiplicity": s.anchor_multiplicity,
-                                    "members": [[m.name, m.offset, m.size, m.crc32] for m in s.members]}
-                            for s in self.samples}}
+        return {
+            "format": FORMAT_VERSION,
+            "shard": self.shard,
+            "count": self.count,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "keys": self.keys,
+            "samples": {
+                s.key: {
+                    "anchor_multiplicity": s.anchor_multiplicity,
+                    "members": [[m.name, m.offset, m.size, m.crc32] for m in s.members],
+                }
+                for s in self.samples
+            },
+        }
 
     @classmethod
     def from_dict(cls, d: dict, where: Path | str) -> ShardRecord:
         try:
-            samples = [SampleRecord(k, int(d["samples"][k]["anchor_multiplicity"]),
-                                    tuple(MemberRef(*m) for m in d["samples"][k]["members"])) for k in d["keys"]]
+            samples = [
+                SampleRecord(
+                    k,
+                    int(d["samples"][k]["anchor_multiplicity"]),
+                    tuple(MemberRef(*m) for m in d["samples"][k]["members"]),
+                )
+                for k in d["keys"]
+            ]
             record = cls(d["shard"], d["bytes"], d["sha256"], samples)
         except (KeyError, TypeError, ValueError) as err:
             raise ShardFormatError(f"{where}: malformed shard record ({type(err).__name__}: {err})") from None
@@ -81,8 +104,10 @@ class ShardRecord:
                     raise ShardFormatError(f"{where}: {field}: malformed (name {m.name!r}, CRC-32 {m.crc32!r})")
                 end = non_negative(m.offset, where, f"{field} offset") + non_negative(m.size, where, f"{field} size")
                 if end > self.bytes:
-                    raise ShardFormatError(f"{where}: {field}: {m.size} bytes at offset {m.offset} lie outside the "
-                                           f"tar's {self.bytes} bytes (crafted or corrupt): rebuild the shards")
+                    raise ShardFormatError(
+                        f"{where}: {field}: {m.size} bytes at offset {m.offset} lie outside the "
+                        f"tar's {self.bytes} bytes (crafted or corrupt): rebuild the shards"
+                    )
 
     def check_entry(self, entry: ShardEntry, where: Path | str) -> None:
         """ShardFormatError unless the JSON says what the manifest says of its shard (name, count, bytes, sha256)."""
@@ -107,8 +132,9 @@ def verify_members(shard: Path | str, sample: SampleRecord, members: dict[str, b
     """Check a sample's member bytes ({suffix: bytes}) against its record; ShardFormatError names what differs."""
     expected = {m.name: m for m in sample.members}
     if members.keys() != expected.keys():
-        differ = ([f"member {m} missing, the shard JSON lists it" for m in sorted(expected.keys() - members.keys())]
-                  + [f"member {m} not in the shard JSON" for m in sorted(members.keys() - expected.keys())])
+        differ = [f"member {m} missing, the shard JSON lists it" for m in sorted(expected.keys() - members.keys())] + [
+            f"member {m} not in the shard JSON" for m in sorted(members.keys() - expected.keys())
+        ]
         raise ShardFormatError(f"{shard}: sample {sample.key}: {'; '.join(differ)}")
     for name, data in members.items():
         if len(data) != expected[name].size or checksum(data) != expected[name].crc32:
@@ -124,8 +150,9 @@ def read_members(read: Callable[[int, int], bytes], sample: SampleRecord) -> dic
     return {m.name: span[m.offset - start : m.offset - start + m.size] for m in sample.members}
 
 
-def read_sample(shard: Path | str, key: str, members: dict[str, bytes], schema: dict,
-                record: SampleRecord | None) -> tuple[dict, dict]:
+def read_sample(
+    shard: Path | str, key: str, members: dict[str, bytes], schema: dict, record: SampleRecord | None
+) -> tuple[dict, dict]:
     """(meta, tensors) of one sample's member bytes ({suffix: bytes}), the one decode path of every reader (the
     trainer's, the webdataset decoder, `preprocess check`): the bytes checked against the shard JSON's `record`
     (sizes, CRC-32; None where the JSON is unusable), decoded against meta.json, the tensors against the manifest's

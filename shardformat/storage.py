@@ -53,8 +53,14 @@ from fsspec.utils import get_protocol
 from wampipe.errors import UsageError
 from wampipe.shardformat.files import atomic_writer, open_regular, sha256_file
 from wampipe.shardformat.layout import INPUTS, MANIFEST, WORK_DIR
-from wampipe.shardformat.manifest import (MAX_JSON_BYTES, Manifest, ShardFormatError, check_json_size,
-                                  parse_sealed_json, relative_path)
+from wampipe.shardformat.manifest import (
+    MAX_JSON_BYTES,
+    Manifest,
+    ShardFormatError,
+    check_json_size,
+    parse_sealed_json,
+    relative_path,
+)
 from wampipe.shardformat.shard import ShardRecord, json_path
 
 COPY_BLOCK = 1 << 23  # 8 MiB per read when streaming a whole file
@@ -80,16 +86,23 @@ def request_deadline() -> float:
     """The longest one read of an object may take, end to end: a connection and s3fs's tries of a silent read with
     their pauses. Why a deadline on top of the timeouts: s3fs retries a ranged read around calls that retry
     themselves, so a frozen endpoint (a hung proxy) held a reader for 25 read timeouts (over four minutes)."""
-    return (_seconds("WAMPIPE_S3_CONNECT_TIMEOUT", S3_CONNECT_TIMEOUT)
-            + S3_TRIES * _seconds("WAMPIPE_S3_READ_TIMEOUT", S3_READ_TIMEOUT) + S3_PAUSES)
+    return (
+        _seconds("WAMPIPE_S3_CONNECT_TIMEOUT", S3_CONNECT_TIMEOUT)
+        + S3_TRIES * _seconds("WAMPIPE_S3_READ_TIMEOUT", S3_READ_TIMEOUT)
+        + S3_PAUSES
+    )
 
 
 def s3_options_from_env() -> dict:
     """The endpoint and region of the standard AWS variables, and bounded connect and read timeouts, as s3fs
     keyword arguments."""
-    options: dict = {"config_kwargs": {"connect_timeout": _seconds("WAMPIPE_S3_CONNECT_TIMEOUT", S3_CONNECT_TIMEOUT),
-                                       "read_timeout": _seconds("WAMPIPE_S3_READ_TIMEOUT", S3_READ_TIMEOUT),
-                                       "retries": {"total_max_attempts": 1}}}
+    options: dict = {
+        "config_kwargs": {
+            "connect_timeout": _seconds("WAMPIPE_S3_CONNECT_TIMEOUT", S3_CONNECT_TIMEOUT),
+            "read_timeout": _seconds("WAMPIPE_S3_READ_TIMEOUT", S3_READ_TIMEOUT),
+            "retries": {"total_max_attempts": 1},
+        }
+    }
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         options["endpoint_url"] = endpoint
@@ -141,8 +154,9 @@ class ShardStore:
             options = {**(s3_options_from_env() if self.protocol in S3_PROTOCOLS else {}), **self.storage_options}
             # A private instance: fsspec's shared instances would hand a forked worker its parent's event loop.
             try:
-                fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, use_listings_cache=False,
-                                                 **options)
+                fs, root = fsspec.core.url_to_fs(
+                    self.url, skip_instance_cache=True, use_listings_cache=False, **options
+                )
             except ImportError as err:  # the filesystem's package is missing; fsspec's message names no extra
                 need = "s3:// URLs need s3fs: pip install 'wampipe[s3]'" if self.protocol in S3_PROTOCOLS else err
                 raise UsageError(f"{self.url}: {need}") from None
@@ -241,8 +255,10 @@ class ShardStore:
             raise ShardFormatError(str(err)) from None
         except STORE_ERRORS as err:
             raise ShardFormatError(f"{self.url}: shard JSONs unreadable: {err}") from None
-        return [ShardRecord.from_dict(self.read_sealed_json(path, data), self.where(path))
-                for path, data in zip(relpaths, datas)]
+        return [
+            ShardRecord.from_dict(self.read_sealed_json(path, data), self.where(path))
+            for path, data in zip(relpaths, datas)
+        ]
 
     def open(self, relpath: str) -> BinaryIO:
         """A binary file object for reading the whole file front to back (buffered on object stores)."""
@@ -281,8 +297,10 @@ class ShardStore:
         try:
             return call(*args, timeout=deadline, **kwargs)
         except FSTimeoutError:
-            raise TimeoutError(f"no answer from the endpoint within {deadline:.0f} s ({S3_TRIES} tries of "
-                               f"WAMPIPE_S3_READ_TIMEOUT seconds of silence)") from None
+            raise TimeoutError(
+                f"no answer from the endpoint within {deadline:.0f} s ({S3_TRIES} tries of "
+                f"WAMPIPE_S3_READ_TIMEOUT seconds of silence)"
+            ) from None
 
     def read_range(self, relpath: str, offset: int, size: int) -> bytes:
         """`size` bytes at `offset`: a pread of a local (or cached) file, else one ranged request."""
@@ -442,8 +460,9 @@ class SyncReport:
     skipped: list[str]  # already remote with the same size and sha256
 
 
-def sync_up(local_dir: str | os.PathLike, url: str | os.PathLike,
-            progress: Callable[[str, str], None] | None = None) -> SyncReport:
+def sync_up(
+    local_dir: str | os.PathLike, url: str | os.PathLike, progress: Callable[[str, str], None] | None = None
+) -> SyncReport:
     """Upload a finished shard directory to `url` in `upload_order`, skipping files already there with the same
     size and sha256, so a rerun after an interruption resumes. `progress(relpath, "uploaded" | "skipped")` is called
     after each file. A different manifest.json already at `url` is removed first: the remote directory then counts
@@ -452,8 +471,9 @@ def sync_up(local_dir: str | os.PathLike, url: str | os.PathLike,
     replaced, so a caller that must not replace another build's files checks first (preprocess.remote.publish)."""
     local_dir = Path(local_dir)
     if not (local_dir / MANIFEST).is_file():
-        raise FileNotFoundError(f"{local_dir / MANIFEST}: missing (an unfinished run; only finished shard "
-                                "directories are uploaded)")
+        raise FileNotFoundError(
+            f"{local_dir / MANIFEST}: missing (an unfinished run; only finished shard directories are uploaded)"
+        )
     store = ShardStore(url)
     report = SyncReport([], [])
     manifest_sha = sha256_file(local_dir / MANIFEST)

@@ -2,6 +2,8 @@
 
     text/embeddings.safetensors   prompt id -> bf16 [tokens, dim], trimmed to the prompt's real token count
     text/prompts.json             prompt id -> {text, tokens}
+
+The manifest records the table's sha256 (`write_text_table` returns it).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ def write_text_table(out: Path, prompts: dict[str, str], embeddings: dict) -> di
     tensors = {i: embeddings[i].to(torch.bfloat16).cpu().contiguous() for i in sorted(prompts)}
     with atomic_writer(out / TEXT_TABLE) as f:
         save_file(tensors, f.name)  # streams to the temporary file by name; the writer fsyncs and renames it
-    atomic_write_json(out / TEXT_PROMPTS, {i: {"text": prompts[i], "tokens": int(t.shape[0])}
-                                           for i, t in tensors.items()})
-    return {"file": TEXT_TABLE, "prompts": TEXT_PROMPTS, "count": len(tensors),
-            "sha256": sha256_file(out / TEXT_TABLE)}
+    atomic_write_json(
+        out / TEXT_PROMPTS, {i: {"text": prompts[i], "tokens": int(t.shape[0])} for i, t in tensors.items()}
+    )
+    return {"file": TEXT_TABLE, "prompts": TEXT_PROMPTS, "count": len(tensors), "sha256": sha256_file(out / TEXT_TABLE)}
 
 
 class TextTable:
@@ -40,8 +42,11 @@ class TextTable:
     prompts.json."""
 
     def __init__(self, root: Path | str, entry: dict):
-        names = [relative_path(entry[field], MANIFEST, f"{block}.{field}", pattern)
-                 for block, field, pattern in SIDE_FILES if block == "text_table"]
+        names = [
+            relative_path(entry[field], MANIFEST, f"{block}.{field}", pattern)
+            for block, field, pattern in SIDE_FILES
+            if block == "text_table"
+        ]
         self.table, self.prompts = (Path(root) / name for name in names)
         self.sha256 = entry["sha256"]
         self._file = None

@@ -1,4 +1,5 @@
 """Reading shards with the `webdataset` library (or `wids`): one function that turns a raw sample into tensors.
+For example:
 
     import webdataset as wds
     from wampipe.shardformat import webdataset_decoder
@@ -51,8 +52,9 @@ class _Decoder:
         if record is None:
             raise ShardFormatError(f"{shard}: sample {key}: not in the shard's JSON")
         # WebDataset gives bytes named by suffix (latents.npy), wids streams named with the dot (.latents.npy)
-        members = {k.lstrip("."): v if isinstance(v, bytes) else v.read() for k, v in sample.items()
-                   if not k.startswith("__")}
+        members = {
+            k.lstrip("."): v if isinstance(v, bytes) else v.read() for k, v in sample.items() if not k.startswith("__")
+        }
         meta, tensors = read_sample(shard, key, members, self.schema, record)
         prompts = {column: self.text.get(pid) for column, pid in meta["prompt_ids"].items()}
         return {"__key__": key, "__url__": str(url), "meta": meta, **tensors, "text": prompts}

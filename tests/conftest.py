@@ -38,8 +38,23 @@ def shards_cmd(src: Path, out: Path | str, dataset: str, tiny: Path, *extra: str
 
     paths = tiny_checkpoint_paths(tiny, VAE_OF_MODEL[model])
     weights = [a for name, p in paths.items() for a in (f"--{name.replace('_', '-')}", str(p))]
-    return [sys.executable, "-m", "wampipe.preprocess", "shards", "--dataset", dataset, "--src", str(src),
-            "--out", str(out), "--model", model, *weights, *FAST, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "wampipe.preprocess",
+        "shards",
+        "--dataset",
+        dataset,
+        "--src",
+        str(src),
+        "--out",
+        str(out),
+        "--model",
+        model,
+        *weights,
+        *FAST,
+        *extra,
+    ]
 
 
 def console_script(name: str) -> str:
@@ -185,8 +200,9 @@ def official_base(tmp_path_factory, small_shards) -> Path:
     trainer builds for `small_shards`."""
     from devtools import tiny_base
 
-    return tiny_base.write_base(tiny_base.Args(out=tmp_path_factory.mktemp("base") / "base", shards=small_shards,
-                                               max_shard_mb=0.05, seed=5))
+    return tiny_base.write_base(
+        tiny_base.Args(out=tmp_path_factory.mktemp("base") / "base", shards=small_shards, max_shard_mb=0.05, seed=5)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -231,8 +247,9 @@ def small_disk(tmp_path):
     """A 16 MiB tmpfs: a disk that fills for real."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True,
-                             text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
     yield disk

@@ -9,8 +9,13 @@ from wampipe.train.dit.attention import TokenLayout, count_allowed_pairs, dense_
 
 def table_mask(lay: TokenLayout) -> torch.Tensor:
     """docs/REFERENCE.md#8-attention-mask, written as slice assignments over [C | N | A | S]."""
-    fs, nfpb, A, S, W = (lay.frame_seqlen, lay.num_frame_per_block, lay.num_action_per_block,
-                         lay.num_state_per_block, lay.local_attn_size)
+    fs, nfpb, A, S, W = (
+        lay.frame_seqlen,
+        lay.num_frame_per_block,
+        lay.num_action_per_block,
+        lay.num_state_per_block,
+        lay.local_attn_size,
+    )
     K, V = lay.num_blocks, lay.video_len
     C0, N0, A0, S0 = 0, V, 2 * V, 2 * V + K * A
     m = torch.zeros(lay.seq_len, lay.seq_len, dtype=torch.bool)
@@ -30,9 +35,9 @@ def table_mask(lay: TokenLayout) -> torch.Tensor:
         for q in (frames(N0, *blk), slice(A0 + b * A, A0 + (b + 1) * A)):
             m[q, frames(C0, 0, blk[0])] = True  # clean frame 0 + earlier clean blocks
             m[q, frames(N0, *blk)] = True
-            m[q, A0 + b * A: A0 + (b + 1) * A] = True
-            m[q, S0 + b * S: S0 + (b + 1) * S] = True
-        m[S0 + b * S: S0 + (b + 1) * S, S0 + b * S: S0 + (b + 1) * S] = True
+            m[q, A0 + b * A : A0 + (b + 1) * A] = True
+            m[q, S0 + b * S : S0 + (b + 1) * S] = True
+        m[S0 + b * S : S0 + (b + 1) * S, S0 + b * S : S0 + (b + 1) * S] = True
     return m
 
 
@@ -81,6 +86,7 @@ def test_flex_matches_dense_on_cpu():
 
 def _tiles(bm):
     """(partial, full) tile sets of a BlockMask as bool [q tiles, kv tiles]."""
+
     def dense(num, idx):
         n = idx.shape[-1]
         keep = torch.arange(n)[None] < num[0, 0, :, None]
@@ -88,6 +94,7 @@ def _tiles(bm):
         rows = torch.arange(num.shape[-1])[:, None].expand(-1, n)
         out[rows[keep], idx[0, 0][keep].long()] = True
         return out
+
     return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
 
 
@@ -105,7 +112,7 @@ def test_lookup_mask_builds_eagerly_at_14b_layout():
     m = dense_mask(lay)
     n = -(-lay.seq_len // 128)
     padded = torch.zeros(n * 128, n * 128, dtype=torch.bool)
-    padded[:lay.seq_len, :lay.seq_len] = m
+    padded[: lay.seq_len, : lay.seq_len] = m
     del m
     per_tile = padded.view(n, 128, n, 128).sum((1, 3), dtype=torch.int32)
     assert torch.equal(partial | full, per_tile > 0)

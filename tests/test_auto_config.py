@@ -19,29 +19,38 @@ def _parts(cfg):
     return cfg.parallel.activation_checkpoint, cfg.data.micro_batch_size, cfg.parallel.reshard_after_forward
 
 
-@pytest.mark.parametrize("preset, gib, gpus, want, stream, why", [
-    # the measured settings, fastest first; more or larger GPUs only free memory. stream: (gradients reduced every
-    # micro-batch, parameters gathered once per step)
-    ("libero-5b", H100, 4, ("selective", 8, False), (True, True), "measured 15.01"),
-    ("libero-5b", H100, 8, ("selective", 8, False), (True, True), "measured 15.01"),
-    ("libero-5b", H200, 1, ("selective", 8, False), (False, False), "measured 15.5-15.9"),
-    ("libero-5b", H200, 2, ("selective", 16, False), (False, False), "measured 16.39"),
-    # on the 141 GB cards a micro-batch of 16 with one fp32 reduce per step beats the H100s' bf16 stream
-    ("libero-5b", H200, 4, ("selective", 16, False), (False, True), "measured 16.30-16.73"),
-    ("libero-5b", H200, 8, ("selective", 16, False), (False, True), "measured 16.30-16.73"),
-    ("droid-14b", H200, 4, ("full", 1, True), (False, False), "measured 0.238"),
-    ("droid-5b", H100, 4, ("selective", 8, False), (True, True), "measured 14.13"),
-    ("droid-5b", H200, 8, ("selective", 16, False), (False, True), "measured 15.54"),
-    ("droid-5b", H200, 2, ("full", 32, True), (False, False), "measured 13.13"),
-    # nothing measured fits: the recipe with full recompute, where the memory model says it fits
-    ("libero-5b", H100, 2, ("full", 32, True), (False, False), "nothing measured fits these GPUs: estimated to fit, "
-                                                      "~69 GiB of 79"),
-    ("droid-5b", H100, 2, ("full", 32, True), (False, False), "nothing measured fits"),
-    ("droid-14b", H100, 8, ("full", 1, True), (False, False), "~48 GiB of 79"),
-    # CPU: today's behaviour, the recipe
-    ("libero-5b", None, 1, ("full", 32, True), (False, False), "on CPU"),
-    ("droid-14b", None, 2, ("full", 1, True), (False, False), "on CPU"),
-])
+@pytest.mark.parametrize(
+    "preset, gib, gpus, want, stream, why",
+    [
+        # the measured settings, fastest first; more or larger GPUs only free memory. stream: (gradients reduced every
+        # micro-batch, parameters gathered once per step)
+        ("libero-5b", H100, 4, ("selective", 8, False), (True, True), "measured 15.01"),
+        ("libero-5b", H100, 8, ("selective", 8, False), (True, True), "measured 15.01"),
+        ("libero-5b", H200, 1, ("selective", 8, False), (False, False), "measured 15.5-15.9"),
+        ("libero-5b", H200, 2, ("selective", 16, False), (False, False), "measured 16.39"),
+        # on the 141 GB cards a micro-batch of 16 with one fp32 reduce per step beats the H100s' bf16 stream
+        ("libero-5b", H200, 4, ("selective", 16, False), (False, True), "measured 16.30-16.73"),
+        ("libero-5b", H200, 8, ("selective", 16, False), (False, True), "measured 16.30-16.73"),
+        ("droid-14b", H200, 4, ("full", 1, True), (False, False), "measured 0.238"),
+        ("droid-5b", H100, 4, ("selective", 8, False), (True, True), "measured 14.13"),
+        ("droid-5b", H200, 8, ("selective", 16, False), (False, True), "measured 15.54"),
+        ("droid-5b", H200, 2, ("full", 32, True), (False, False), "measured 13.13"),
+        # nothing measured fits: the recipe with full recompute, where the memory model says it fits
+        (
+            "libero-5b",
+            H100,
+            2,
+            ("full", 32, True),
+            (False, False),
+            "nothing measured fits these GPUs: estimated to fit, ~69 GiB of 79",
+        ),
+        ("droid-5b", H100, 2, ("full", 32, True), (False, False), "nothing measured fits"),
+        ("droid-14b", H100, 8, ("full", 1, True), (False, False), "~48 GiB of 79"),
+        # CPU: today's behaviour, the recipe
+        ("libero-5b", None, 1, ("full", 32, True), (False, False), "on CPU"),
+        ("droid-14b", None, 2, ("full", 1, True), (False, False), "on CPU"),
+    ],
+)
 def test_the_table_picks_the_fastest_measured_setting_that_fits(tmp_path, preset, gib, gpus, want, stream, why):
     cfg = _cfg(tmp_path, preset=preset)
     assert _parts(cfg) == ("auto", 0, None)  # the presets leave all three to the GPUs
@@ -71,9 +80,16 @@ def test_a_given_reduce_dtype_is_kept_and_an_unresolved_auto_reduces_in_fp32(tmp
     cfg, _ = resolve_auto(_cfg(tmp_path, "--parallel.reduce-dtype", "bfloat16"), H100, 1)
     assert cfg.parallel.reduce_dtype == "bfloat16"
     # nothing left to auto: resolve_auto changes nothing, and the FSDP policy reduces in fp32
-    given = _cfg(tmp_path, "--parallel.activation-checkpoint", "full", "--data.micro-batch-size", "8",
-                 "--parallel.reshard-after-forward", "--parallel.reduce-every-micro-batch",
-                 "--parallel.no-gather-once-per-step")
+    given = _cfg(
+        tmp_path,
+        "--parallel.activation-checkpoint",
+        "full",
+        "--data.micro-batch-size",
+        "8",
+        "--parallel.reshard-after-forward",
+        "--parallel.reduce-every-micro-batch",
+        "--parallel.no-gather-once-per-step",
+    )
     cfg, line = resolve_auto(given, H100, 4)
     assert line is None and cfg.parallel.reduce_dtype == "auto" and reduce_dtype(cfg.parallel) == "float32"
 
@@ -85,17 +101,28 @@ def test_given_flags_win_part_by_part(tmp_path):
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.reshard-after-forward"), H200, 1)
     assert line is not None
     assert _parts(cfg) == ("selective", 8, True) and line.endswith("; given: resharding")
-    cfg, _ = resolve_auto(_cfg(tmp_path, "--parallel.no-reshard-after-forward", "--parallel.activation-checkpoint",
-                               "full"), H200, 2)
+    cfg, _ = resolve_auto(
+        _cfg(tmp_path, "--parallel.no-reshard-after-forward", "--parallel.activation-checkpoint", "full"), H200, 2
+    )
     assert _parts(cfg) == ("full", 16, False)
-    every = _cfg(tmp_path, "--parallel.activation-checkpoint", "none", "--data.micro-batch-size", "4",
-                 "--parallel.reshard-after-forward", "--parallel.no-reduce-every-micro-batch",
-                 "--parallel.no-gather-once-per-step")
+    every = _cfg(
+        tmp_path,
+        "--parallel.activation-checkpoint",
+        "none",
+        "--data.micro-batch-size",
+        "4",
+        "--parallel.reshard-after-forward",
+        "--parallel.no-reduce-every-micro-batch",
+        "--parallel.no-gather-once-per-step",
+    )
     assert resolve_auto(every, H200, 1) == (every, None)  # nothing auto: nothing to say
     # tiny keeps its explicit recipe; asking it for auto gives that recipe
     assert resolve_auto(_cfg(tmp_path, preset="tiny"), H200, 1)[1] is None
-    cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.activation-checkpoint", "auto", "--data.micro-batch-size", "0",
-                                  preset="tiny"), None, 2)
+    cfg, line = resolve_auto(
+        _cfg(tmp_path, "--parallel.activation-checkpoint", "auto", "--data.micro-batch-size", "0", preset="tiny"),
+        None,
+        2,
+    )
     assert line is not None
     assert _parts(cfg) == ("none", 2, True) and "no recompute, micro-batch 2" in line
 
@@ -145,8 +172,12 @@ def test_float8_runs_take_the_settings_measured_with_float8_then_the_bf16_ones(t
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, preset="droid-14b"), H200, 4)
     assert line is not None
     assert _mix(cfg) == ("full", 12, "selective", True, 1) and cfg.parallel.float8 == "tensorwise"
-    assert ("full recompute on 12 blocks (selective recompute on the others), micro-batch 1, reshard after forward, "
-            "gradients reduced every micro-batch" in line and "measured 0.357" in line)
+    assert (
+        "full recompute on 12 blocks (selective recompute on the others), micro-batch 1, reshard after forward, "
+        "gradients reduced every micro-batch"
+        in line
+        and "measured 0.357" in line
+    )
     # the same GPUs in bf16 never take the float8 entry: float8 changes the numerics and is only ever given
     cfg, line = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4)
     assert line is not None
@@ -166,18 +197,23 @@ def test_float8_runs_take_the_settings_measured_with_float8_then_the_bf16_ones(t
 
 def test_the_recompute_mix_and_gradient_reduction_given_are_kept(tmp_path):
     fp8 = ("--parallel.float8", "tensorwise")
-    cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.ac-blocks", "30", "--parallel.ac-others", "selective",
-                                  preset="droid-14b"), H200, 4)
+    cfg, line = resolve_auto(
+        _cfg(tmp_path, *fp8, "--parallel.ac-blocks", "30", "--parallel.ac-others", "selective", preset="droid-14b"),
+        H200,
+        4,
+    )
     assert line is not None
     assert _mix(cfg) == ("full", 30, "selective", True, 1) and "on 30 blocks" in line
-    cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.no-reduce-every-micro-batch", preset="droid-14b"),
-                             H200, 4)
+    cfg, line = resolve_auto(
+        _cfg(tmp_path, *fp8, "--parallel.no-reduce-every-micro-batch", preset="droid-14b"), H200, 4
+    )
     assert line is not None
     assert _mix(cfg) == ("full", 12, "selective", False, 1) and line.endswith("; given: gradient reduction")
     assert "gradients reduced" not in line
     # a given recompute mode keeps its own blocks; the gradient reduction still comes from the fastest fit
-    cfg, line = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.activation-checkpoint", "full", preset="droid-14b"),
-                             H200, 4)
+    cfg, line = resolve_auto(
+        _cfg(tmp_path, *fp8, "--parallel.activation-checkpoint", "full", preset="droid-14b"), H200, 4
+    )
     assert line is not None
     assert _mix(cfg) == ("full", -1, "none", True, 1) and line.endswith("; given: recompute")
 
@@ -207,8 +243,9 @@ def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_p
     assert _mix(cfg) == ("full", -1, "none", True, 4)
     assert "gradients reduced every micro-batch for --parallel.cpu-offload" in line
     # given, the reduction stays as given
-    cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", "--parallel.no-reduce-every-micro-batch",
-                                  preset="droid-14b"), H100, 4)
+    cfg, line = resolve_auto(
+        _cfg(tmp_path, "--parallel.cpu-offload", "--parallel.no-reduce-every-micro-batch", preset="droid-14b"), H100, 4
+    )
     assert line is not None
     assert cfg.parallel.reduce_every_micro_batch is False and "for --parallel.cpu-offload" not in line
     with pytest.raises(UsageError, match=r"--parallel.cpu-offload True \(must be off with --parallel.float8"):
@@ -216,8 +253,11 @@ def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_p
 
 
 def test_gathering_once_per_step_needs_the_gathered_parameters_kept_after_forward(tmp_path):
-    with pytest.raises(UsageError, match=r"--parallel.gather-once-per-step True \(must be used with "
-                                         r"--parallel.no-reshard-after-forward, given or chosen by the auto settings"):
+    with pytest.raises(
+        UsageError,
+        match=r"--parallel.gather-once-per-step True \(must be used with "
+        r"--parallel.no-reshard-after-forward, given or chosen by the auto settings",
+    ):
         _cfg(tmp_path, "--parallel.gather-once-per-step", "--parallel.reshard-after-forward")
     # auto resharding: checked again once resolved (train/main.py), as here
     kept, _ = resolve_auto(_cfg(tmp_path, "--parallel.gather-once-per-step"), H100, 4)

@@ -54,44 +54,75 @@ def odd_droid(tmp_path_factory):
 
 def test_each_odd_episode_is_a_recorded_failure_and_the_build_trains(odd_droid, tiny_checkpoints, tmp_path):
     out = tmp_path / "shards"
-    done = subprocess.run(shards_cmd(odd_droid, out, "droid", tiny_checkpoints), cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(
+        shards_cmd(odd_droid, out, "droid", tiny_checkpoints), cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     reasons = {f["episode"]: f["reason"] for f in manifest(out)["failures"]}
     assert sorted(reasons) == [2, 3, 4, 5, 7]
     assert "cameras differ in frame size" in reasons[2] and "wrist_image_left 96x128" in reasons[2]
-    assert reasons[3].startswith(f"{odd_droid / 'data/chunk-000/episode_000003.parquet'}: episode 3: column "
-                                 f"'{STATE}' has shape [")
+    assert reasons[3].startswith(
+        f"{odd_droid / 'data/chunk-000/episode_000003.parquet'}: episode 3: column '{STATE}' has shape ["
+    )
     assert reasons[4].startswith(f"{odd_droid / 'data/chunk-000/episode_000004.parquet'}: episode 4: ")
     assert reasons[5].endswith(f"column '{STATE}' holds NaN or inf")
-    assert reasons[7] == (f"{odd_droid / 'data/chunk-000/episode_000007.parquet'}: episode 7: column 'timestamp' "
-                          f"holds NaN or inf")
+    assert reasons[7] == (
+        f"{odd_droid / 'data/chunk-000/episode_000007.parquet'}: episode 7: column 'timestamp' holds NaN or inf"
+    )
     assert all("\n" not in r for r in reasons.values())
     for episode in reasons:
         assert f"FAILED episode {episode}: " in done.stdout
     assert manifest(out)["totals"]["samples"] > 0 and check(out) == []
 
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                          str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(out),
-                          "--checkpoint.dir", str(tmp_path / "run"), "--steps", "2", "--checkpoint.no-export",
-                          "--metrics.no-tensorboard", "--metrics.no-progress", "--data.micro-batch-size", "1"],
-                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            str(ROOT / "train" / "main.py"),
+            "--preset",
+            "tiny",
+            "--data.shards",
+            str(out),
+            "--checkpoint.dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "2",
+            "--checkpoint.no-export",
+            "--metrics.no-tensorboard",
+            "--metrics.no-progress",
+            "--data.micro-batch-size",
+            "1",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_fail_fast_stops_at_the_first_odd_episode(odd_droid, tiny_checkpoints, tmp_path):
     src = shutil.copytree(odd_droid, tmp_path / "src")
-    done = subprocess.run(shards_cmd(src, tmp_path / "shards", "droid", tiny_checkpoints, "--fail-fast"), cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        shards_cmd(src, tmp_path / "shards", "droid", tiny_checkpoints, "--fail-fast"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode != 0 and any(f": episode {e}: " in last for e in (2, 3, 4, 5)), done.stderr[-2000:]
     assert not (tmp_path / "shards" / "manifest.json").exists()
 
 
 def run_build(src, out, tiny, *extra):
-    return subprocess.run(shards_cmd(src, out, "droid", tiny, *extra), cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+    return subprocess.run(
+        shards_cmd(src, out, "droid", tiny, *extra), cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
 
 
 def test_a_build_without_any_sample_stops_in_one_line_with_the_counts(droid_root, tiny_checkpoints, tmp_path):
@@ -120,8 +151,9 @@ def test_an_encoder_that_outputs_nan_stops_the_build_in_one_line(droid_root, tin
     done = run_build(droid_root, tmp_path / "shards", tiny, "--max-episodes", "1")
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert last.startswith("the encoders' latents of a batch of ") and last.endswith("hold NaN or inf (as bf16): check "
-                                                                                     "the VAE's weights and --dtype")
+    assert last.startswith("the encoders' latents of a batch of ") and last.endswith(
+        "hold NaN or inf (as bf16): check the VAE's weights and --dtype"
+    )
     assert not (tmp_path / "shards" / "manifest.json").exists()
 
 
@@ -143,10 +175,12 @@ def test_parquet_image_cells_of_mixed_sizes_are_their_episodes_failure(libero_ro
         cells[row] = {"bytes": small.getvalue(), "path": cells[row]["path"]}
     pq.write_table(table.set_column(i, table.schema.field(i), pa.array(cells, table.schema.field(i).type)), path)
     out = tmp_path / "shards"
-    done = subprocess.run(shards_cmd(src, out, "libero", tiny_checkpoints), cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(
+        shards_cmd(src, out, "libero", tiny_checkpoints), cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (failure,) = manifest(out)["failures"]
     assert failure["episode"] == 0 and failure["reason"].startswith(
-        f"{path}: episode 0: column 'image': image cells of different sizes: 256x256 at row ")
+        f"{path}: episode 0: column 'image': image cells of different sizes: 256x256 at row "
+    )
     assert ", 128x128 at row " in failure["reason"] and check(out) == []

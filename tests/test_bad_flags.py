@@ -23,13 +23,16 @@ def refused(call, *args) -> str:
     return message
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"weights": [0.0]}, "--weights must be positive, finite numbers (a dataset's share of the mixture), got 0.0"),
-    ({"weights": [float("nan")]}, "--weights must be positive, finite numbers"),
-    ({"weights": [1.0, -2.0], "src": ["a", "b"]}, "got -2.0"),
-    ({"embodiment": "nope"}, "--embodiment: unknown embodiment 'nope'; known: ['franka_pnp', 'libero_sim'"),
-    ({"max_relative_episodes": -1}, "--max-relative-episodes must be 0 (all) or more, got -1"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"weights": [0.0]}, "--weights must be positive, finite numbers (a dataset's share of the mixture), got 0.0"),
+        ({"weights": [float("nan")]}, "--weights must be positive, finite numbers"),
+        ({"weights": [1.0, -2.0], "src": ["a", "b"]}, "got -2.0"),
+        ({"embodiment": "nope"}, "--embodiment: unknown embodiment 'nope'; known: ['franka_pnp', 'libero_sim'"),
+        ({"max_relative_episodes": -1}, "--max-relative-episodes must be 0 (all) or more, got -1"),
+    ],
+)
 def test_stats_flags(extra, message, tmp_path):
     args = stats.Args(src=[tmp_path / "nowhere"], embodiment="oxe_droid", out=tmp_path / "metadata.json")
     src = [tmp_path / s for s in extra.pop("src", [])] or args.src
@@ -39,29 +42,31 @@ def test_stats_flags(extra, message, tmp_path):
 
 def test_stats_out_a_directory(tmp_path):
     args = stats.Args(src=[tmp_path / "nowhere"], embodiment="oxe_droid", out=tmp_path)
-    assert refused(stats.run, args) == (f"--out {tmp_path} is a directory; give the path of the metadata.json "
-                                        f"to write")
+    assert refused(stats.run, args) == (f"--out {tmp_path} is a directory; give the path of the metadata.json to write")
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"samples": 0}, "--samples must be at least 1, got 0"),
-    ({"samples": -3}, "--samples must be at least 1, got -3"),
-    ({"batch_size": 0}, "--batch-size must be at least 1, got 0"),
-    ({"batch_size": -1}, "--batch-size must be at least 1, got -1"),
-    ({"plot_samples": -1}, "--plot-samples must be at least 0, got -1"),
-    ({"device": "foo"}, "--device foo: "),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"samples": 0}, "--samples must be at least 1, got 0"),
+        ({"samples": -3}, "--samples must be at least 1, got -3"),
+        ({"batch_size": 0}, "--batch-size must be at least 1, got 0"),
+        ({"batch_size": -1}, "--batch-size must be at least 1, got -1"),
+        ({"plot_samples": -1}, "--plot-samples must be at least 0, got -1"),
+        ({"device": "foo"}, "--device foo: "),
+    ],
+)
 def test_evaluate_flags(extra, message, tmp_path):
-    args = open_loop.Args(source=tmp_path / "run", shards=str(tmp_path / "shards"), out=tmp_path / "out",
-                         device="cpu")
+    args = open_loop.Args(source=tmp_path / "run", shards=str(tmp_path / "shards"), out=tmp_path / "out", device="cpu")
     assert refused(open_loop.evaluate, replace(args, **extra)).startswith(message)
     assert not (tmp_path / "out").exists()
 
 
 def test_evaluate_out_a_file_is_refused_before_the_work(tmp_path):
     (tmp_path / "taken").write_text("a file of the user's\n")
-    args = open_loop.Args(source=tmp_path / "run", shards=str(tmp_path / "shards"), out=tmp_path / "taken",
-                         device="cpu")
+    args = open_loop.Args(
+        source=tmp_path / "run", shards=str(tmp_path / "shards"), out=tmp_path / "taken", device="cpu"
+    )
     assert refused(open_loop.evaluate, args).startswith(f"--out {tmp_path / 'taken'} is a file")
     assert (tmp_path / "taken").read_text() == "a file of the user's\n"
 
@@ -76,13 +81,17 @@ def test_cuda_without_a_device(tmp_path):
 @pytest.mark.parametrize("device", ["foo", "cuda:x", "gpu"])
 def test_shards_device(device):
     assert refused(shards.check_arguments, shards.Args(device=device)) == (
-        f"--device must be cpu, cuda or cuda:N, got {device!r}")
+        f"--device must be cpu, cuda or cuda:N, got {device!r}"
+    )
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"samples": 0}, "--samples must be at least 1, got 0"),
-    ({"samples": -1}, "--samples must be at least 1, got -1"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"samples": 0}, "--samples must be at least 1, got 0"),
+        ({"samples": -1}, "--samples must be at least 1, got -1"),
+    ],
+)
 def test_preview_flags(extra, message, tmp_path):
     args = preview.Args(shards=str(tmp_path / "shards"), vae=tmp_path / "vae.pth", out=tmp_path / "out")
     assert refused(preview.preview, replace(args, **extra)) == message
@@ -93,7 +102,8 @@ def test_preview_flags(extra, message, tmp_path):
 def test_a_variant_the_shards_do_not_hold(small_shards):
     assert len(open_sets(DataConfig(shards=str(small_shards), variant=0))) == 1
     assert refused(open_sets, DataConfig(shards=str(small_shards), variant=5)) == (
-        f"--data.variant 5: {small_shards} holds 1 variant(s) per window (0-0; -1 draws one per visit)")
+        f"--data.variant 5: {small_shards} holds 1 variant(s) per window (0-0; -1 draws one per visit)"
+    )
 
 
 def test_held_out_episodes_without_a_window(droid_root):
@@ -102,6 +112,6 @@ def test_held_out_episodes_without_a_window(droid_root):
     shards.check_held_out_windows("0,2", (0, 2), ds, 97)  # both long enough
     shards.check_held_out_windows("0.5", (0, 1), ds, 97)  # a fraction: one of them gives windows
     assert refused(shards.check_held_out_windows, "1,2", (1, 2), ds, 97) == (
-        "--val-episodes 1,2: episodes 1 (62 rows) give no window (a window needs 97 rows); hold out longer episodes")
+        "--val-episodes 1,2: episodes 1 (62 rows) give no window (a window needs 97 rows); hold out longer episodes"
+    )
     assert "episodes 1 (62 rows)" in refused(shards.check_held_out_windows, "0.5", (1,), ds, 97)
-

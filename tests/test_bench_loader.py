@@ -15,10 +15,31 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_tiny_run_measures_every_worker_count_warm_and_cold(tmp_path):
     out = tmp_path / "bench"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_loader.py"), "--preset", "tiny",
-                           "--workers", "0", "2", "--batches", "3", "--micro-batch", "2", "--windows", "16",
-                           "--gpu-samples-per-s", "5", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_loader.py"),
+            "--preset",
+            "tiny",
+            "--workers",
+            "0",
+            "2",
+            "--batches",
+            "3",
+            "--micro-batch",
+            "2",
+            "--windows",
+            "16",
+            "--gpu-samples-per-s",
+            "5",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r == json.loads((out / "result.json").read_text())
@@ -35,6 +56,11 @@ def test_tiny_run_measures_every_worker_count_warm_and_cold(tmp_path):
 
 
 def test_bad_arguments_are_refused():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_loader.py"), "--windows", "2",
-                           "--micro-batch", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_loader.py"), "--windows", "2", "--micro-batch", "8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "--windows >= --micro-batch" in done.stderr

@@ -11,16 +11,59 @@ from wampipe.preprocess.shards import Args
 from wampipe.preprocess.spec import FINALIZE, UNIT, BuildSpec, arg
 
 # The flags that change no output byte: where and how the run goes, not what it builds.
-RUN_ONLY = {"config", "out", "staging_dir", "workers", "finalize_workers", "executor", "ray_address", "unit_index",
-            "num_units", "stage", "fail_fast", "overwrite", "compile_cache", "official_filters"}
+RUN_ONLY = {
+    "config",
+    "out",
+    "staging_dir",
+    "workers",
+    "finalize_workers",
+    "executor",
+    "ray_address",
+    "unit_index",
+    "num_units",
+    "stage",
+    "fail_fast",
+    "overwrite",
+    "compile_cache",
+    "official_filters",
+}
 # inputs.json's keys as builds before the spec recorded them: a build made then resumes now
-RECORDED = {"src", "dataset", "model", "anchor_stride", "augment_variants", "seed", "compress", "decode_backend",
-            "dtype", "image_features", "vae_compile", "batch_size", "episodes_per_unit", "max_episodes",
-            "samples_per_shard", "val_episodes", "threads_per_worker", "device", "vae", "image_encoder", "text_encoder",
-            "tokenizer", "metadata"}
+RECORDED = {
+    "src",
+    "dataset",
+    "model",
+    "anchor_stride",
+    "augment_variants",
+    "seed",
+    "compress",
+    "decode_backend",
+    "dtype",
+    "image_features",
+    "vae_compile",
+    "batch_size",
+    "episodes_per_unit",
+    "max_episodes",
+    "samples_per_shard",
+    "val_episodes",
+    "threads_per_worker",
+    "device",
+    "vae",
+    "image_encoder",
+    "text_encoder",
+    "tokenizer",
+    "metadata",
+}
 # the selection flags, recorded since filters exist: None while a filter is off, as a key older builds lack reads
-SELECTION = {"keep_ranges", "keep_ranges_key", "drop_failed", "reward_field", "require_language", "episodes",
-             "exclude_episodes", "min_length"}
+SELECTION = {
+    "keep_ranges",
+    "keep_ranges_key",
+    "drop_failed",
+    "reward_field",
+    "require_language",
+    "episodes",
+    "exclude_episodes",
+    "min_length",
+}
 
 
 @pytest.fixture
@@ -30,9 +73,15 @@ def args(tmp_path) -> Args:
     (tmp_path / "src" / "meta" / "info.json").write_text("{}")
     for name in ("vae", "image_encoder", "text_encoder", "tokenizer", "other", "metadata"):
         (tmp_path / name).write_text(name)
-    return Args(src=tmp_path / "src", out=str(tmp_path / "out"), model="5b", dtype="float32", threads_per_worker=2,
-                vae_compile="off",
-                **{name: tmp_path / name for name in ("vae", "image_encoder", "text_encoder", "tokenizer")})
+    return Args(
+        src=tmp_path / "src",
+        out=str(tmp_path / "out"),
+        model="5b",
+        dtype="float32",
+        threads_per_worker=2,
+        vae_compile="off",
+        **{name: tmp_path / name for name in ("vae", "image_encoder", "text_encoder", "tokenizer")},
+    )
 
 
 def spec_of(args: Args, **flags) -> BuildSpec:
@@ -46,8 +95,11 @@ def test_every_argument_that_changes_bytes_is_recorded(args):
     assert set(inputs) == staged == RECORDED | SELECTION
     assert {name: inputs[name] for name in SELECTION} == dict.fromkeys(SELECTION)
     filtered = spec_of(args, drop_failed=True, require_language="any", keep_ranges=args.vae).inputs()
-    assert (filtered["drop_failed"], filtered["reward_field"], filtered["require_language"]) == (True, "next.reward",
-                                                                                                   "any")
+    assert (filtered["drop_failed"], filtered["reward_field"], filtered["require_language"]) == (
+        True,
+        "next.reward",
+        "any",
+    )
     assert filtered["keep_ranges"] == inputs["vae"] and filtered["keep_ranges_key"] == "{episode_index}"
     assert inputs["device"] == "cpu" and spec_of(args, device="cuda:1").inputs()["device"] == "cuda"
     assert inputs["vae"] != inputs["image_encoder"] and len(inputs["vae"]) == 64  # the files' sha256, not their paths
@@ -55,8 +107,13 @@ def test_every_argument_that_changes_bytes_is_recorded(args):
 
 def test_finalize_only_arguments_leave_the_units_alone(args):
     base, files = spec_of(args).inputs(), args.vae.parent
-    others = {"samples_per_shard": 7, "val_episodes": "1", "text_encoder": files / "other",
-              "tokenizer": files / "other", "metadata": files / "metadata"}
+    others = {
+        "samples_per_shard": 7,
+        "val_episodes": "1",
+        "text_encoder": files / "other",
+        "tokenizer": files / "other",
+        "metadata": files / "metadata",
+    }
     assert {f.name for f in fields(BuildSpec) if f.metadata["stage"] == FINALIZE} == set(others)
     for name, value in others.items():
         changed = spec_of(args, **{name: value}).inputs()

@@ -27,8 +27,9 @@ def av1_root(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", ["droid", "libero_v3", "droid_av1"])
 def test_backends_return_identical_frames(layout, request):
-    root = request.getfixturevalue({"droid": "droid_root", "libero_v3": "libero_v3_root",
-                                    "droid_av1": "av1_root"}[layout])
+    root = request.getfixturevalue(
+        {"droid": "droid_root", "libero_v3": "libero_v3_root", "droid_av1": "av1_root"}[layout]
+    )
     ds = LeRobotDataset(root)
     for index in ds.episode_indices:
         episode = ds.episode(index)

@@ -25,14 +25,41 @@ def quiet(*argv: str) -> str:
 @pytest.mark.slow
 def test_the_demo_prints_only_progress_on_stderr(droid_shards, tiny_checkpoints, tmp_path):
     libero_src, libero = tmp_path / "libero-src", tmp_path / "libero"
-    quiet(sys.executable, "scripts/make_sample_dataset.py", "--layout", "libero", "--out", str(libero_src),
-          "--episodes", "2", "--seed", "0")
+    quiet(
+        sys.executable,
+        "scripts/make_sample_dataset.py",
+        "--layout",
+        "libero",
+        "--out",
+        str(libero_src),
+        "--episodes",
+        "2",
+        "--seed",
+        "0",
+    )
     quiet(*shards_cmd(libero_src, libero, "libero", tiny_checkpoints))
     for shards in (droid_shards, libero):
         quiet(sys.executable, "-m", "preprocess", "check", str(shards))
     run_dir = tmp_path / "run"
-    quiet(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train/main.py",
-          "--preset", "tiny", "--data.mixture", f"{droid_shards}=0.7", f"{libero}=0.3", "--checkpoint.dir",
-          str(run_dir), "--steps", "4", "--metrics.interval", "2", "--checkpoint.no-export")
+    quiet(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "train/main.py",
+        "--preset",
+        "tiny",
+        "--data.mixture",
+        f"{droid_shards}=0.7",
+        f"{libero}=0.3",
+        "--checkpoint.dir",
+        str(run_dir),
+        "--steps",
+        "4",
+        "--metrics.interval",
+        "2",
+        "--checkpoint.no-export",
+    )
     assert "wrote" in quiet(sys.executable, "scripts/plot_metrics.py", str(run_dir))
     assert (run_dir / "metrics.png").is_file()

@@ -22,8 +22,22 @@ from wampipe.train.runtime import alike, report
 from wampipe.train.dit.weights import WeightsError as TrainerWeightsError
 
 
-@pytest.mark.parametrize("error", [DatasetError, EncoderOutputError, OutOfSpace, ChildDied, ShardFormatError,
-                                   SchemaError, EncoderWeightsError, UsageError, FlagError, RemoteError, RunError])
+@pytest.mark.parametrize(
+    "error",
+    [
+        DatasetError,
+        EncoderOutputError,
+        OutOfSpace,
+        ChildDied,
+        ShardFormatError,
+        SchemaError,
+        EncoderWeightsError,
+        UsageError,
+        FlagError,
+        RemoteError,
+        RunError,
+    ],
+)
 def test_every_domain_error_is_a_wampipe_error(error):
     assert issubclass(error, WampipeError) and not issubclass(error, SystemExit)
 
@@ -105,5 +119,7 @@ def test_a_bad_flag_is_one_line_at_the_entry_point(tmp_path):
     assert stop.value.code == "--episodes 3,x: 'x' is not an episode id or a range like 10-19"
     with pytest.raises(SystemExit) as stop:  # refused while the defaults are made, before the flags are parsed
         main(["shards", "--dataset", "libero", "--official-filters", "--src", str(tmp_path)])
-    assert stop.value.code == ("--official-filters: the libero dataset preset names no official filters "
-                               "(configs/datasets.yaml); give the filter flags themselves")
+    assert stop.value.code == (
+        "--official-filters: the libero dataset preset names no official filters "
+        "(configs/datasets.yaml); give the filter flags themselves"
+    )

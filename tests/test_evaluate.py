@@ -39,20 +39,73 @@ def run(small_shards, official_base, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("evaluate")
     base = fp32_copy(official_base, tmp / "base")
     run_dir = tmp / "run"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(small_shards),
-                    "--steps", "2", "--checkpoint.interval", "0", "--metrics.no-progress", "--metrics.no-tensorboard",
-                    "--model.init-from", str(base), "--model.init-device", "meta", "--data.num-workers", "0",
-                    "--checkpoint.dir", str(run_dir), "--checkpoint.export-base", str(base),
-                    "--checkpoint.export-dtype", "float32", "--metrics.action-interval", "1",
-                    "--metrics.action-samples", "3"], check=True, capture_output=True, env=ENV, cwd=ROOT, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(ROOT / "train" / "main.py"),
+            "--preset",
+            "tiny",
+            "--data.shards",
+            str(small_shards),
+            "--steps",
+            "2",
+            "--checkpoint.interval",
+            "0",
+            "--metrics.no-progress",
+            "--metrics.no-tensorboard",
+            "--model.init-from",
+            str(base),
+            "--model.init-device",
+            "meta",
+            "--data.num-workers",
+            "0",
+            "--checkpoint.dir",
+            str(run_dir),
+            "--checkpoint.export-base",
+            str(base),
+            "--checkpoint.export-dtype",
+            "float32",
+            "--metrics.action-interval",
+            "1",
+            "--metrics.action-samples",
+            "3",
+        ],
+        check=True,
+        capture_output=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=600,
+    )
     return run_dir
 
 
 def evaluate(source: Path, shards: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "train.evaluate", str(source), "--shards", str(shards),
-                           "--samples", "3", "--batch-size", "2", "--out", str(out), *extra],
-                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.evaluate",
+            str(source),
+            "--shards",
+            str(shards),
+            "--samples",
+            "3",
+            "--batch-size",
+            "2",
+            "--out",
+            str(out),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
@@ -68,8 +121,15 @@ def test_checkpoint_and_export_give_the_same_report(run, small_shards, tmp_path)
     assert ckpt == export
     assert ckpt["samples"] == 3 and ckpt["guided"] is False
     assert ckpt["action_dims"] == 7 and len(ckpt["chunk_raw"]["per_dim"]) == 7
-    assert ckpt["sampler"] == {"steps": 16, "shift": 5.0, "num_train_timesteps": 1000, "dit_steps": 8,
-                               "cfg_scale": 5.0, "seed": 1140, "state_sees_block": True}
+    assert ckpt["sampler"] == {
+        "steps": 16,
+        "shift": 5.0,
+        "num_train_timesteps": 1000,
+        "dit_steps": 8,
+        "cfg_scale": 5.0,
+        "seed": 1140,
+        "state_sees_block": True,
+    }
 
 
 @pytest.mark.slow
@@ -109,8 +169,12 @@ def test_a_bad_input_stops_with_one_line(run, small_shards, other_dit_shards, tm
         "file": (run / "config.yaml", small_shards, (), f"{run / 'config.yaml'}: not a directory"),
         "step": (run, small_shards, ("--step", "7"), f"{run}: no checkpoint of step 7"),
         "other DiT": (run, other_dit_shards, (), f"{other_dit_shards} does not fit the DiT of {run / 'step-000002'}"),
-        "other DiT, export": (run / "export", other_dit_shards, (),
-                              f"{other_dit_shards} does not fit the DiT of {run / 'export'}"),
+        "other DiT, export": (
+            run / "export",
+            other_dit_shards,
+            (),
+            f"{other_dit_shards} does not fit the DiT of {run / 'export'}",
+        ),
     }[case]
     with pytest.raises(SystemExit) as stop:
         main([str(source), "--shards", str(shards), "--out", str(tmp_path / "out"), *extra])

@@ -72,11 +72,15 @@ def _worker(rank: int, tmp: str, shards: Path, init_from: Path, cases: dict) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
     from wampipe.train.builder import build
+
     try:
         for name, base in cases.items():
             data = DataConfig(shards=shards)  # pyright: ignore[reportArgumentType]  # a Path: the loader reads str()
-            cfg = Config(data=data, model=ModelConfig(init_from=init_from, init_device="meta"),
-                         checkpoint=CheckpointConfig(dir=Path(tmp) / name, export_base=base))
+            cfg = Config(
+                data=data,
+                model=ModelConfig(init_from=init_from, init_device="meta"),
+                checkpoint=CheckpointConfig(dir=Path(tmp) / name, export_base=base),
+            )
             model = build(cfg, torch.device("cpu"))
             with torch.no_grad():
                 for p in model.parameters():
@@ -94,17 +98,21 @@ def test_eval_ready_export_from_two_ranks(small_shards, official_base, small_dit
     stale.mkdir(parents=True)
     (stale / "model.safetensors.index.json").write_text("{}")  # a previous export's index must not survive
     cases = {"sharded_run": official_base, "single_run": single, "config_only_run": config_only}
-    start_processes(_worker, args=(str(tmp_path), small_shards, official_base, cases), nprocs=WORLD,
-                    start_method="spawn")
+    start_processes(
+        _worker, args=(str(tmp_path), small_shards, official_base, cases), nprocs=WORLD, start_method="spawn"
+    )
 
-    trained = {k[len(DREAMZERO_PREFIX):]: (v.float() + SHIFT).to(torch.bfloat16)  # what the ranks held, cast back
-               for k, v in read_folder(official_base)[0].items() if k.startswith(DREAMZERO_PREFIX)}
+    trained = {
+        k[len(DREAMZERO_PREFIX) :]: (v.float() + SHIFT).to(torch.bfloat16)  # what the ranks held, cast back
+        for k, v in read_folder(official_base)[0].items()
+        if k.startswith(DREAMZERO_PREFIX)
+    }
     model_keys = set(build_model(small_dit).state_dict())
     for name, src in cases.items():
         out = tmp_path / name / "export"
         assert sorted(p.name for p in out.parent.iterdir()) == ["export"]  # no staging folder left
         got, files = read_folder(out)
-        dit_keys = {k[len(DREAMZERO_PREFIX):] for k in got if k.startswith(DREAMZERO_PREFIX)}
+        dit_keys = {k[len(DREAMZERO_PREFIX) :] for k in got if k.startswith(DREAMZERO_PREFIX)}
         assert dit_keys == model_keys and not any("base_layer" in k or "lora_" in k for k in got)
         for k in dit_keys:
             assert torch.equal(got[DREAMZERO_PREFIX + k], trained[k]), (name, k)
@@ -122,9 +130,17 @@ def test_eval_ready_export_from_two_ranks(small_shards, official_base, small_dit
         assert (out / "experiment_cfg" / "metadata.json").read_bytes() == (small_shards / "metadata.json").read_bytes()
         head = json.loads((out / "config.json").read_text())["action_head_cfg"]["config"]
         dm = head["diffusion_model_cfg"]
-        w = {k: got[DREAMZERO_PREFIX + k].shape for k in ("blocks.0.self_attn.q.weight", "blocks.0.ffn.0.weight",
-                                                          "patch_embedding.weight", "head.head.weight",
-                                                          "action_decoder.layer2.W", "state_encoder.layer1.W")}
+        w = {
+            k: got[DREAMZERO_PREFIX + k].shape
+            for k in (
+                "blocks.0.self_attn.q.weight",
+                "blocks.0.ffn.0.weight",
+                "patch_embedding.weight",
+                "head.head.weight",
+                "action_decoder.layer2.W",
+                "state_encoder.layer1.W",
+            )
+        }
         assert dm["dim"] == w["blocks.0.self_attn.q.weight"][0] and dm["ffn_dim"] == w["blocks.0.ffn.0.weight"][0]
         assert dm["in_dim"] == w["patch_embedding.weight"][1] and 4 * dm["out_dim"] == w["head.head.weight"][0]
         assert dm["num_layers"] == len({k.split(".")[1] for k in dit_keys if k.startswith("blocks.")})
@@ -132,7 +148,10 @@ def test_eval_ready_export_from_two_ranks(small_shards, official_base, small_dit
         assert head["max_state_dim"] == w["state_encoder.layer1.W"][1]
         assert dm["num_action_per_block"] == small_dit.num_action_per_block and dm["model_type"] == small_dit.model_type
         assert (head["skip_component_loading"], head["defer_lora_injection"], head["train_architecture"]) == (
-            True, False, "full")
+            True,
+            False,
+            "full",
+        )
         with safe_open(str(out / sorted(files)[0]), "pt") as h:
             assert h.metadata()["format"] == "pt" and h.metadata()["step"] == "7"
 
@@ -161,28 +180,45 @@ def _with_tensors(edit):
         for rel in ("config.json", "experiment_cfg"):
             (shutil.copytree if (base / rel).is_dir() else shutil.copyfile)(base / rel, folder / rel)
         return folder
+
     return make
 
 
 P = DREAMZERO_PREFIX
 BAD_BASES = {
-    "extra DiT key": (_with_tensors(lambda sd: {**sd, P + "blocks.5.ffn.0.weight": torch.zeros(2)}),
-                      "1 base keys the model does not have, e.g. ['blocks.5.ffn.0.weight']"),
-    "missing DiT key": (_with_tensors(lambda sd: {k: v for k, v in sd.items() if k != P + "head.head.weight"}),
-                        "1 model keys absent from the base, e.g. ['head.head.weight']"),
-    "shape": (_with_tensors(lambda sd: {**sd, P + "head.head.bias": torch.zeros(3)}),
-              "action_head.model.head.head.bias has shape (3,) in the base"),
-    "peft": (_with_tensors(lambda sd: {**sd, P + "blocks.0.self_attn.q.lora_A.weight": torch.zeros(2)}),
-             "PEFT/LoRA keys"),
+    "extra DiT key": (
+        _with_tensors(lambda sd: {**sd, P + "blocks.5.ffn.0.weight": torch.zeros(2)}),
+        "1 base keys the model does not have, e.g. ['blocks.5.ffn.0.weight']",
+    ),
+    "missing DiT key": (
+        _with_tensors(lambda sd: {k: v for k, v in sd.items() if k != P + "head.head.weight"}),
+        "1 model keys absent from the base, e.g. ['head.head.weight']",
+    ),
+    "shape": (
+        _with_tensors(lambda sd: {**sd, P + "head.head.bias": torch.zeros(3)}),
+        "action_head.model.head.head.bias has shape (3,) in the base",
+    ),
+    "peft": (
+        _with_tensors(lambda sd: {**sd, P + "blocks.0.self_attn.q.lora_A.weight": torch.zeros(2)}),
+        "PEFT/LoRA keys",
+    ),
     "no config": (lambda b, o: (_copy(b, o) / "config.json").unlink() or o, "no config.json"),
-    "not dreamzero": (lambda b, o: _edit_config(_copy(b, o), lambda c: c.pop("action_head_cfg")) or o,
-                      "no action_head_cfg.config.diffusion_model_cfg"),
-    "other embodiment": (lambda b, o: _edit_conf(_copy(b, o), lambda c: c["transforms"].clear()) or o,
-                         "no transforms.libero_sim (the shards' embodiment)"),
-    "lora only": (lambda b, o: _edit_conf(_copy(b, o), lambda c: c.update(save_lora_only=True)) or o,
-                  "save_lora_only is true"),
-    "stale index": (lambda b, o: (_copy(b, o) / "model-00002-of-00010.safetensors").unlink() or o,
-                    "lists model-00002-of-00010.safetensors, which is missing"),
+    "not dreamzero": (
+        lambda b, o: _edit_config(_copy(b, o), lambda c: c.pop("action_head_cfg")) or o,
+        "no action_head_cfg.config.diffusion_model_cfg",
+    ),
+    "other embodiment": (
+        lambda b, o: _edit_conf(_copy(b, o), lambda c: c["transforms"].clear()) or o,
+        "no transforms.libero_sim (the shards' embodiment)",
+    ),
+    "lora only": (
+        lambda b, o: _edit_conf(_copy(b, o), lambda c: c.update(save_lora_only=True)) or o,
+        "save_lora_only is true",
+    ),
+    "stale index": (
+        lambda b, o: (_copy(b, o) / "model-00002-of-00010.safetensors").unlink() or o,
+        "lists model-00002-of-00010.safetensors, which is missing",
+    ),
 }
 
 
@@ -198,25 +234,64 @@ def test_unusable_bases_are_refused_naming_the_reason(official_base, small_dit, 
 
 
 @pytest.mark.slow
-def test_trainer_writes_an_eval_ready_export_and_refuses_a_bad_base_at_start(small_shards, official_base, small_dit,
-                                                                             tmp_path):
-    common = [str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(small_shards), "--steps", "2",
-              "--checkpoint.interval", "0", "--metrics.no-progress", "--metrics.no-tensorboard",
-              "--model.init-from", str(official_base), "--model.init-device", "meta", "--data.num-workers", "0"]
+def test_trainer_writes_an_eval_ready_export_and_refuses_a_bad_base_at_start(
+    small_shards, official_base, small_dit, tmp_path
+):
+    common = [
+        str(ROOT / "train" / "main.py"),
+        "--preset",
+        "tiny",
+        "--data.shards",
+        str(small_shards),
+        "--steps",
+        "2",
+        "--checkpoint.interval",
+        "0",
+        "--metrics.no-progress",
+        "--metrics.no-tensorboard",
+        "--model.init-from",
+        str(official_base),
+        "--model.init-device",
+        "meta",
+        "--data.num-workers",
+        "0",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29633"}
     bad = _copy(official_base, tmp_path / "bad")
     _edit_conf(bad, lambda c: c["modality_configs"].clear())
-    done = subprocess.run([sys.executable, *common, "--checkpoint.dir", str(tmp_path / "refused"),
-                           "--checkpoint.export-base", str(bad)], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, *common, "--checkpoint.dir", str(tmp_path / "refused"), "--checkpoint.export-base", str(bad)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
         f"--checkpoint.export-base {bad}/experiment_cfg/conf.yaml: no modality_configs.libero_sim (the shards' "
-        "embodiment); the official loader needs it")
+        "embodiment); the official loader needs it"
+    )
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()  # refused before the first step
 
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *common,
-                    "--checkpoint.dir", str(run), "--checkpoint.export-base", str(official_base)],
-                   check=True, capture_output=True, env=env, cwd=ROOT, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            *common,
+            "--checkpoint.dir",
+            str(run),
+            "--checkpoint.export-base",
+            str(official_base),
+        ],
+        check=True,
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     got, files = read_folder(run / "export")
     want, want_files = read_folder(official_base)
     assert files == want_files
@@ -272,10 +347,20 @@ def test_sigkill_mid_export_leaves_the_previous_export_whole(tmp_path):
 # CausalWanModel(**diffusion_model_cfg): every entry is a keyword argument (an unknown one is a TypeError); a width
 # left out silently takes the official default (noted) and the trained tensors then fail to load.
 OFFICIAL_DIT_ARGS = {
-    "model_type": "model_type", "dim": "dim", "in_dim": "in_dim", "ffn_dim": "ffn_dim", "out_dim": "out_dim",
-    "freq_dim": "freq_dim", "eps": "eps", "num_heads": "num_heads", "num_layers": "num_layers",
-    "frame_seqlen": "frame_seqlen", "max_chunk_size": "max_chunk_size", "num_frame_per_block": "num_frame_per_block",
-    "num_action_per_block": "num_action_per_block", "num_state_per_block": "num_state_per_block",
+    "model_type": "model_type",
+    "dim": "dim",
+    "in_dim": "in_dim",
+    "ffn_dim": "ffn_dim",
+    "out_dim": "out_dim",
+    "freq_dim": "freq_dim",
+    "eps": "eps",
+    "num_heads": "num_heads",
+    "num_layers": "num_layers",
+    "frame_seqlen": "frame_seqlen",
+    "max_chunk_size": "max_chunk_size",
+    "num_frame_per_block": "num_frame_per_block",
+    "num_action_per_block": "num_action_per_block",
+    "num_state_per_block": "num_state_per_block",
     "text_len": "text_len",  # default 512; the official forward asserts the text context has this length
     "text_dim": "text_dim",  # default 4096
     "action_dim": "action_dim",  # default 32
@@ -284,13 +369,27 @@ OFFICIAL_DIT_ARGS = {
 }
 # read but left at the official default, which our DiT has (checked on the model below); max_num_embodiments is
 # overridden to 1 inside the constructor, the leading dim of our category weights
-OFFICIAL_DIT_DEFAULTS = {"patch_size": (1, 2, 2), "sink_size": 0, "qk_norm": True, "cross_attn_norm": True,
-                         "num_registers": 8, "max_num_embodiments": 32}
-OFFICIAL_DIT_OTHER = {"_target_", "_convert_", "diffusion_model_pretrained_path",
-                      "concat_first_frame_latent"}  # default true: y onto the latents; only our 'i2v' does that
+OFFICIAL_DIT_DEFAULTS = {
+    "patch_size": (1, 2, 2),
+    "sink_size": 0,
+    "qk_norm": True,
+    "cross_attn_norm": True,
+    "num_registers": 8,
+    "max_num_embodiments": 32,
+}
+OFFICIAL_DIT_OTHER = {
+    "_target_",
+    "_convert_",
+    "diffusion_model_pretrained_path",
+    "concat_first_frame_latent",
+}  # default true: y onto the latents; only our 'i2v' does that
 # WANPolicyHead(config): the head-level fields it reads with no usable default (num_frames has none at all)
-OFFICIAL_HEAD_FIELDS = {"action_dim": "action_dim", "max_action_dim": "action_dim", "max_state_dim": "max_state_dim",
-                        "num_frame_per_block": "num_frame_per_block"}
+OFFICIAL_HEAD_FIELDS = {
+    "action_dim": "action_dim",
+    "max_action_dim": "action_dim",
+    "max_state_dim": "max_state_dim",
+    "num_frame_per_block": "num_frame_per_block",
+}
 
 
 def _check_official_fields(config: dict, cfg, tag: str, conf: dict, latent_frames: int) -> None:
@@ -302,16 +401,19 @@ def _check_official_fields(config: dict, cfg, tag: str, conf: dict, latent_frame
     assert {k: dm.get(k) for k in OFFICIAL_DIT_ARGS} == {k: getattr(cfg, a) for k, a in OFFICIAL_DIT_ARGS.items()}
     assert dm["concat_first_frame_latent"] is (cfg.model_type == "i2v")
     assert {k: head.get(k) for k in OFFICIAL_HEAD_FIELDS} == {
-        k: getattr(cfg, a) for k, a in OFFICIAL_HEAD_FIELDS.items()}
+        k: getattr(cfg, a) for k, a in OFFICIAL_HEAD_FIELDS.items()
+    }
     window = get_embodiment(tag).window
     assert head["num_frames"] == window.num_frames and 1 + (head["num_frames"] - 1) // 4 == latent_frames  # VAE 4x
-    assert head["action_horizon"] == window.action_horizon == len(conf["modality_configs"][tag]["action"][
-        "delta_indices"])
+    assert (
+        head["action_horizon"] == window.action_horizon == len(conf["modality_configs"][tag]["action"]["delta_indices"])
+    )
     assert (config["action_dim"], config["action_horizon"]) == (head["action_dim"], head["action_horizon"])
 
 
-def test_config_json_carries_every_field_the_official_constructors_read(small_shards, official_base, small_dit,
-                                                                          tmp_path):
+def test_config_json_carries_every_field_the_official_constructors_read(
+    small_shards, official_base, small_dit, tmp_path
+):
     from wampipe.train.data import SampleReader, open_index
     from wampipe.train.dit.export import eval_config, export_official
 
@@ -333,8 +435,11 @@ def test_config_json_carries_every_field_the_official_constructors_read(small_sh
 
     stale = _copy(official_base, tmp_path / "stale")
     _edit_config(stale, drop_new_fields)
-    for folder in (official_base, export_official(model, tmp_path / "export", official_base, small_shards),
-                   export_official(model, tmp_path / "stale_export", stale, small_shards)):
+    for folder in (
+        official_base,
+        export_official(model, tmp_path / "export", official_base, small_shards),
+        export_official(model, tmp_path / "stale_export", stale, small_shards),
+    ):
         _check_official_fields(json.loads((folder / "config.json").read_text()), small_dit, tag, conf, latent_frames)
     config = json.loads((official_base / "config.json").read_text())
     i2v = replace(small_dit, model_type="i2v", in_dim=small_dit.out_dim + 5)  # 14B-type: y concatenated

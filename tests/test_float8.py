@@ -48,8 +48,9 @@ def _loss_and_grads(model):
     batch = random_batch(model.cfg, 2, (9, 4, 4), generator=torch.Generator().manual_seed(1))
     loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), generator=torch.Generator().manual_seed(2))
     loss.backward()
-    return loss.detach(), {k.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
-                           for k, p in model.named_parameters()}
+    return loss.detach(), {
+        k.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for k, p in model.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
@@ -88,8 +89,11 @@ def test_float8_trains_close_to_bf16_and_selective_recompute_keeps_its_gradients
 def test_refusals_name_the_flag_in_one_line(monkeypatch):
     check_float8("none", None)
     check_float8("tensorwise", (9, 0))  # H100: runs
-    with pytest.raises(UsageError, match=r"^--parallel.float8 tensorwise needs a CUDA GPU of compute capability >= "
-                                         r"8.9 \(float8 matmuls\), found no CUDA device$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--parallel.float8 tensorwise needs a CUDA GPU of compute capability >= "
+        r"8.9 \(float8 matmuls\), found no CUDA device$",
+    ):
         check_float8("tensorwise", None)
     with pytest.raises(UsageError, match=r"^--parallel.float8 rowwise needs .* found compute capability 8.0$"):
         check_float8("rowwise", (8, 0))  # A100
@@ -107,13 +111,32 @@ def shards(tmp_path_factory) -> Path:
 
 @pytest.mark.e2e
 def test_the_trainer_refuses_float8_without_a_capable_gpu(shards, tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards",
-                           str(shards), "--checkpoint.dir", str(tmp_path / "run"), "--parallel.float8", "tensorwise",
-                           "--data.num-workers", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29631"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train" / "main.py"),
+            "--preset",
+            "tiny",
+            "--data.shards",
+            str(shards),
+            "--checkpoint.dir",
+            str(tmp_path / "run"),
+            "--parallel.float8",
+            "tensorwise",
+            "--data.num-workers",
+            "0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29631"},
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1] == ("--parallel.float8 tensorwise needs a CUDA GPU of compute "
-                                                    "capability >= 8.9 (float8 matmuls), found no CUDA device")
+    assert done.stderr.strip().splitlines()[-1] == (
+        "--parallel.float8 tensorwise needs a CUDA GPU of compute "
+        "capability >= 8.9 (float8 matmuls), found no CUDA device"
+    )
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
@@ -147,13 +170,21 @@ def _worker(rank: int, tmp: str) -> None:
             cfg.model.init_device, cfg.parallel.float8 = "meta", mode
             models[mode] = sharded_model(preset("tiny"), cfg, torch.device("cpu"))
         fp8 = models["tensorwise"]
-        out = {"init": (_full(models["none"]), _full(fp8)),
-               "float8_gather": [type(cast(DTensor, m.weight)._local_tensor) is WeightWithDynamicFloat8CastTensor
-                                 for m in fp8.modules() if isinstance(m, Float8Linear)]}
+        out = {
+            "init": (_full(models["none"]), _full(fp8)),
+            "float8_gather": [
+                type(cast(DTensor, m.weight)._local_tensor) is WeightWithDynamicFloat8CastTensor
+                for m in fp8.modules()
+                if isinstance(m, Float8Linear)
+            ],
+        }
         out["losses"], opt = _train_steps(fp8, rank, 2, "tensorwise")
         out["scales_precomputed"] = all(
             cast(WeightWithDynamicFloat8CastTensor, cast(DTensor, m.weight)._local_tensor)._precomputed_scale
-            is not None for m in fp8.modules() if isinstance(m, Float8Linear))
+            is not None
+            for m in fp8.modules()
+            if isinstance(m, Float8Linear)
+        )
         trained = _full(fp8)
         cfg = CheckpointConfig(dir=Path(tmp) / "run")
         checkpoint.save(cfg, 2, fp8, opt, {"step": 2})
@@ -165,8 +196,10 @@ def _worker(rank: int, tmp: str) -> None:
         export_weights(fp8, Path(tmp) / "export", dtype=torch.float32)
         cfg = Config()  # a float8 run starting from the float8 run's export: --model.init-from
         cfg.model.init_device, cfg.model.init_from, cfg.parallel.float8 = "meta", Path(tmp) / "export", "tensorwise"
-        out["reloaded"] = all(torch.equal(v, trained[k])
-                              for k, v in _full(sharded_model(preset("tiny"), cfg, torch.device("cpu"))).items())
+        out["reloaded"] = all(
+            torch.equal(v, trained[k])
+            for k, v in _full(sharded_model(preset("tiny"), cfg, torch.device("cpu"))).items()
+        )
         if rank == 0:
             out["trained"] = trained
             torch.save(out, f"{tmp}/out.pt")
@@ -200,11 +233,35 @@ def test_fsdp2_gathers_float8_weights_and_checkpoints_exports_and_reloads_offici
 def test_parity_script_trains_twice_on_the_same_data_and_compares_the_curves(shards, tmp_path):
     out = tmp_path / "parity"
     # the smoke form: bf16 twice, deterministic, with the auto settings resolved (and printed) by both trainers
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_fp8_parity.py"), "--preset", "tiny",
-                           "--float8", "none", "--steps", "2", "--shards", str(shards), "--out", str(out), "--",
-                           "--parallel.deterministic", "--data.num-workers", "0", "--parallel.activation-checkpoint",
-                           "auto", "--data.micro-batch-size", "0"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "check_fp8_parity.py"),
+            "--preset",
+            "tiny",
+            "--float8",
+            "none",
+            "--steps",
+            "2",
+            "--shards",
+            str(shards),
+            "--out",
+            str(out),
+            "--",
+            "--parallel.deterministic",
+            "--data.num-workers",
+            "0",
+            "--parallel.activation-checkpoint",
+            "auto",
+            "--data.micro-batch-size",
+            "0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r == json.loads((out / "result.json").read_text())
@@ -216,12 +273,27 @@ def test_parity_script_trains_twice_on_the_same_data_and_compares_the_curves(sha
     argv = ["--preset", "tiny", "--data.shards", str(shards), "--parallel.activation-checkpoint", "auto"]
     cfg, _ = resolve_auto(parse_args(argv), None, 1)
     bench.check_same_resolution(cfg, out / "run-bf16")
-    with pytest.raises(SystemExit, match=r"config.yaml: the trainer resolved other settings than the bound uses: "
-                                         r"data.micro_batch_size 2 \(here 4\)$"):
+    with pytest.raises(
+        SystemExit,
+        match=r"config.yaml: the trainer resolved other settings than the bound uses: "
+        r"data.micro_batch_size 2 \(here 4\)$",
+    ):
         bench.check_same_resolution(replace(cfg, data=replace(cfg.data, micro_batch_size=4)), out / "run-bf16")
     # a float8 comparison where float8 cannot run stops before writing anything
-    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_fp8_parity.py"), "--preset", "tiny",
-                              "--float8", "rowwise", "--out", str(tmp_path / "refused")],
-                             capture_output=True, text=True, timeout=300)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "check_fp8_parity.py"),
+            "--preset",
+            "tiny",
+            "--float8",
+            "rowwise",
+            "--out",
+            str(tmp_path / "refused"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert refused.returncode == 1 and "needs a CUDA GPU of compute capability >= 8.9" in refused.stderr
     assert not (tmp_path / "refused" / "shards").exists()

@@ -12,11 +12,14 @@ from wampipe.train.dit.model import build_model, preset, random_batch
 T = 1e12
 
 
-@pytest.mark.parametrize("name,shape,fwd,fwd_bwd,recompute,attn", [
-    ("libero-5b", (9, 10, 20), 9.81, 29.4, 39.1, 0.100),
-    ("droid-5b", (9, 11, 20), 10.11, 30.3, 40.3, 0.106),  # DROID 176x320: 11 latent rows, floored to 5 token rows
-    ("droid-14b", (9, 44, 80), 463.1, 1389, 1846, 62.73),
-])
+@pytest.mark.parametrize(
+    "name,shape,fwd,fwd_bwd,recompute,attn",
+    [
+        ("libero-5b", (9, 10, 20), 9.81, 29.4, 39.1, 0.100),
+        ("droid-5b", (9, 11, 20), 10.11, 30.3, 40.3, 0.106),  # DROID 176x320: 11 latent rows, floored to 5 token rows
+        ("droid-14b", (9, 44, 80), 463.1, 1389, 1846, 62.73),
+    ],
+)
 def test_spec_table(name, shape, fwd, fwd_bwd, recompute, attn):
     f = dit_flops(preset(name), shape)
     assert f.forward / T == pytest.approx(fwd, rel=2e-3)
@@ -44,8 +47,16 @@ def test_matches_flop_counter_on_tiny_model():
     b = random_batch(cfg, 1, shape)
     n_act = b.actions.shape[1]
     with FlopCounterMode(display=False) as counter:
-        model(b.latents, torch.rand(1, 9) * 1000, b.latents, b.actions, torch.rand(1, n_act) * 1000,
-              b.state, b.text, b.clip)
+        model(
+            b.latents,
+            torch.rand(1, 9) * 1000,
+            b.latents,
+            b.actions,
+            torch.rand(1, n_act) * 1000,
+            b.state,
+            b.text,
+            b.clip,
+        )
     f = dit_flops(cfg, shape)
     assert counter.get_total_flops() == f.forward - f.self_attention - f.cross_attention
     layout = cfg.layout(9, 2 * 3)

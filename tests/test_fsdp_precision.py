@@ -38,8 +38,9 @@ def _batch(cfg) -> tuple[DiTBatch, torch.Tensor]:
 
 
 def _loss_grads(model, batch, frame_ids):
-    loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), generator=torch.Generator().manual_seed(2),
-                                 frame_ids=frame_ids)
+    loss, _ = flow_matching_loss(
+        model, batch, FlowMatchScheduler(), generator=torch.Generator().manual_seed(2), frame_ids=frame_ids
+    )
     loss.backward()
     return loss.detach().float()
 

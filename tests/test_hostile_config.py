@@ -37,8 +37,9 @@ def _limited():
 def _cli(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """A CLI run under MEMORY; the timeout only detects a hang (a bounded run takes seconds)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-                          preexec_fn=_limited)
+    return subprocess.run(
+        [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300, preexec_fn=_limited
+    )
 
 
 def _one_line(done: subprocess.CompletedProcess) -> str:
@@ -48,11 +49,15 @@ def _one_line(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("name, text, reason", [
-    ("bomb", BOMB + "train:\n  optim:\n    lr: *i\n", "line 6: more than 100000 values with aliases expanded"),
-    ("latin1", "train:\n  steps: 3  # caf\xe9\n", "not UTF-8 text (byte 0xe9 at offset 24)"),
-    ("deep", "train: " + "[" * 10_000 + "]" * 10_000 + "\n", "line 1: nested deeper than 64 levels"),
-], ids=["alias-bomb", "latin1", "10000-deep"])
+@pytest.mark.parametrize(
+    "name, text, reason",
+    [
+        ("bomb", BOMB + "train:\n  optim:\n    lr: *i\n", "line 6: more than 100000 values with aliases expanded"),
+        ("latin1", "train:\n  steps: 3  # caf\xe9\n", "not UTF-8 text (byte 0xe9 at offset 24)"),
+        ("deep", "train: " + "[" * 10_000 + "]" * 10_000 + "\n", "line 1: nested deeper than 64 levels"),
+    ],
+    ids=["alias-bomb", "latin1", "10000-deep"],
+)
 @pytest.mark.e2e
 def test_hostile_yaml_stops_the_trainer_in_one_line(name, text, reason, tmp_path):
     path = tmp_path / f"{name}.yaml"
@@ -69,19 +74,26 @@ def test_alias_bomb_stops_the_preprocessor_in_one_line(tmp_path):
     assert line == f"{path}: line 6: more than 100000 values with aliases expanded"
 
 
-@pytest.mark.parametrize("argv, file, message", [
-    (["--optim.lr", "inf"], None, "invalid settings: --optim.lr inf (must be a finite number)"),
-    (["--loss.shift", "nan"], None, "invalid settings: --loss.shift nan (must be a finite number)"),
-    ([], "train:\n  optim:\n    lr: .inf\n", "{file}: train.optim.lr: inf is not a finite number"),
-], ids=["lr-inf-flag", "shift-nan-flag", "lr-inf-file"])
+@pytest.mark.parametrize(
+    "argv, file, message",
+    [
+        (["--optim.lr", "inf"], None, "invalid settings: --optim.lr inf (must be a finite number)"),
+        (["--loss.shift", "nan"], None, "invalid settings: --loss.shift nan (must be a finite number)"),
+        ([], "train:\n  optim:\n    lr: .inf\n", "{file}: train.optim.lr: inf is not a finite number"),
+    ],
+    ids=["lr-inf-flag", "shift-nan-flag", "lr-inf-file"],
+)
 @pytest.mark.e2e
 def test_nonfinite_floats_are_refused_before_any_step(argv, file, message, small_shards, tmp_path):
     run_dir, config = tmp_path / "run", tmp_path / "config.yaml"
     if file:
         config.write_text(file)
         argv = ["--config", str(config)]
-    line = _one_line(_cli("train/main.py", *argv, "--data.shards", str(small_shards), "--checkpoint.dir", str(run_dir),
-                          "--steps", "2"))
+    line = _one_line(
+        _cli(
+            "train/main.py", *argv, "--data.shards", str(small_shards), "--checkpoint.dir", str(run_dir), "--steps", "2"
+        )
+    )
     assert line == message.format(file=config)
     assert not run_dir.exists()  # stopped before the run directory, so before any step
 
@@ -89,8 +101,11 @@ def test_nonfinite_floats_are_refused_before_any_step(argv, file, message, small
 @pytest.mark.e2e
 def test_bad_task_strings_fail_their_episodes_and_the_build_goes_on(tiny_checkpoints, tmp_path):
     src, out = write_sample_dataset(tmp_path / "src", "droid", episodes=5), tmp_path / "out"  # episode 1 is short
-    hostile = {0: ("[]", "an empty list"), 2: ("['" + "pick up the cup " * 655_360 + "']", "10485764 characters"),
-               3: ("[" * 100_000 + "]" * 100_000, "200000 characters")}  # episode -> its task, why it fails
+    hostile = {
+        0: ("[]", "an empty list"),
+        2: ("['" + "pick up the cup " * 655_360 + "']", "10485764 characters"),
+        3: ("[" * 100_000 + "]" * 100_000, "200000 characters"),
+    }  # episode -> its task, why it fails
     tasks_file, column = src / "meta" / "tasks.jsonl", "annotation.language.language_instruction"
     tasks = [json.loads(line) for line in tasks_file.read_text().splitlines()]
     for episode, (task, _) in hostile.items():  # a task of its own as the episode's first instruction
@@ -134,16 +149,37 @@ def test_loss_draws_timesteps_over_the_schedulers_length(small_shards, tmp_path)
     model = tiny_model()
     batch = random_batch(model.cfg, 4, (9, 4, 4), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(500), LossConfig(num_train_timesteps=500),
-                                     torch.Generator().manual_seed(1))
+        loss, _ = flow_matching_loss(
+            model, batch, FlowMatchScheduler(500), LossConfig(num_train_timesteps=500), torch.Generator().manual_seed(1)
+        )
     assert torch.isfinite(loss)
 
     run_dir = tmp_path / "run"  # and through the trainer
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
-    done = subprocess.run([sys.executable, "train/main.py", "--data.shards", str(small_shards), "--steps", "2",
-                           "--loss.num-train-timesteps", "500", "--checkpoint.dir", str(run_dir),
-                           "--checkpoint.no-export", "--checkpoint.no-save-final", "--metrics.interval", "1",
-                           "--metrics.no-progress", "--metrics.no-tensorboard"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "train/main.py",
+            "--data.shards",
+            str(small_shards),
+            "--steps",
+            "2",
+            "--loss.num-train-timesteps",
+            "500",
+            "--checkpoint.dir",
+            str(run_dir),
+            "--checkpoint.no-export",
+            "--checkpoint.no-save-final",
+            "--metrics.interval",
+            "1",
+            "--metrics.no-progress",
+            "--metrics.no-tensorboard",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]

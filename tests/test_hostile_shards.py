@@ -61,8 +61,10 @@ def refused(root, cache_dir=None) -> str:
 def outside_path(manifest: Path | str, field: str, name: str) -> str:
     """The refusal of the manifest at `manifest` whose `field` names `name`."""
     pattern = r".+\.safetensors" if field == "text_table.file" else r".+\.json"
-    return (f"{manifest}: {field} {name!r} is not a relative path of the form {pattern} inside the shard directory "
-            f"(crafted or corrupt): rebuild the shards")
+    return (
+        f"{manifest}: {field} {name!r} is not a relative path of the form {pattern} inside the shard directory "
+        f"(crafted or corrupt): rebuild the shards"
+    )
 
 
 def test_a_text_table_outside_the_directory_is_refused_locally(copy, tmp_path):
@@ -85,10 +87,19 @@ def test_a_text_table_outside_the_directory_is_never_fetched_from_s3(copy, s3_bu
     message = outside_path(f"{url}/manifest.json", "text_table.file", ESCAPE)
 
     assert refused(url, tmp_path / "c" / "cache") == message
-    done = subprocess.run([sys.executable, "-m", "preprocess", "check", url], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "TMPDIR": str(tmp_path / "t")}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "preprocess", "check", url],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path / "t")},
+        timeout=120,
+    )
     assert (done.returncode, done.stdout.splitlines(), done.stderr) == (
-        1, [f"FAILED: 1 problem(s) in {url}", f"  {message}"], "")
+        1,
+        [f"FAILED: 1 problem(s) in {url}", f"  {message}"],
+        "",
+    )
     assert not landing.exists()
     assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file()]  # nothing fetched into the cache either
 
@@ -97,8 +108,10 @@ def test_statistics_outside_the_directory_are_refused(copy, tmp_path):
     outside = tmp_path / "a" / "outside_stats.json"
     outside.write_bytes((copy / "metadata.json").read_bytes())
     name = "../outside_stats.json"
-    reseal(copy / "manifest.json", lambda m: m["statistics"].update(
-        file=name, sha256=hashlib.sha256(outside.read_bytes()).hexdigest()))
+    reseal(
+        copy / "manifest.json",
+        lambda m: m["statistics"].update(file=name, sha256=hashlib.sha256(outside.read_bytes()).hexdigest()),
+    )
     message = outside_path(copy / "manifest.json", "statistics.file", name)
     assert refused(copy) == message
     assert check(copy) == [message]
@@ -122,11 +135,31 @@ def test_edited_statistics_stop_the_trainer_at_start(copy, tmp_path):
         shard_statistics(copy)
 
     # a real trainer start: one rank, stopped before any model is built, with the one line and no traceback
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                           str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(copy),
-                           "--checkpoint.dir", str(tmp_path / "run"), "--steps", "1", "--metrics.no-progress",
-                           "--metrics.no-tensorboard"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            str(ROOT / "train" / "main.py"),
+            "--preset",
+            "tiny",
+            "--data.shards",
+            str(copy),
+            "--checkpoint.dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "1",
+            "--metrics.no-progress",
+            "--metrics.no-tensorboard",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode != 0
     assert message in done.stderr.splitlines()
     assert "Traceback" not in done.stderr.split(message)[0]  # the rank's own report is the one line
@@ -149,14 +182,18 @@ def test_a_member_size_beyond_its_tar_is_refused_before_any_read(copy):
     record = ShardRecord.read(copy / "shard-000000.json")
     key, member = record.keys[0], record.samples[0].members[0]
     reseal(copy / "shard-000000.json", lambda o: o["samples"][key]["members"][0].__setitem__(2, 2**40))
-    message = (f"{copy / 'shard-000000.json'}: sample {key}: member {member.name}: {2**40} bytes at offset "
-               f"{member.offset} lie outside the tar's {record.bytes} bytes (crafted or corrupt): rebuild the shards")
+    message = (
+        f"{copy / 'shard-000000.json'}: sample {key}: member {member.name}: {2**40} bytes at offset "
+        f"{member.offset} lie outside the tar's {record.bytes} bytes (crafted or corrupt): rebuild the shards"
+    )
     assert message in check(copy, decode=False, shard_jsons=True)  # readers never read it: only with shard_jsons
     # the readers' copy of the same numbers, the sample index, crafted the same way
     row = ShardIndex(copy).table.find(key)
     edit_index(copy, lambda rows: rows["offset"].__setitem__((row, 0), 2**40))
-    assert refused(copy) == (f"{copy / 'samples.npy'}: row {row}: a member lies outside the {record.bytes} bytes of "
-                             f"shard-000000.tar (crafted or corrupt): rebuild the shards")
+    assert refused(copy) == (
+        f"{copy / 'samples.npy'}: row {row}: a member lies outside the {record.bytes} bytes of "
+        f"shard-000000.tar (crafted or corrupt): rebuild the shards"
+    )
 
 
 def test_a_tar_size_the_manifest_and_json_both_inflate_is_refused(copy):
@@ -184,9 +221,13 @@ HUGE = 2**40
 ZSTD_HUGE = struct.pack("<IBQ", 0xFD2FB528, 0xE0, HUGE) + b"\x01\x00\x00"
 
 
-@pytest.mark.parametrize("member, crafted, why", [
-    ("action.npy", _npy_header((HUGE,)), f"its header declares {4 * HUGE} bytes of data, it holds"),
-    ("state.npy.zst", ZSTD_HUGE, f"zstd frame of content size {HUGE}, not between 0 and {MAX_MEMBER_BYTES}")])
+@pytest.mark.parametrize(
+    "member, crafted, why",
+    [
+        ("action.npy", _npy_header((HUGE,)), f"its header declares {4 * HUGE} bytes of data, it holds"),
+        ("state.npy.zst", ZSTD_HUGE, f"zstd frame of content size {HUGE}, not between 0 and {MAX_MEMBER_BYTES}"),
+    ],
+)
 def test_a_member_declaring_a_huge_array_is_refused_without_allocating_it(copy, member, crafted, why):
     """The member keeps its size (every offset holds) and gets its CRC-32 recorded: only its content lies."""
     tar, side = copy / "shard-000000.tar", copy / "shard-000000.json"
@@ -195,8 +236,9 @@ def test_a_member_declaring_a_huge_array_is_refused_without_allocating_it(copy, 
     data = bytearray(tar.read_bytes())
     data[ref.offset : ref.offset + ref.size] = crafted.ljust(ref.size, b"\0")
     tar.write_bytes(bytes(data))
-    reseal(side, lambda o: o["samples"][sample.key]["members"][i].__setitem__(
-        3, checksum(crafted.ljust(ref.size, b"\0"))))
+    reseal(
+        side, lambda o: o["samples"][sample.key]["members"][i].__setitem__(3, checksum(crafted.ljust(ref.size, b"\0")))
+    )
     reindex(copy)
     reader = SampleReader(ShardIndex(copy), preset("tiny"))
     with pytest.raises(ShardFormatError) as err:
@@ -205,12 +247,25 @@ def test_a_member_declaring_a_huge_array_is_refused_without_allocating_it(copy, 
     assert any(p.startswith(f"shard-000000.tar: sample {sample.key}: member {member}: {why}") for p in check(copy))
 
 
-@pytest.mark.parametrize("name", ["../shard-000000.tar", "/etc/passwd", "shard-000000.tar/", "a//shard-000000.tar",
-                                  "shard-000000.tar\x00", "..\\shard-000000.tar", "shard-0.tar", "manifest.json"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../shard-000000.tar",
+        "/etc/passwd",
+        "shard-000000.tar/",
+        "a//shard-000000.tar",
+        "shard-000000.tar\x00",
+        "..\\shard-000000.tar",
+        "shard-0.tar",
+        "manifest.json",
+    ],
+)
 def test_shard_names_must_be_shards_of_the_directory(copy, name):
     reseal(copy / "manifest.json", lambda m: m["shards"][0].update(shard=name))
-    message = (f"{copy / 'manifest.json'}: shards[0].shard {name!r} is not a relative path of the form "
-               f"shard-\\d{{6,}}\\.tar inside the shard directory (crafted or corrupt): rebuild the shards")
+    message = (
+        f"{copy / 'manifest.json'}: shards[0].shard {name!r} is not a relative path of the form "
+        f"shard-\\d{{6,}}\\.tar inside the shard directory (crafted or corrupt): rebuild the shards"
+    )
     assert refused(copy) == message
     assert check(copy) == [message]
 
@@ -225,8 +280,10 @@ def test_the_store_refuses_a_path_out_of_its_directory(copy):
 def test_a_prompt_id_the_text_table_lacks_is_named_in_one_line(copy):
     """A sample's meta.json (checked by CRC-32 only, which its author records) may name any prompt id."""
     index = open_index(copy)
-    with pytest.raises(ShardFormatError, match=re.escape(f"{copy / 'text/embeddings.safetensors'}: prompt id 'nope': "
-                                                         f"File does not contain tensor nope")):
+    with pytest.raises(
+        ShardFormatError,
+        match=re.escape(f"{copy / 'text/embeddings.safetensors'}: prompt id 'nope': File does not contain tensor nope"),
+    ):
         index.text.get("nope")
 
 
@@ -247,9 +304,15 @@ def test_a_sample_lacking_what_every_sample_holds_is_named_in_one_line(copy):
 
 
 @pytest.mark.e2e  # a reader that blocked would block the test's own process: it runs in a child with a deadline
-@pytest.mark.parametrize("name, kind, trainer", [
-    ("metadata.json", "fifo", "refused"), ("samples.npy", "link to /dev/zero", "refused"),
-    ("shard-000001.json", "fifo", "opened"), ("text/prompts.json", "link to /dev/zero", "opened")])
+@pytest.mark.parametrize(
+    "name, kind, trainer",
+    [
+        ("metadata.json", "fifo", "refused"),
+        ("samples.npy", "link to /dev/zero", "refused"),
+        ("shard-000001.json", "fifo", "opened"),
+        ("text/prompts.json", "link to /dev/zero", "opened"),
+    ],
+)
 def test_a_pipe_or_a_device_in_the_directory_never_blocks_a_reader(copy, name, kind, trainer):
     """Each file is opened without following a link and without blocking, and must be a regular file: the trainer
     refuses what it reads in one line (and never opens what it does not read), `check` names the file."""
@@ -259,10 +322,12 @@ def test_a_pipe_or_a_device_in_the_directory_never_blocks_a_reader(copy, name, k
         os.mkfifo(target)
     else:
         target.symlink_to("/dev/zero")
-    code = ("import sys\nfrom wampipe.preprocess.check import check\nfrom wampipe.shardformat.manifest import "
-            "ShardFormatError\nfrom wampipe.train.data import open_index\n"
-            "try:\n    open_index(sys.argv[1])\n    print('opened')\nexcept ShardFormatError as e:\n    print(e)\n"
-            "for p in check(sys.argv[1], shard_jsons=True):\n    print(p)\n")
+    code = (
+        "import sys\nfrom wampipe.preprocess.check import check\nfrom wampipe.shardformat.manifest import "
+        "ShardFormatError\nfrom wampipe.train.data import open_index\n"
+        "try:\n    open_index(sys.argv[1])\n    print('opened')\nexcept ShardFormatError as e:\n    print(e)\n"
+        "for p in check(sys.argv[1], shard_jsons=True):\n    print(p)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     first, *problems = done.stdout.splitlines()

@@ -46,7 +46,9 @@ def test_strict_errors(tiny_checkpoints, tmp_path):
     torch.save(state, tmp_path / "clip.pth")
     with pytest.raises(WeightsError) as err:
         load_image_encoder(tmp_path / "clip.pth")
-    assert str(err.value) == (f"{tmp_path / 'clip.pth'}: missing keys: visual.post_norm.bias; unexpected keys: "
-                              "visual.extra; wrong shapes: visual.transformer.0.attn.to_qkv.bias (7,) != (3840,)")
+    assert str(err.value) == (
+        f"{tmp_path / 'clip.pth'}: missing keys: visual.post_norm.bias; unexpected keys: "
+        "visual.extra; wrong shapes: visual.transformer.0.attn.to_qkv.bias (7,) != (3840,)"
+    )
     with pytest.raises(WeightsError, match="this file is a Wan2.2 VAE38 .* but the image encoder needs"):
         load_image_encoder(tiny_checkpoints / "wan2.2" / "Wan2.2_VAE.pth")

@@ -55,11 +55,13 @@ def test_pixels_replace_only_the_clip_member_and_give_its_features(droid_shards,
     torch.set_num_threads(threads)  # the build's: CPU reductions may depend on it
     try:
         for shard in sorted(droid_shards.glob("shard-*.tar")):
-            for (key, a), (other, b) in zip(shard_samples(shard), shard_samples(pixel_shards / shard.name),
-                                            strict=True):
+            for (key, a), (other, b) in zip(
+                shard_samples(shard), shard_samples(pixel_shards / shard.name), strict=True
+            ):
                 assert key == other
-                assert {k: v for k, v in a.items() if not k.startswith(("clip.", "meta."))} == \
-                       {k: v for k, v in b.items() if not k.startswith(("clip_pixels.", "meta."))}
+                assert {k: v for k, v in a.items() if not k.startswith(("clip.", "meta."))} == {
+                    k: v for k, v in b.items() if not k.startswith(("clip_pixels.", "meta."))
+                }
                 (meta_a, tensors_a), (meta_b, tensors_b) = decode_members(a), decode_members(b)
                 record_a, record_b = meta_a["tensors"].pop("clip"), meta_b["tensors"].pop("clip_pixels")
                 assert meta_a == meta_b
@@ -82,12 +84,31 @@ def _start_training(shards: Path, run_dir: Path, *extra: str) -> subprocess.Pope
     run_dir.mkdir()
     with open(run_dir / "stderr.log", "w") as log:  # a file, not a pipe: two runs write while neither is read
         return subprocess.Popen(
-            [sys.executable, "train/main.py", "--preset", "tiny", "--data.shards", str(shards), "--checkpoint.dir",
-             str(run_dir), "--steps", "2", "--metrics.interval", "1", "--metrics.no-progress",
-             "--metrics.no-tensorboard", "--checkpoint.no-save-final", "--checkpoint.no-export",
-             "--parallel.deterministic", *extra],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(port)})
+            [
+                sys.executable,
+                "train/main.py",
+                "--preset",
+                "tiny",
+                "--data.shards",
+                str(shards),
+                "--checkpoint.dir",
+                str(run_dir),
+                "--steps",
+                "2",
+                "--metrics.interval",
+                "1",
+                "--metrics.no-progress",
+                "--metrics.no-tensorboard",
+                "--checkpoint.no-save-final",
+                "--checkpoint.no-export",
+                "--parallel.deterministic",
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(port)},
+        )
 
 
 def _losses(run: subprocess.Popen, run_dir: Path) -> list[tuple]:
@@ -135,5 +156,6 @@ def test_check_catches_frame_0_stored_otherwise_than_the_manifest_says(pixel_sha
     wrong = {**read_sealed_json(copy / MANIFEST), "image_features": "encoded"}
     write_sealed_json(copy / MANIFEST, wrong)
     problems = check(copy)
-    assert problems and all("holds ['clip_pixels'] for frame 0, image_features 'encoded' needs ['clip']" in p
-                            for p in problems), problems[:3]
+    assert problems and all(
+        "holds ['clip_pixels'] for frame 0, image_features 'encoded' needs ['clip']" in p for p in problems
+    ), problems[:3]

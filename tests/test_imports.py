@@ -44,8 +44,7 @@ print(json.dumps(sorted(sys.modules)))
 @pytest.mark.e2e
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_a_package_loads_no_module_of_a_package_it_must_not_import(package):
-    done = subprocess.run([sys.executable, "-c", WALK, package], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", WALK, package], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = json.loads(done.stdout.splitlines()[-1])
     outside = [m for m in loaded if m.split(".")[0] in FORBIDDEN]
@@ -57,8 +56,11 @@ def test_a_package_loads_no_module_of_a_package_it_must_not_import(package):
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_no_import_statement_names_a_package_it_must_not_import(package):
     statement = re.compile(rf"^\s*(?:from|import)\s+(?:wampipe\.)?(?:{'|'.join(FORBIDDEN[package])})\b", re.MULTILINE)
-    found = [f"{path.relative_to(ROOT)}: {m.group().strip()}" for path in sorted((ROOT / package).rglob("*.py"))
-             for m in statement.finditer(path.read_text())]
+    found = [
+        f"{path.relative_to(ROOT)}: {m.group().strip()}"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for m in statement.finditer(path.read_text())
+    ]
     assert found == []
 
 
@@ -75,8 +77,13 @@ def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
     """The product modules a file imports, at its top or inside a function (a lazy import is an edge too), but not
     under `if TYPE_CHECKING:` (names for the checker only)."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(
-        node.test) for part in node.body for n in ast.walk(part)}
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for part in node.body
+        for n in ast.walk(part)
+    }
     found = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -98,7 +105,7 @@ def test_no_product_module_imports_itself_through_others():
         state[name] = "open"
         for other in sorted(graph[name]):
             if state.get(other) == "open":
-                cycles.append(" -> ".join(path[path.index(other):] + [name, other]) if other in path else other)
+                cycles.append(" -> ".join(path[path.index(other) :] + [name, other]) if other in path else other)
             elif other not in state:
                 visit(other, path + [name])
         state[name] = "done"
@@ -117,14 +124,23 @@ def test_no_product_file_uses_a_private_name_of_another_file():
         modules = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("wampipe"):
-                found += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
-                          if a.name.startswith("_") and not a.name.startswith("__")]
+                found += [
+                    f"{path.relative_to(ROOT)}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
                 modules |= {a.asname or a.name for a in node.names}
             elif isinstance(node, ast.Import):
                 modules |= {a.asname or a.name for a in node.names if a.name.startswith("wampipe")}
-        found += [f"{path.relative_to(ROOT)}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
-                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
-                  and node.attr.startswith("_") and not node.attr.startswith("__")]
+        found += [
+            f"{path.relative_to(ROOT)}: {node.value.id}.{node.attr}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ]
     assert found == []
 
 
@@ -133,8 +149,11 @@ def test_the_wheel_ships_every_product_package_under_wampipe_and_no_fixture():
     shipped = {name.split(".")[1] for name in setuptools["packages"] if name != "wampipe"}
     assert shipped == set(FORBIDDEN) and (ROOT / "devtools" / "__init__.py").is_file()
     assert setuptools["package-dir"] == {f"wampipe.{name}": name for name in FORBIDDEN}  # the folders stay on top
-    every = {p.parent.relative_to(ROOT).as_posix().replace("/", ".") for name in FORBIDDEN
-             for p in (ROOT / name).rglob("__init__.py")}
+    every = {
+        p.parent.relative_to(ROOT).as_posix().replace("/", ".")
+        for name in FORBIDDEN
+        for p in (ROOT / name).rglob("__init__.py")
+    }
     assert {f"wampipe.{name}" for name in every} == set(setuptools["packages"]) - {"wampipe"}  # subpackages too
 
 
@@ -142,16 +161,22 @@ def test_every_import_of_a_product_package_goes_through_wampipe():
     """A bare `import train` would load a second copy of the module (or a user's own train.py)."""
     statement = re.compile(rf"^\s*(?:from|import)\s+(?:{'|'.join(FORBIDDEN)})\b", re.MULTILINE)
     paths = [path for package in CHECKOUT for path in sorted((ROOT / package).rglob("*.py"))]
-    found = [f"{path.relative_to(ROOT)}: {m.group().strip()}" for path in paths
-             for m in statement.finditer(path.read_text())]
+    found = [
+        f"{path.relative_to(ROOT)}: {m.group().strip()}" for path in paths for m in statement.finditer(path.read_text())
+    ]
     assert found == []
 
 
 @pytest.mark.e2e
 def test_an_installed_name_is_not_shadowed_by_a_users_train_module(tmp_path):
     (tmp_path / "train.py").write_text("raise SystemExit('the user train.py was imported')\n")
-    done = subprocess.run([sys.executable, "-c", "import wampipe.train.config, wampipe.train.launch"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", "import wampipe.train.config, wampipe.train.launch"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -182,8 +207,9 @@ print(json.dumps({path: len(ids) for path, ids in files.items()}))
 
 @pytest.mark.e2e
 def test_every_source_file_loads_as_exactly_one_module():
-    done = subprocess.run([sys.executable, "-c", ONE_MODULE_PER_FILE], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_MODULE_PER_FILE], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     counts = json.loads(done.stdout.splitlines()[-1])
     assert "train/main.py" in counts and "preprocess/__init__.py" in counts
@@ -200,16 +226,24 @@ def test_the_documented_commands_run_from_a_checkout_with_nothing_installed(tmp_
 
     venv.create(tmp_path / "venv", with_pip=False)
     python = tmp_path / "venv" / "bin" / "python"
-    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     # a path line, not a site directory: the .pth files there (the editable install's finder) are not run
     paths = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
     (Path(purelib) / "dependencies.pth").write_text("\n".join(sorted(paths)) + "\n")
-    nowhere = subprocess.run([python, "-c", "import torch, tyro, wampipe"], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=300)
+    nowhere = subprocess.run(
+        [python, "-c", "import torch, tyro, wampipe"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert "No module named 'wampipe'" in nowhere.stderr, nowhere.stderr[-2000:]
-    for command in (["train/main.py", "--help"], ["-m", "preprocess", "shards", "--help"],
-                    ["-m", "train.evaluate", "--help"]):
+    for command in (
+        ["train/main.py", "--help"],
+        ["-m", "preprocess", "shards", "--help"],
+        ["-m", "train.evaluate", "--help"],
+    ):
         done = subprocess.run([python, *command], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and "usage:" in done.stdout, (command, done.stderr[-2000:])
 
@@ -230,9 +264,13 @@ def test_a_module_moved_out_of_the_product_is_gone_and_imported_from_its_new_pla
     source = {name: ROOT / f"{name.removeprefix('wampipe.').replace('.', '/')}.py" for name in (old, MOVED[old])}
     assert not source[old].exists() and source[MOVED[old]].is_file()
     paths = [path for package in CHECKOUT for path in sorted((ROOT / package).rglob("*.py"))]
-    found = [f"{path.relative_to(ROOT)}: {name}" for path in paths for name in _imported_names(path)
-             if name.removeprefix("wampipe.") == old.removeprefix("wampipe.")
-             or name.removeprefix("wampipe.").startswith(f"{old.removeprefix('wampipe.')}.")]
+    found = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in paths
+        for name in _imported_names(path)
+        if name.removeprefix("wampipe.") == old.removeprefix("wampipe.")
+        or name.removeprefix("wampipe.").startswith(f"{old.removeprefix('wampipe.')}.")
+    ]
     assert found == [], f"{old} is {MOVED[old]} now"
 
 
@@ -292,8 +330,13 @@ def test_the_exit_check_finds_what_ends_the_process_outside_an_entry_point():
             sys.exit(main())
     """)
     assert exits_outside_entry_points("train/x.py", source) == [
-        "train/x.py:6 raise SystemExit", "train/x.py:7 raise SystemExit", "train/x.py:12 sys.exit",
-        "train/x.py:14 entry_point", "train/x.py:15 runtime.leave_now", "train/x.py:17 raise SystemExit"]
+        "train/x.py:6 raise SystemExit",
+        "train/x.py:7 raise SystemExit",
+        "train/x.py:12 sys.exit",
+        "train/x.py:14 entry_point",
+        "train/x.py:15 runtime.leave_now",
+        "train/x.py:17 raise SystemExit",
+    ]
     assert exits_outside_entry_points("wampipe/errors.py", source)[-1] == "wampipe/errors.py:15 runtime.leave_now"
     assert exits_outside_entry_points("preprocess/__main__.py", source) == []
 
@@ -301,21 +344,31 @@ def test_the_exit_check_finds_what_ends_the_process_outside_an_entry_point():
 def test_only_the_entry_points_end_the_process():
     """Library code raises the project's errors (wampipe/errors.py); a command's `main` (or its module's
     `if __name__ == "__main__":`, or a `__main__.py`) turns one into its exit status, through the EXIT_HELPERS."""
-    found = [where for package in (*FORBIDDEN, "wampipe") for path in sorted((ROOT / package).rglob("*.py"))
-             for where in exits_outside_entry_points(path.relative_to(ROOT).as_posix(), path.read_text())]
+    found = [
+        where
+        for package in (*FORBIDDEN, "wampipe")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for where in exits_outside_entry_points(path.relative_to(ROOT).as_posix(), path.read_text())
+    ]
     assert found == []
 
 
 # the trainer's rooms: what each may import of train/ (its own room always)
-ROOMS = {"wampipe.train.dit": ("wampipe.train.config",),
-         "wampipe.train.planning": ("wampipe.train.config", "wampipe.train.dit")}
+ROOMS = {
+    "wampipe.train.dit": ("wampipe.train.config",),
+    "wampipe.train.planning": ("wampipe.train.config", "wampipe.train.dit"),
+}
 
 
 @pytest.mark.parametrize("room", sorted(ROOMS))
 def test_the_dit_and_planning_rooms_import_nothing_of_the_training_loop(room):
     modules = product_modules()
     allowed = (room, *ROOMS[room])
-    found = sorted(f"{name} imports {other}" for name, path in modules.items() if name.startswith(room + ".")
-                   or name == room for other in imported_modules(path, modules)
-                   if other.startswith("wampipe.train") and not other.startswith(allowed) and other != "wampipe.train")
+    found = sorted(
+        f"{name} imports {other}"
+        for name, path in modules.items()
+        if name.startswith(room + ".") or name == room
+        for other in imported_modules(path, modules)
+        if other.startswith("wampipe.train") and not other.startswith(allowed) and other != "wampipe.train"
+    )
     assert found == []

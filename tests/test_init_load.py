@@ -45,6 +45,7 @@ def _worker(rank: int, tmp: str, cases: dict, dit: DiTConfig) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     try:
         results = {}
         for name, (path, source) in cases.items():
@@ -72,12 +73,23 @@ def test_sharded_load_equals_unsharded_and_refuses_bad_keys(official_base, small
     wan = {k: v.to(torch.bfloat16) for k, v in plain.state_dict().items() if not allowed_absent(plain, k)}
     torch.save(wan, tmp_path / "wan.pth")  # a Wan base: the DreamZero additions absent
     save_weights(build_model(small_dit), tmp_path / "export", max_shard_bytes=100_000)
-    missing = _rewrite(official_base, tmp_path / "missing", lambda sd: {k: v for k, v in sd.items()
-                                                               if k != DREAMZERO_PREFIX + "blocks.1.ffn.2.weight"})
-    extra = _rewrite(official_base, tmp_path / "extra",
-                     lambda sd: {**sd, DREAMZERO_PREFIX + "blocks.9.ffn.0.weight": torch.zeros(2, 2)})
-    cases = {"official": (official_base, "auto"), "wan": (tmp_path / "wan.pth", "wan"),
-             "export": (tmp_path / "export", "auto"), "missing": (missing, "auto"), "extra": (extra, "auto")}
+    missing = _rewrite(
+        official_base,
+        tmp_path / "missing",
+        lambda sd: {k: v for k, v in sd.items() if k != DREAMZERO_PREFIX + "blocks.1.ffn.2.weight"},
+    )
+    extra = _rewrite(
+        official_base,
+        tmp_path / "extra",
+        lambda sd: {**sd, DREAMZERO_PREFIX + "blocks.9.ffn.0.weight": torch.zeros(2, 2)},
+    )
+    cases = {
+        "official": (official_base, "auto"),
+        "wan": (tmp_path / "wan.pth", "wan"),
+        "export": (tmp_path / "export", "auto"),
+        "missing": (missing, "auto"),
+        "extra": (extra, "auto"),
+    }
     start_processes(_worker, args=(str(tmp_path), cases, small_dit), nprocs=WORLD, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
@@ -107,30 +119,69 @@ def test_sharded_load_equals_unsharded_and_refuses_bad_keys(official_base, small
 
 @pytest.mark.slow
 def test_trainer_refuses_a_checkpoint_with_a_missing_key_in_one_line(small_shards, official_base, tmp_path):
-    broken = _rewrite(official_base, tmp_path / "broken", lambda sd: {k: v for k, v in sd.items()
-                                                             if k != DREAMZERO_PREFIX + "head.head.bias"})
+    broken = _rewrite(
+        official_base,
+        tmp_path / "broken",
+        lambda sd: {k: v for k, v in sd.items() if k != DREAMZERO_PREFIX + "head.head.bias"},
+    )
     done = subprocess.run(
-        [sys.executable, str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(small_shards),
-         "--checkpoint.dir", str(tmp_path / "run"), "--model.init-from", str(broken), "--model.init-device", "meta",
-         "--steps", "1"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "MASTER_PORT": "29631", "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            str(ROOT / "train" / "main.py"),
+            "--preset",
+            "tiny",
+            "--data.shards",
+            str(small_shards),
+            "--checkpoint.dir",
+            str(tmp_path / "run"),
+            "--model.init-from",
+            str(broken),
+            "--model.init-device",
+            "meta",
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "MASTER_PORT": "29631", "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        f"--model.init-from {broken} (dreamzero): 1 model keys missing, e.g. ['head.head.bias']")
+        f"--model.init-from {broken} (dreamzero): 1 model keys missing, e.g. ['head.head.bias']"
+    )
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
 def test_bench_init_load_runs_on_cpu(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_init_load.py"), "--preset", "tiny",
-                           "--nproc", "2", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_init_load.py"),
+            "--preset",
+            "tiny",
+            "--nproc",
+            "2",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == json.loads((tmp_path / "result.json").read_text())
     assert (result["preset"], result["world_size"], result["init_device"], result["backend"]) == (
-        "tiny", 2, "meta", "gloo")
+        "tiny",
+        2,
+        "meta",
+        "gloo",
+    )
     assert result["params"] == sum(p.numel() for p in build_model("tiny").parameters())
     assert [r["rank"] for r in result["ranks"]] == [0, 1] and result["base_write_s"] > 0
     for r in result["ranks"]:

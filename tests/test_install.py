@@ -18,6 +18,7 @@ from tests.conftest import PROJECT, ROOT, console_script, shards_cmd
 from tests.test_quiet import unexpected
 from wampipe.train.launch import split_arguments
 
+
 def _python(code: str, *argv: str, cwd=ROOT) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter, as an installed console script would run it."""
     return _run([sys.executable, "-c", code, *argv], cwd)
@@ -31,39 +32,62 @@ def _run(cmd: list[str], cwd=ROOT) -> subprocess.CompletedProcess:
 
 @pytest.mark.e2e
 def test_shards_without_src_stops_in_one_line_and_writes_nothing(tmp_path):
-    done = _python("from wampipe.preprocess.__main__ import main; main()", "shards", "--out", str(tmp_path / "out"),
-                   cwd=tmp_path)
+    done = _python(
+        "from wampipe.preprocess.__main__ import main; main()", "shards", "--out", str(tmp_path / "out"), cwd=tmp_path
+    )
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr == ("--src is required: the LeRobot dataset root (sample data and tiny encoders to try it on: "
-                           "make demo-data, or scripts/make_sample_dataset.py and scripts/make_tiny_checkpoints.py)\n")
+    assert done.stderr == (
+        "--src is required: the LeRobot dataset root (sample data and tiny encoders to try it on: "
+        "make demo-data, or scripts/make_sample_dataset.py and scripts/make_tiny_checkpoints.py)\n"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
 def test_every_console_script_target_exists():
-    assert sorted(PROJECT["scripts"]) == ["wampipe-check", "wampipe-inspect", "wampipe-preview", "wampipe-shards",
-                                          "wampipe-stats", "wampipe-train"]
+    assert sorted(PROJECT["scripts"]) == [
+        "wampipe-check",
+        "wampipe-inspect",
+        "wampipe-preview",
+        "wampipe-shards",
+        "wampipe-stats",
+        "wampipe-train",
+    ]
     for target in PROJECT["scripts"].values():
         module, function = target.split(":")
         assert callable(getattr(importlib.import_module(module), function)), target
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("command, flag", [("shards", "--src"), ("check", "--members"), ("stats", "--embodiment"),
-                                           ("inspect", "--decode"), ("preview", "--vae")])
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        ("shards", "--src"),
+        ("check", "--members"),
+        ("stats", "--embodiment"),
+        ("inspect", "--decode"),
+        ("preview", "--vae"),
+    ],
+)
 def test_preprocess_scripts_run_their_command(command, flag):
     name = f"wampipe-{command}"
     installed = Path(sys.executable).parent / name  # pip's wrapper, once the environment was installed from here
-    for done in [_python(console_script(name), "--help"),
-                 *([_run([str(installed), "--help"])] if installed.exists() else [])]:
+    for done in [
+        _python(console_script(name), "--help"),
+        *([_run([str(installed), "--help"])] if installed.exists() else []),
+    ]:
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith(f"usage: {name} ") and flag in done.stdout
 
 
 def test_train_script_splits_torchrun_options_from_trainer_flags():
     assert split_arguments(["--nproc-per-node", "2", "--preset", "tiny", "--data.shards", "d"]) == (
-        ["--standalone", "--nproc-per-node", "2"], ["--preset", "tiny", "--data.shards", "d"])
+        ["--standalone", "--nproc-per-node", "2"],
+        ["--preset", "tiny", "--data.shards", "d"],
+    )
     assert split_arguments(["--nnodes=2", "--rdzv-endpoint", "h:1", "--", "--max-restarts", "x"]) == (
-        ["--nnodes=2", "--rdzv-endpoint", "h:1"], ["--max-restarts", "x"])
+        ["--nnodes=2", "--rdzv-endpoint", "h:1"],
+        ["--max-restarts", "x"],
+    )
 
 
 @pytest.mark.e2e
@@ -80,9 +104,24 @@ def test_trainer_flags_and_torchrun_options_do_not_overlap():
 @pytest.mark.slow
 def test_train_script_launches_two_ranks(tiny_shards, tmp_path):
     run_dir = tmp_path / "run"
-    done = _python(console_script("wampipe-train"), "--nproc-per-node", "2", "--preset", "tiny", "--data.shards",
-                   str(tiny_shards), "--checkpoint.dir", str(run_dir), "--steps", "2", "--metrics.interval", "1",
-                   "--metrics.no-progress", "--metrics.no-tensorboard", "--checkpoint.no-export")
+    done = _python(
+        console_script("wampipe-train"),
+        "--nproc-per-node",
+        "2",
+        "--preset",
+        "tiny",
+        "--data.shards",
+        str(tiny_shards),
+        "--checkpoint.dir",
+        str(run_dir),
+        "--steps",
+        "2",
+        "--metrics.interval",
+        "1",
+        "--metrics.no-progress",
+        "--metrics.no-tensorboard",
+        "--checkpoint.no-export",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert [json.loads((run_dir / f"summary-rank{r:05d}.json").read_text())["steps"] for r in range(2)] == [2, 2]
@@ -128,8 +167,13 @@ def imported_distributions() -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for path in sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                else []
+            )
             for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names):
                 for dist in owners.get(top, []):
                     found.setdefault(normalized(dist), set()).add(str(path.relative_to(ROOT)))
@@ -155,8 +199,13 @@ def hide_extras(folder: Path) -> Path:
     for the interpreter (and the processes it starts, through PYTHONPATH): `import x` raises ImportError and
     importlib.util.find_spec(x) says None, as in an environment installed without them."""
     hidden = closure(set().union(*EXTRAS.values())) - closure(BASE)
-    modules = sorted({m for m, dists in importlib.metadata.packages_distributions().items()
-                      if any(normalized(d) in hidden for d in dists) and m.isidentifier()})
+    modules = sorted(
+        {
+            m
+            for m, dists in importlib.metadata.packages_distributions().items()
+            if any(normalized(d) in hidden for d in dists) and m.isidentifier()
+        }
+    )
     assert {"s3fs", "ray", "torchao", "wandb", "matplotlib", "tensorboard", "moto", "wids"} <= set(modules)
     folder.mkdir()
     (folder / "sitecustomize.py").write_text(f"import sys\nsys.modules.update(dict.fromkeys({modules!r}))\n")
@@ -164,17 +213,20 @@ def hide_extras(folder: Path) -> Path:
 
 
 # what asking for each extra's feature without it prints: one line
-NEEDS = {"s3": "s3://bucket/shards: s3:// URLs need s3fs: pip install 'wampipe[s3]'",
-         "ray": "--executor ray needs ray: pip install 'wampipe[ray]'",
-         "fp8": "--parallel.float8 tensorwise needs torchao: pip install 'wampipe[fp8]'",
-         "wandb": "--metrics.wandb-project needs wandb: pip install 'wampipe[wandb]'",
-         "plot": "plotting curves needs matplotlib: pip install 'wampipe[plot]'",
-         "plot (preview)": "preview sheets need matplotlib: pip install 'wampipe[plot]'"}
+NEEDS = {
+    "s3": "s3://bucket/shards: s3:// URLs need s3fs: pip install 'wampipe[s3]'",
+    "ray": "--executor ray needs ray: pip install 'wampipe[ray]'",
+    "fp8": "--parallel.float8 tensorwise needs torchao: pip install 'wampipe[fp8]'",
+    "wandb": "--metrics.wandb-project needs wandb: pip install 'wampipe[wandb]'",
+    "plot": "plotting curves needs matplotlib: pip install 'wampipe[plot]'",
+    "plot (preview)": "preview sheets need matplotlib: pip install 'wampipe[plot]'",
+}
 
 
 @pytest.mark.slow
 def test_the_base_install_builds_shards_and_trains_and_each_extra_is_named_where_missing(
-        droid_root, tiny_checkpoints, tmp_path):
+    droid_root, tiny_checkpoints, tmp_path
+):
     """`pip install .` without extras (the wheel's files, installed with --target), every extra's packages hidden:
     the farm builds and checks shards of local data, a 1-rank run of the tiny recipe trains on them, and each extra's
     feature asked for stops in its one line."""
@@ -184,10 +236,25 @@ def test_the_base_install_builds_shards_and_trains_and_each_extra_is_named_where
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--target", str(site), str(source)], check=True, capture_output=True, timeout=600)
-    env = {**os.environ, "PYTHONPATH": f"{hide_extras(tmp_path / 'hide')}{os.pathsep}{site}",
-           "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    env = {**os.environ, "PYTHONPATH": f"{hide_extras(tmp_path / 'hide')}{os.pathsep}{site}", "OMP_NUM_THREADS": "1"}
     work = tmp_path / "work"
     work.mkdir()
 
@@ -203,20 +270,45 @@ def test_the_base_install_builds_shards_and_trains_and_each_extra_is_named_where
     checked = run("-m", "wampipe.preprocess", "check", str(shards))
     assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
     run_dir = work / "run"
-    trained = run("-c", console_script("wampipe-train"), "--nproc-per-node", "1", "--preset", "tiny",
-                  "--data.shards", str(shards), "--checkpoint.dir", str(run_dir), "--steps", "2",
-                  "--metrics.interval", "1", "--metrics.no-progress", "--checkpoint.no-export")
+    trained = run(
+        "-c",
+        console_script("wampipe-train"),
+        "--nproc-per-node",
+        "1",
+        "--preset",
+        "tiny",
+        "--data.shards",
+        str(shards),
+        "--checkpoint.dir",
+        str(run_dir),
+        "--steps",
+        "2",
+        "--metrics.interval",
+        "1",
+        "--metrics.no-progress",
+        "--checkpoint.no-export",
+    )
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert trained.stdout.count("tensorboard not installed") == 1  # the plot extra's TensorBoard: said once
 
-    trainer = [str(site / "wampipe" / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(shards),
-               "--steps", "1"]
-    asked = {"s3": run("-m", "wampipe.preprocess", "check", "s3://bucket/shards"),
-             "ray": run(*shards_cmd(droid_root, work / "ray", "droid", tiny_checkpoints, "--executor", "ray")[1:]),
-             "fp8": run(*trainer, "--checkpoint.dir", str(work / "fp8"), "--parallel.float8", "tensorwise"),
-             "wandb": run(*trainer, "--checkpoint.dir", str(work / "wandb"), "--metrics.wandb-project", "test"),
-             "plot": run(str(ROOT / "scripts" / "plot_metrics.py"), str(run_dir)),
-             "plot (preview)": run("-m", "wampipe.preprocess", "preview", str(shards), "--vae", str(tiny_checkpoints))}
+    trainer = [
+        str(site / "wampipe" / "train" / "main.py"),
+        "--preset",
+        "tiny",
+        "--data.shards",
+        str(shards),
+        "--steps",
+        "1",
+    ]
+    asked = {
+        "s3": run("-m", "wampipe.preprocess", "check", "s3://bucket/shards"),
+        "ray": run(*shards_cmd(droid_root, work / "ray", "droid", tiny_checkpoints, "--executor", "ray")[1:]),
+        "fp8": run(*trainer, "--checkpoint.dir", str(work / "fp8"), "--parallel.float8", "tensorwise"),
+        "wandb": run(*trainer, "--checkpoint.dir", str(work / "wandb"), "--metrics.wandb-project", "test"),
+        "plot": run(str(ROOT / "scripts" / "plot_metrics.py"), str(run_dir)),
+        "plot (preview)": run("-m", "wampipe.preprocess", "preview", str(shards), "--vae", str(tiny_checkpoints)),
+    }
     assert {extra: (done.returncode, unexpected(done.stderr)) for extra, done in asked.items()} == {
-        extra: (1, [line]) for extra, line in NEEDS.items()}  # progress bars aside (the units' before ray's line)
+        extra: (1, [line]) for extra, line in NEEDS.items()
+    }  # progress bars aside (the units' before ray's line)

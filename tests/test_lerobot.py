@@ -26,7 +26,10 @@ def test_droid_v21_layout(droid_root):
     assert [ds.episode_info(i).length for i in ds.episode_indices] == [192, 62, 97, 133]
     assert list(ds.modality.video) == ["exterior_image_1_left", "exterior_image_2_left", "wrist_image_left"]
     assert {k: (e.start, e.end) for k, e in ds.modality.state.items()} == {
-        "cartesian_position": (0, 6), "gripper_position": (6, 7), "joint_position": (7, 14)}
+        "cartesian_position": (0, 6),
+        "gripper_position": (6, 7),
+        "joint_position": (7, 14),
+    }
     assert ds.modality.action["joint_position"].original_key == "action"  # modality.json default
     assert (ds.modality.action["joint_position"].start, ds.modality.action["gripper_position"].start) == (14, 12)
     assert ds.tasks[0] == "not provided"
@@ -140,8 +143,13 @@ def test_v3_video_span_mismatch(tmp_path, libero_v3_root):
 
 @pytest.mark.e2e
 def test_inspect_cli(droid_root):
-    out = subprocess.run([sys.executable, "-m", "preprocess", "inspect", str(droid_root), "--decode"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "preprocess", "inspect", str(droid_root), "--decode"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "LeRobot v2.1, 4 episodes, 484 frames, 15 fps" in out
     assert "decoded 1452 frames from 4 episodes" in out
 
@@ -196,24 +204,45 @@ def _episode_rows(edit):
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         edit(rows[1])
         path.write_text("\n".join(map(json.dumps, rows)) + "\n")
+
     return apply
 
 
-@pytest.mark.parametrize("malform, names, says", [
-    (_info("fps", "ten"), "meta/info.json", "fps 'ten' is not a positive float"),
-    (_info("chunks_size", 0), "meta/info.json", "chunks_size 0 is not a positive int"),
-    (_info("data_path", "data/{nope}.parquet"), "meta/info.json", "data_path 'data/{nope}.parquet': unknown field"),
-    (lambda root: (root / "meta/info.json").write_text("[1, 2]"), "meta/info.json", "a JSON list, not an object"),
-    (_episode_rows(lambda row: row.pop("episode_index")), "meta/episodes.jsonl", "line 2: no whole 'episode_index'"),
-    (_episode_rows(lambda row: row.__setitem__("length", "abc")), "meta/episodes.jsonl",
-     "episode 1: length 'abc' is not a whole number"),
-    (lambda root: _edit_json(root / "meta/info.json", lambda i: i["features"]["action"].pop("dtype")),
-     "meta/info.json", "feature 'action' has no dtype"),
-    (lambda root: (root / "meta/tasks.jsonl").write_bytes(b"\xff\xfe\x00bad"), "meta/tasks.jsonl",
-     "unreadable JSON lines"),
-    (lambda root: _edit_json(root / "meta/info.json", lambda i: i.pop("video_path")), "meta/info.json",
-     "'video_path' is missing"),
-], ids=["fps", "chunks_size", "data_path", "info_list", "no_index", "length", "dtype", "tasks_utf8", "video_path"])
+@pytest.mark.parametrize(
+    "malform, names, says",
+    [
+        (_info("fps", "ten"), "meta/info.json", "fps 'ten' is not a positive float"),
+        (_info("chunks_size", 0), "meta/info.json", "chunks_size 0 is not a positive int"),
+        (_info("data_path", "data/{nope}.parquet"), "meta/info.json", "data_path 'data/{nope}.parquet': unknown field"),
+        (lambda root: (root / "meta/info.json").write_text("[1, 2]"), "meta/info.json", "a JSON list, not an object"),
+        (
+            _episode_rows(lambda row: row.pop("episode_index")),
+            "meta/episodes.jsonl",
+            "line 2: no whole 'episode_index'",
+        ),
+        (
+            _episode_rows(lambda row: row.__setitem__("length", "abc")),
+            "meta/episodes.jsonl",
+            "episode 1: length 'abc' is not a whole number",
+        ),
+        (
+            lambda root: _edit_json(root / "meta/info.json", lambda i: i["features"]["action"].pop("dtype")),
+            "meta/info.json",
+            "feature 'action' has no dtype",
+        ),
+        (
+            lambda root: (root / "meta/tasks.jsonl").write_bytes(b"\xff\xfe\x00bad"),
+            "meta/tasks.jsonl",
+            "unreadable JSON lines",
+        ),
+        (
+            lambda root: _edit_json(root / "meta/info.json", lambda i: i.pop("video_path")),
+            "meta/info.json",
+            "'video_path' is missing",
+        ),
+    ],
+    ids=["fps", "chunks_size", "data_path", "info_list", "no_index", "length", "dtype", "tasks_utf8", "video_path"],
+)
 def test_malformed_metadata_is_one_line_naming_the_file(malform, names, says, droid_root, tmp_path):
     """Each of these was a traceback; now one DatasetError naming the file (and episode) when the dataset opens."""
     from pathlib import Path

@@ -39,8 +39,9 @@ def merge_lora(state_dict: dict[str, torch.Tensor], alpha: float) -> dict[str, t
     for key, a in state_dict.items():
         if key.endswith(".lora_A"):
             layer = key[: -len(".lora_A")]
-            out[layer + ".weight"] = fold(state_dict[layer + ".weight"], a, state_dict[layer + ".lora_B"],
-                                          alpha / a.shape[0]).to(state_dict[layer + ".weight"].dtype)
+            out[layer + ".weight"] = fold(
+                state_dict[layer + ".weight"], a, state_dict[layer + ".lora_B"], alpha / a.shape[0]
+            ).to(state_dict[layer + ".weight"].dtype)
     return out
 
 
@@ -61,8 +62,9 @@ def test_trainable_set_is_the_official_recipe():
     d, f = 3072, 14336
     assert lora == 30 * 4 * (8 * 2 * d + 2 * (d + f)) == 10_076_160  # the reference's ~10.1 M
     assert sum(v for n, v in trainable.items() if n.split(".")[0] in TRAINABLE) == pytest.approx(34.8e6, rel=2e-3)
-    assert set(trainable) == {n for n, _ in model.named_parameters()
-                              if n.split(".")[0] in TRAINABLE or n.rsplit(".", 1)[1] in ADAPTERS}
+    assert set(trainable) == {
+        n for n, _ in model.named_parameters() if n.split(".")[0] in TRAINABLE or n.rsplit(".", 1)[1] in ADAPTERS
+    }
     adapted = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     assert "blocks.0.cross_attn.k" in adapted and "blocks.0.ffn.2" in adapted
     assert not any("k_img" in n or "v_img" in n or not n.startswith("blocks.") for n in adapted)
@@ -73,8 +75,16 @@ def test_update_starts_at_zero_and_only_the_recipe_trains():
     model = _lora_model()
     model.load_state_dict(base.state_dict(), strict=False)  # the same base weights under the same names
     batch = random_batch(model.cfg, 2, (5, 4, 4), generator=torch.Generator().manual_seed(1))
-    args = [batch.latents, torch.full((2, 5), 500.0), batch.latents, batch.actions, torch.full((2, 8), 500.0),
-            batch.state, batch.text, batch.clip]
+    args = [
+        batch.latents,
+        torch.full((2, 5), 500.0),
+        batch.latents,
+        batch.actions,
+        torch.full((2, 8), 500.0),
+        batch.state,
+        batch.text,
+        batch.clip,
+    ]
     with torch.no_grad():
         for m in model.modules():  # B = 0: each adapted layer is its base layer exactly
             if isinstance(m, LoRALinear):
@@ -85,8 +95,9 @@ def test_update_starts_at_zero_and_only_the_recipe_trains():
     a = cast(LoRALinear, cast(Block, model.blocks[0]).self_attn.q).lora_A  # apply_lora swapped it in
     assert 0 < a.abs().max() <= 1 / a.shape[1] ** 0.5  # kaiming-uniform(a=sqrt(5)) bound 1/sqrt(fan_in)
 
-    loss, _ = flow_matching_loss(model, batch, FlowMatchScheduler(), LossConfig(),
-                                 generator=torch.Generator().manual_seed(2))
+    loss, _ = flow_matching_loss(
+        model, batch, FlowMatchScheduler(), LossConfig(), generator=torch.Generator().manual_seed(2)
+    )
     loss.backward()
     for name, p in model.named_parameters():
         trains = name.split(".")[0] in TRAINABLE or name.rsplit(".", 1)[1] in ADAPTERS
@@ -107,8 +118,16 @@ def test_merge_folds_the_update_into_plain_weights(tmp_path):
     plain = build_model("tiny")
     plain.load_state_dict(merged)  # strict: exactly the plain keys
     batch = random_batch(model.cfg, 1, (5, 4, 4), generator=torch.Generator().manual_seed(3))
-    args = [batch.latents, torch.full((1, 5), 300.0), batch.latents, batch.actions, torch.full((1, 8), 300.0),
-            batch.state, batch.text, batch.clip]
+    args = [
+        batch.latents,
+        torch.full((1, 5), 300.0),
+        batch.latents,
+        batch.actions,
+        torch.full((1, 8), 300.0),
+        batch.state,
+        batch.text,
+        batch.clip,
+    ]
     for got, want in zip(plain(*args), model(*args)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     export_weights(model, tmp_path / "export", dtype=torch.float32)  # the trainer's merged export
@@ -122,11 +141,39 @@ def test_merge_folds_the_update_into_plain_weights(tmp_path):
 def _train(shards: Path, base: Path, run_dir: Path, *extra: str, ranks: int = 2, check: bool = True):
     """The trainer on `ranks` gloo ranks (torchrun; 1 = a plain process, whose last stderr line is the trainer's)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-    cmd = [sys.executable, *launcher, str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(shards),
-           "--checkpoint.dir", str(run_dir), "--steps", str(STEPS), "--checkpoint.interval", "3",
-           "--metrics.interval", "1", "--metrics.no-progress", "--metrics.no-tensorboard", "--data.num-workers", "0",
-           "--parallel.deterministic", "--parallel.param-dtype", "float32", "--checkpoint.export-dtype", "float32",
-           "--model.init-from", str(base), "--model.init-device", "meta", "--lora.rank", "4", *extra]
+    cmd = [
+        sys.executable,
+        *launcher,
+        str(ROOT / "train" / "main.py"),
+        "--preset",
+        "tiny",
+        "--data.shards",
+        str(shards),
+        "--checkpoint.dir",
+        str(run_dir),
+        "--steps",
+        str(STEPS),
+        "--checkpoint.interval",
+        "3",
+        "--metrics.interval",
+        "1",
+        "--metrics.no-progress",
+        "--metrics.no-tensorboard",
+        "--data.num-workers",
+        "0",
+        "--parallel.deterministic",
+        "--parallel.param-dtype",
+        "float32",
+        "--checkpoint.export-dtype",
+        "float32",
+        "--model.init-from",
+        str(base),
+        "--model.init-device",
+        "meta",
+        "--lora.rank",
+        "4",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29641"}
     return subprocess.run(cmd, check=check, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
@@ -172,7 +219,7 @@ def _base_dit(base: Path) -> dict[str, torch.Tensor]:
     sd = {}
     for f in sorted(base.glob("*.safetensors")):
         sd.update(load_file(f))
-    return {k[len(DREAMZERO_PREFIX):]: v for k, v in sd.items() if k.startswith(DREAMZERO_PREFIX)}
+    return {k[len(DREAMZERO_PREFIX) :]: v for k, v in sd.items() if k.startswith(DREAMZERO_PREFIX)}
 
 
 @pytest.mark.slow
@@ -192,13 +239,13 @@ def test_exports_merged_and_lora_only_agree(runs, official_base):
         assert named is not None, k
         layer, leaf = named.groups()
         assert peft.fullmatch(layer), k
-    plain = {k[len(PEFT_PREFIX):]: v for k, v in lora.items() if k not in adapters}
+    plain = {k[len(PEFT_PREFIX) :]: v for k, v in lora.items() if k not in adapters}
     assert {k.split(".")[0] for k in plain} == set(TRAINABLE) | {"blocks", "img_emb"}  # + the CLIP branch
     assert all(".k_img." in k or ".v_img." in k or ".norm_k_img." in k for k in plain if k.startswith("blocks."))
 
     # re-merging the lora-only tensors onto the base reproduces the merged export
     ours = {**base_sd, **plain}
-    ours.update({re.sub(r"\.default\.weight$", "", k[len(PEFT_PREFIX):]): v for k, v in lora.items() if k in adapters})
+    ours.update({re.sub(r"\.default\.weight$", "", k[len(PEFT_PREFIX) :]): v for k, v in lora.items() if k in adapters})
     remerged = merge_lora({k: v.float() for k, v in ours.items()}, alpha=4.0)
     assert set(remerged) == set(merged)
     for k, v in merged.items():
@@ -209,7 +256,10 @@ def test_exports_merged_and_lora_only_agree(runs, official_base):
 
     head = json.loads((resumed / "export" / "config.json").read_text())["action_head_cfg"]["config"]
     assert (head["train_architecture"], head["skip_component_loading"], head["defer_lora_injection"]) == (
-        "lora", False, False)
+        "lora",
+        False,
+        False,
+    )
     assert (head["lora_rank"], head["lora_alpha"], head["lora_target_modules"]) == (4, 4.0, "q,k,v,o,ffn.0,ffn.2")
     conf = yaml.safe_load((resumed / "export" / "experiment_cfg" / "conf.yaml").read_text())
     assert conf["save_lora_only"] is True

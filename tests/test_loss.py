@@ -31,7 +31,7 @@ def test_timestep_ids_share_per_block_and_couple_actions():
     a = action_ids(ids, 2, 16)
     assert a.shape == (64, 64)
     for k in range(4):
-        assert torch.equal(a[:, 16 * k:16 * (k + 1)], ids[:, 1 + 2 * k, None].expand(64, 16))
+        assert torch.equal(a[:, 16 * k : 16 * (k + 1)], ids[:, 1 + 2 * k, None].expand(64, 16))
 
 
 def test_timestep_distribution():
@@ -52,11 +52,15 @@ def _loss_by_hand(model, batch, sched, seed, ids, cfg):
     eps_a = torch.randn(a.shape, generator=g)
     zt = (1 - sf[:, None, :, None, None]) * z + sf[:, None, :, None, None] * eps
     at = (1 - sa[..., None]) * a + sa[..., None] * eps_a
-    v, av = model(zt, sched.timesteps[ids].float(), z, at, sched.timesteps[aid].float(), batch.state, batch.text,
-                  batch.clip)
+    v, av = model(
+        zt, sched.timesteps[ids].float(), z, at, sched.timesteps[aid].float(), batch.state, batch.text, batch.clip
+    )
     w = sched.weights.float()
-    l_dyn = sum(w[ids[b, f]] * ((v[b, :, f] - (eps - z)[b, :, f]) ** 2).mean()
-                for b in range(z.shape[0]) for f in range(z.shape[2])) / (z.shape[0] * z.shape[2])
+    l_dyn = sum(
+        w[ids[b, f]] * ((v[b, :, f] - (eps - z)[b, :, f]) ** 2).mean()
+        for b in range(z.shape[0])
+        for f in range(z.shape[2])
+    ) / (z.shape[0] * z.shape[2])
     err = ((av - (eps_a - a)) ** 2) * batch.action_mask * batch.has_real_action[:, None, None]
     dims = 32 if cfg.action_loss_over_all_dims else batch.action_mask.sum(-1)
     l_act = (w[aid] * err.sum(-1) / dims).mean()
@@ -79,8 +83,9 @@ def test_loss_matches_spec_formula_and_quirk():
             torch.testing.assert_close(terms["loss_action"], torch.as_tensor(l_act).float(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(loss, terms["loss_dynamics"] + terms["loss_action"])
         quirk = flow_matching_loss(model, batch, sched, LossConfig(), torch.Generator().manual_seed(7), ids)[1]
-        fixed = flow_matching_loss(model, batch, sched, LossConfig(action_loss_over_all_dims=False),
-                                   torch.Generator().manual_seed(7), ids)[1]
+        fixed = flow_matching_loss(
+            model, batch, sched, LossConfig(action_loss_over_all_dims=False), torch.Generator().manual_seed(7), ids
+        )[1]
         assert math.isclose(quirk["loss_action"].item() / fixed["loss_action"].item(), 7 / 32, rel_tol=1e-5)
         batch.has_real_action[0] = False  # per-sample multiplier (the official broadcast needs B == 1)
         half = flow_matching_loss(model, batch, sched, LossConfig(), torch.Generator().manual_seed(7), ids)[1]

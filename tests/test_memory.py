@@ -51,10 +51,13 @@ def test_the_estimate_matches_each_measured_peak(recipe, rank, plan, peak):
     assert 0.95 <= estimate(size, plan).gib / peak <= (1.30 if plan.cpu_offload and plan.micro < 64 else 1.10)
 
 
-@pytest.mark.parametrize("recipe, gib, gpus", [
-    ("droid-14b", H100, 4),  # measured: out of memory in the second step, with and without float8
-    ("libero-5b", H100, 1),  # measured: out of memory in the first optimizer step
-])
+@pytest.mark.parametrize(
+    "recipe, gib, gpus",
+    [
+        ("droid-14b", H100, 4),  # measured: out of memory in the second step, with and without float8
+        ("libero-5b", H100, 1),  # measured: out of memory in the first optimizer step
+    ],
+)
 def test_settings_measured_out_of_memory_are_estimated_not_to_fit(recipe, gib, gpus):
     plan = Plan("full", 1, True, True, 2 if recipe == "droid-14b" else 256, gpus)
     size = recipe_size(recipe)
@@ -66,14 +69,27 @@ def _cfg(tmp_path, preset, *flags):
     return parse_args(["--preset", preset, "--data.shards", str(tmp_path), *flags])
 
 
-@pytest.mark.parametrize("preset, gib, gpus, flags, options", [
-    ("libero-5b", H100, 1, ["--optim.moments", "fp32"],
-     ["--optim.moments bf16 (~", "--lora.rank 16 (~39 GiB)", "--parallel.cpu-offload (~22 GiB per GPU", "2 GPUs"]),
-    ("droid-5b", H100, 1, ["--optim.moments", "fp32"], ["--optim.moments bf16", "--lora.rank 16", "2 GPUs"]),
-    ("droid-14b", H100, 4, ["--optim.moments", "fp32"], ["--optim.moments bf16", "--lora.rank 16", "8 GPUs"]),
-    ("droid-14b", H100, 2, [], ["--lora.rank 16", "--parallel.cpu-offload", "4 GPUs"]),
-    ("droid-14b", H200, 1, [], ["--lora.rank 16", "--parallel.cpu-offload", "2 GPUs"]),
-])
+@pytest.mark.parametrize(
+    "preset, gib, gpus, flags, options",
+    [
+        (
+            "libero-5b",
+            H100,
+            1,
+            ["--optim.moments", "fp32"],
+            [
+                "--optim.moments bf16 (~",
+                "--lora.rank 16 (~39 GiB)",
+                "--parallel.cpu-offload (~22 GiB per GPU",
+                "2 GPUs",
+            ],
+        ),
+        ("droid-5b", H100, 1, ["--optim.moments", "fp32"], ["--optim.moments bf16", "--lora.rank 16", "2 GPUs"]),
+        ("droid-14b", H100, 4, ["--optim.moments", "fp32"], ["--optim.moments bf16", "--lora.rank 16", "8 GPUs"]),
+        ("droid-14b", H100, 2, [], ["--lora.rank 16", "--parallel.cpu-offload", "4 GPUs"]),
+        ("droid-14b", H200, 1, [], ["--lora.rank 16", "--parallel.cpu-offload", "2 GPUs"]),
+    ],
+)
 def test_what_cannot_fit_is_refused_in_one_line_naming_what_would(tmp_path, preset, gib, gpus, flags, options):
     with pytest.raises(UsageError) as refusal:
         resolve_auto(_cfg(tmp_path, preset, *flags), gib, gpus)
@@ -82,12 +98,15 @@ def test_what_cannot_fit_is_refused_in_one_line_naming_what_would(tmp_path, pres
     assert "of weights, moments and gradients" in line and all(option in line for option in options)
 
 
-@pytest.mark.parametrize("preset, gib, gpus, how", [
-    ("libero-5b", H100, 1, "measured 12.12"),  # full fine-tuning on one 80 GB card
-    ("droid-5b", H100, 1, "estimated to fit"),
-    ("droid-14b", H100, 4, "measured 0.251"),  # the measured bf16-moment entry
-    ("droid-14b", H200, 2, "estimated to fit, ~110 GiB"),  # measured: 110.6 GiB
-])
+@pytest.mark.parametrize(
+    "preset, gib, gpus, how",
+    [
+        ("libero-5b", H100, 1, "measured 12.12"),  # full fine-tuning on one 80 GB card
+        ("droid-5b", H100, 1, "estimated to fit"),
+        ("droid-14b", H100, 4, "measured 0.251"),  # the measured bf16-moment entry
+        ("droid-14b", H200, 2, "estimated to fit, ~110 GiB"),  # measured: 110.6 GiB
+    ],
+)
 def test_bf16_moments_are_chosen_only_where_fp32_ones_do_not_fit(tmp_path, preset, gib, gpus, how):
     cfg, line = resolve_auto(_cfg(tmp_path, preset), gib, gpus)
     assert line is not None
@@ -99,15 +118,18 @@ def test_bf16_moments_are_chosen_only_where_fp32_ones_do_not_fit(tmp_path, prese
     assert cfg.optim.moments == "bf16"
 
 
-@pytest.mark.parametrize("preset, gib, gpus, flags", [
-    ("libero-5b", H100, 1, ["--lora.rank", "16"]),  # measured: 16.0 samples/s at 39.9 GiB
-    ("libero-5b", H100, 1, ["--parallel.cpu-offload"]),
-    ("libero-5b", H100, 2, []),
-    ("droid-5b", H200, 2, []),
-    ("droid-14b", H100, 8, []),
-    ("droid-14b", H100, 4, ["--parallel.cpu-offload"]),  # the measured offloaded entry
-    ("droid-14b", H200, 4, []),
-])
+@pytest.mark.parametrize(
+    "preset, gib, gpus, flags",
+    [
+        ("libero-5b", H100, 1, ["--lora.rank", "16"]),  # measured: 16.0 samples/s at 39.9 GiB
+        ("libero-5b", H100, 1, ["--parallel.cpu-offload"]),
+        ("libero-5b", H100, 2, []),
+        ("droid-5b", H200, 2, []),
+        ("droid-14b", H100, 8, []),
+        ("droid-14b", H100, 4, ["--parallel.cpu-offload"]),  # the measured offloaded entry
+        ("droid-14b", H200, 4, []),
+    ],
+)
 def test_the_named_options_start(tmp_path, preset, gib, gpus, flags):
     cfg, line = resolve_auto(_cfg(tmp_path, preset, *flags), gib, gpus)
     assert line is not None
@@ -122,8 +144,11 @@ def test_an_auto_part_trades_speed_for_memory_before_refusing(tmp_path):
     assert cfg.parallel.reduce_every_micro_batch is True and "gradients reduced every micro-batch" in line
     # a given micro-batch is never shrunk: what else fits is chosen, or the run is refused
     with pytest.raises(UsageError, match="does not fit"):
-        resolve_auto(_cfg(tmp_path, "libero-5b", "--data.micro-batch-size", "32", "--parallel.activation-checkpoint",
-                          "none"), H100, 2)
+        resolve_auto(
+            _cfg(tmp_path, "libero-5b", "--data.micro-batch-size", "32", "--parallel.activation-checkpoint", "none"),
+            H100,
+            2,
+        )
 
 
 def test_a_host_offloaded_run_takes_the_largest_micro_batch_that_fits(tmp_path):

@@ -12,10 +12,10 @@ def test_device_idle_finds_gaps_and_the_host_work_behind_them():
         {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "python"}},
         _x("kernel", "gemm", 0, 100),
         _x("gpu_memcpy", "Memcpy HtoD", 50, 60),  # overlaps the gemm: no gap
-        _x("kernel", "adamw", 3110, 40),          # 3000 us gap after 110
-        _x("kernel", "gelu", 3155, 5),            # 5 us launch gap
-        _x("cpu_op", "train_step", 0, 4000),      # covers everything: not the innermost
-        _x("cpu_op", "aten::empty", 100, 3005),   # innermost op covering the long gap
+        _x("kernel", "adamw", 3110, 40),  # 3000 us gap after 110
+        _x("kernel", "gelu", 3155, 5),  # 5 us launch gap
+        _x("cpu_op", "train_step", 0, 4000),  # covers everything: not the innermost
+        _x("cpu_op", "aten::empty", 100, 3005),  # innermost op covering the long gap
         _x("cuda_runtime", "cudaFree", 105, 2500),
         _x("cuda_runtime", "cudaLaunchKernel", 3105, 4),
     ]

@@ -82,7 +82,7 @@ def test_every_micro_batch_holds_one_set_normalised_with_its_own_statistics(droi
         s = int(batch["set"])
         shapes.setdefault(s, set()).add((tuple(batch["latents"].shape[1:]), tuple(batch["actions"].shape[1:])))
         for j, w in enumerate(batch["window"].tolist()):
-            (shard, key), = cast(Window, indexes[s].windows[w]).variants
+            ((shard, key),) = cast(Window, indexes[s].windows[w]).variants
             raw = readers[s].raw(shard, key)[1]
             for name, out in (("action", "actions"), ("state", "state")):
                 x = torch.from_numpy(np.asarray(raw[name], np.float32))
@@ -113,8 +113,9 @@ def test_draws_do_not_depend_on_workers_and_a_resumed_loader_continues_them(droi
     first, state = run(0, n=4)
     assert state["next_batch"] == 4 and json.loads(json.dumps(state)) == state  # checkpointed as JSON
     assert first + run(2, state, n=6)[0] == plain
-    assert [s for s, *_ in plain] == [SetDraws(ShardLoader(data, model, 0, 2, CPU, indexes).probs, 0, 0)[g]
-                                      for g in range(10)]
+    assert [s for s, *_ in plain] == [
+        SetDraws(ShardLoader(data, model, 0, 2, CPU, indexes).probs, 0, 0)[g] for g in range(10)
+    ]
 
 
 def test_a_set_on_s3_gives_the_batches_of_its_local_copy(droid_shards, libero_shards, s3_bucket):
@@ -143,7 +144,8 @@ def test_another_mixture_is_refused_at_resume_unless_changed_on_purpose(droid_sh
     assert str(refused.value) == (
         f"checkpoint data (mixture by set of {droid_shards}=3 (10 windows), {libero_shards}=1 (10 windows)) differs "
         f"from this run's (mixture by set of {droid_shards}=1 (10 windows), {libero_shards}=1 (10 windows)); pass "
-        f"--data.mixture-changed to continue with this run's data")
+        f"--data.mixture-changed to continue with this run's data"
+    )
     single = {k: v for k, v in state.items() if k != "mixture"}  # a checkpoint of a --data.shards run
     with pytest.raises(UsageError, match=r"^checkpoint data \(one set, --data.shards\) differs"):
         ShardLoader(data, model, 0, 2, CPU, indexes).load_state_dict(single)
@@ -154,8 +156,9 @@ def test_another_mixture_is_refused_at_resume_unless_changed_on_purpose(droid_sh
 
 
 def test_the_mixture_round_trips_through_a_config_file(droid_shards, libero_shards, tmp_path):
-    cfg = parse_args(["--data.mixture", f"{droid_shards}=0.7", f"{libero_shards}=0.3",
-                      "--data.mixture-weighting", "size"])
+    cfg = parse_args(
+        ["--data.mixture", f"{droid_shards}=0.7", f"{libero_shards}=0.3", "--data.mixture-weighting", "size"]
+    )
     save_config(cfg, tmp_path / "config.yaml")
     text = (tmp_path / "config.yaml").read_text()
     assert f"- shards: {droid_shards}\n      weight: 0.7\n" in text
@@ -164,11 +167,14 @@ def test_the_mixture_round_trips_through_a_config_file(droid_shards, libero_shar
     assert parse_args(["--config", str(tmp_path / "recipe.yaml")]).data.sets() == (ShardSet(str(libero_shards), 2.0),)
 
 
-@pytest.mark.parametrize("flags, error", [
-    (["a=0", "b"], "invalid settings: --data.mixture a: weight 0.0 (must be > 0)"),
-    (["a=-1", "b"], "invalid settings: --data.mixture a: weight -1.0 (must be > 0)"),
-    (["a", "b=2", "a/"], "invalid settings: --data.mixture a/: listed twice (one weight per set)"),
-])
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["a=0", "b"], "invalid settings: --data.mixture a: weight 0.0 (must be > 0)"),
+        (["a=-1", "b"], "invalid settings: --data.mixture a: weight -1.0 (must be > 0)"),
+        (["a", "b=2", "a/"], "invalid settings: --data.mixture a/: listed twice (one weight per set)"),
+    ],
+)
 def test_bad_weights_and_duplicated_sets_stop_with_one_line(flags, error):
     with pytest.raises(UsageError) as stopped:
         parse_args(["--data.mixture", *flags])
@@ -180,8 +186,10 @@ def test_sets_of_another_dit_recipe_or_empty_sets_are_refused_naming_the_set(dro
     synthetic.make_synthetic_shards(other, "tiny", episodes=2, windows_per_episode=2, samples_per_shard=4, seed=1)
     with pytest.raises(UsageError) as refused:
         open_sets(DataConfig(mixture=(ShardSet(str(droid_shards)), ShardSet(str(other)))))
-    assert str(refused.value) == (f"{other}: built for another DiT recipe than {droid_shards}: in_dim 4 vs 48; the "
-                                  f"sets of a mixture share the encoders and the DiT's widths")
+    assert str(refused.value) == (
+        f"{other}: built for another DiT recipe than {droid_shards}: in_dim 4 vs 48; the "
+        f"sets of a mixture share the encoders and the DiT's widths"
+    )
     empty = tmp_path / "empty"  # as a build whose every episode was too short: a sealed manifest of no shards
     shutil.copytree(other, empty)
     manifest = Manifest.read(empty)
@@ -195,12 +203,38 @@ def test_sets_of_another_dit_recipe_or_empty_sets_are_refused_naming_the_set(dro
 
 
 def _command(droid, libero, run_dir: Path, base: Path, tensorboard: bool = False) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.mixture", f"{droid}=2", f"{libero}=1",
-            "--data.micro-batch-size", "1", "--parallel.global-batch-size", "4", "--checkpoint.dir", str(run_dir),
-            "--steps", "12", "--checkpoint.interval", "4", "--metrics.interval", "1", "--metrics.no-progress",
-            f"--metrics.{'' if tensorboard else 'no-'}tensorboard", "--parallel.deterministic",
-            "--model.init-from", str(base), "--checkpoint.export-base", str(base)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "train" / "main.py"),
+        "--preset",
+        "tiny",
+        "--data.mixture",
+        f"{droid}=2",
+        f"{libero}=1",
+        "--data.micro-batch-size",
+        "1",
+        "--parallel.global-batch-size",
+        "4",
+        "--checkpoint.dir",
+        str(run_dir),
+        "--steps",
+        "12",
+        "--checkpoint.interval",
+        "4",
+        "--metrics.interval",
+        "1",
+        "--metrics.no-progress",
+        f"--metrics.{'' if tensorboard else 'no-'}tensorboard",
+        "--parallel.deterministic",
+        "--model.init-from",
+        str(base),
+        "--checkpoint.export-base",
+        str(base),
+    ]
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -233,22 +267,41 @@ def test_sigkilled_mixture_run_resumes_to_the_same_losses_and_samples(droid_shar
     base = tiny_base.write_base(tiny_base.Args(out=tmp_path / "base", shards=droid_shards, also=("libero_sim",)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     full = tmp_path / "full"
-    subprocess.run(_command(droid_shards, libero_shards, full, base, tensorboard=True), check=True, env=env,
-                   cwd=ROOT, capture_output=True, timeout=600)
+    subprocess.run(
+        _command(droid_shards, libero_shards, full, base, tensorboard=True),
+        check=True,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=600,
+    )
 
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(_command(droid_shards, libero_shards, run_dir, base), env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(droid_shards, libero_shards, run_dir, base),
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
-    while max([r["step"] for r in _rows(run_dir)], default=0) < 6 and proc.poll() is None \
-            and time.monotonic() < deadline:
+    while (
+        max([r["step"] for r in _rows(run_dir)], default=0) < 6 and proc.poll() is None and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     _wait_until_free(run_dir / ".lock")  # the ranks (own sessions) leave after their launcher, releasing the run dir
-    subprocess.run(_command(droid_shards, libero_shards, run_dir, base), check=True, env=env, cwd=ROOT,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        _command(droid_shards, libero_shards, run_dir, base),
+        check=True,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=600,
+    )
 
     want, got = _rows(full), _rows(run_dir)
     per_set = [k for k in want[-1] if "/" in k]
@@ -265,8 +318,9 @@ def test_sigkilled_mixture_run_resumes_to_the_same_losses_and_samples(droid_shar
     assert {f"loss/{n}" for n in ("droid", "libero")} | {"samples_seen/droid"} <= set(events.Tags()["scalars"])
     assert events.Scalars("samples_seen/droid")[-1].value == seen[0]
     with_sets = Image.open(plot(want, tmp_path / "sets.png", "mixture")).size
-    without = Image.open(plot([{k: v for k, v in r.items() if "/" not in k} for r in want], tmp_path / "one.png",
-                              "one set")).size
+    without = Image.open(
+        plot([{k: v for k, v in r.items() if "/" not in k} for r in want], tmp_path / "one.png", "one set")
+    ).size
     assert with_sets[1] > without[1]  # a third row of panels: loss and samples seen per set
 
     metadata = json.loads((run_dir / "export" / "experiment_cfg" / "metadata.json").read_text())

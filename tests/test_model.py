@@ -18,12 +18,25 @@ def _run(model, batch, t_frames=None, t_actions=None, noisy=None, noisy_actions=
     ids = sample_timestep_ids(B, nf, cfg.num_frame_per_block, g, num_timesteps=1000)
     sch = FlowMatchScheduler()
     t_frames = sch.timesteps[ids].float() if t_frames is None else t_frames
-    t_actions = (sch.timesteps[action_ids(ids, cfg.num_frame_per_block, cfg.num_action_per_block)].float()
-                 if t_actions is None else t_actions)
+    t_actions = (
+        sch.timesteps[action_ids(ids, cfg.num_frame_per_block, cfg.num_action_per_block)].float()
+        if t_actions is None
+        else t_actions
+    )
     noisy = torch.randn(batch.latents.shape, generator=g) if noisy is None else noisy
     noisy_actions = torch.randn(batch.actions.shape, generator=g) if noisy_actions is None else noisy_actions
-    return model(noisy, t_frames, batch.latents, noisy_actions, t_actions, batch.state, batch.text, batch.clip,
-                 batch.y, batch.text_lengths)
+    return model(
+        noisy,
+        t_frames,
+        batch.latents,
+        noisy_actions,
+        t_actions,
+        batch.state,
+        batch.text,
+        batch.clip,
+        batch.y,
+        batch.text_lengths,
+    )
 
 
 def _nonzero_head(model):
@@ -141,8 +154,16 @@ def test_pad_text_modes():
 
 
 def test_compact_text_rows_and_weights():
-    assert [compact_text_rows(n) for n in (1, 63, 64, 110, 447, 448, 511, 512)] == [64, 64, 128, 128, 448, 512, 512,
-                                                                                     512]
+    assert [compact_text_rows(n) for n in (1, 63, 64, 110, 447, 448, 511, 512)] == [
+        64,
+        64,
+        128,
+        128,
+        448,
+        512,
+        512,
+        512,
+    ]
     w = text_key_log_weight(torch.tensor([3, 8]), rows=8, text_len=16)
     assert w[0, :3].eq(0).all() and torch.allclose(w[0, 3:], torch.tensor(13 / 5).log())
     assert w[1].eq(0).all()  # a prompt as long as the batch: no zero rows to weight
@@ -172,8 +193,18 @@ def test_compact_text_gives_the_full_layouts_outputs_and_gradients(lengths):
 
     def run(text, text_lengths):
         model.zero_grad()
-        video, action = model(batch.latents, t_frames, batch.latents, batch.actions, t_actions, batch.state, text,
-                              batch.clip, None, text_lengths)
+        video, action = model(
+            batch.latents,
+            t_frames,
+            batch.latents,
+            batch.actions,
+            t_actions,
+            batch.state,
+            text,
+            batch.clip,
+            None,
+            text_lengths,
+        )
         (video.pow(2).sum() + action.pow(2).sum()).backward()
         grads = {k: cast(torch.Tensor, p.grad).clone() for k, p in model.named_parameters()}
         return video.detach(), action.detach(), grads
@@ -203,10 +234,10 @@ def test_bad_action_count_is_rejected():
     model = build_model("tiny")
     batch = random_batch(model.cfg, 1, (9, 4, 4))
     with pytest.raises(ValueError, match="actions"):
-        _run(model, batch, noisy_actions=torch.randn(1, 13, model.cfg.action_dim),
-             t_actions=torch.zeros(1, 13))
-    _, actions = _run(model, batch, noisy_actions=torch.randn(1, 12, model.cfg.action_dim),
-                      t_actions=torch.zeros(1, 12))
+        _run(model, batch, noisy_actions=torch.randn(1, 13, model.cfg.action_dim), t_actions=torch.zeros(1, 13))
+    _, actions = _run(
+        model, batch, noisy_actions=torch.randn(1, 12, model.cfg.action_dim), t_actions=torch.zeros(1, 12)
+    )
     assert actions.shape == (1, 12, model.cfg.action_dim)
 
 

@@ -25,10 +25,13 @@ def read_keys(name: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-@pytest.mark.parametrize("preset,keys_file,n_params,n_new", [
-    ("droid-5b", "dreamzero_5b_keys.txt", 5_606_692_832, 606_905_120),
-    ("droid-14b", "dreamzero_14b_keys.txt", 16_484_292_448, 89_413_664),
-])
+@pytest.mark.parametrize(
+    "preset,keys_file,n_params,n_new",
+    [
+        ("droid-5b", "dreamzero_5b_keys.txt", 5_606_692_832, 606_905_120),
+        ("droid-14b", "dreamzero_14b_keys.txt", 16_484_292_448, 89_413_664),
+    ],
+)
 def test_official_names_and_shapes_load_strictly(preset, keys_file, n_params, n_new):
     keys = read_keys(keys_file)
     with torch.device("meta"):
@@ -86,12 +89,15 @@ def test_wan_base_cold_start_ti2v(tmp_path, caplog):
     # Wan's on-disk layout: sharded safetensors + diffusion_pytorch_model.safetensors.index.json
     names = sorted(base)
     half = len(names) // 2
-    shards = {"diffusion_pytorch_model-00001-of-00002.safetensors": names[:half],
-              "diffusion_pytorch_model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "diffusion_pytorch_model-00001-of-00002.safetensors": names[:half],
+        "diffusion_pytorch_model-00002-of-00002.safetensors": names[half:],
+    }
     for fname, keys in shards.items():
         save_file({k: base[k].contiguous() for k in keys}, str(tmp_path / fname))
-    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}})
+    )
     torch.save({}, tmp_path / "Wan2.2_VAE.pth")  # other files in a Wan folder are not read
     assert len(Checkpoint(tmp_path).shapes) == len(base)
 
@@ -144,4 +150,5 @@ def test_missing_and_unexpected_keys_are_named_with_counts(tmp_path):
     assert str(err.value) == (
         f"{tmp_path / 'peft.safetensors'} (export): 2 model keys missing, e.g. ['blocks.0.ffn.0.weight', "
         "'blocks.1.ffn.0.weight']; 1 keys the model does not have, e.g. ['blocks.0.self_attn.q.base_layer.weight']; "
-        "PEFT/LoRA names: merge the LoRA into the base weights first")
+        "PEFT/LoRA names: merge the LoRA into the base weights first"
+    )

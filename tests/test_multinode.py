@@ -18,9 +18,25 @@ STEPS, STOP = 6, 3
 
 
 def _trainer(shards: Path, run_dir: Path) -> list[str]:
-    return [str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", str(shards), "--checkpoint.dir",
-            str(run_dir), "--steps", str(STEPS), "--checkpoint.interval", str(STOP), "--metrics.interval", "1",
-            "--metrics.no-progress", "--metrics.no-tensorboard", "--parallel.deterministic", "--checkpoint.no-export"]
+    return [
+        str(ROOT / "train" / "main.py"),
+        "--preset",
+        "tiny",
+        "--data.shards",
+        str(shards),
+        "--checkpoint.dir",
+        str(run_dir),
+        "--steps",
+        str(STEPS),
+        "--checkpoint.interval",
+        str(STOP),
+        "--metrics.interval",
+        "1",
+        "--metrics.no-progress",
+        "--metrics.no-tensorboard",
+        "--parallel.deterministic",
+        "--checkpoint.no-export",
+    ]
 
 
 def _torchrun(*options: str) -> list[str]:
@@ -30,8 +46,10 @@ def _torchrun(*options: str) -> list[str]:
 def _run_all(commands: list[list[str]]) -> None:
     """Start every command, then wait for all (the timeout only detects a hang)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in commands]
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd in commands
+    ]
     try:
         outputs = [proc.communicate(timeout=300)[0] for proc in procs]
     finally:
@@ -56,10 +74,27 @@ def test_two_nodes_train_checkpoint_and_resume_as_one_node_of_two(tiny_shards, t
     _run_all([_torchrun("--standalone", "--nproc-per-node", "2", *_trainer(tiny_shards, single))])
     for stop in (["--stop-after", str(STOP)], []):  # stop at the checkpoint, then resume from it to the end
         port = _free_port()
-        _run_all([_torchrun("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-backend",
-                            "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={node == 0}",
-                            *_trainer(tiny_shards, multi), *stop)
-                  for node in (0, 1)])
+        _run_all(
+            [
+                _torchrun(
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(node),
+                    "--nproc-per-node",
+                    "1",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    f"127.0.0.1:{port}",
+                    "--rdzv-conf",
+                    f"is_host={node == 0}",
+                    *_trainer(tiny_shards, multi),
+                    *stop,
+                )
+                for node in (0, 1)
+            ]
+        )
         assert [step for step, _ in complete_checkpoints(multi)][-1] == (STEPS if not stop else STOP)
     assert _losses(multi) == _losses(single)
     assert [json.loads((multi / f"summary-rank{r:05d}.json").read_text())["last_step"] for r in range(2)] == [STEPS] * 2

@@ -67,8 +67,17 @@ def test_the_rounding_is_seeded_by_step_so_a_reloaded_optimizer_continues_exactl
 @pytest.mark.slow
 def test_two_ranks_with_bf16_moments_resume_exactly_and_stay_close_to_fp32(tiny_shards, tmp_path):
     def run(name, *extra):
-        cmd = [*_command(tiny_shards, tmp_path / name), "--steps", "6", "--checkpoint.interval", "3",
-               "--checkpoint.no-export", "--parallel.backend", "gloo", *extra]
+        cmd = [
+            *_command(tiny_shards, tmp_path / name),
+            "--steps",
+            "6",
+            "--checkpoint.interval",
+            "3",
+            "--checkpoint.no-export",
+            "--parallel.backend",
+            "gloo",
+            *extra,
+        ]
         subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
         return [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 

@@ -12,9 +12,17 @@ from wampipe.train.evaluation.curves import panels_of, plot_run, read_metrics
 
 def _row(step: int, loss: float) -> dict:
     # the fields train/metrics.py writes
-    return {"step": step, "loss": loss, "loss_dynamics": 0.9 * loss, "loss_action": 0.1 * loss, "grad_norm": 1.0,
-            "lr": 1e-4 * min(1, step / 4), "samples_per_s_per_gpu": 3.0 + step % 3, "data_wait_pct": 0.5,
-            "time": 1.0e9 + step}
+    return {
+        "step": step,
+        "loss": loss,
+        "loss_dynamics": 0.9 * loss,
+        "loss_action": 0.1 * loss,
+        "grad_norm": 1.0,
+        "lr": 1e-4 * min(1, step / 4),
+        "samples_per_s_per_gpu": 3.0 + step % 3,
+        "data_wait_pct": 0.5,
+        "time": 1.0e9 + step,
+    }
 
 
 @pytest.mark.e2e

@@ -29,8 +29,9 @@ REFERENCE = Path(__file__).parent / "assets" / "wan_vae_decode.safetensors"
 VAE_FILES = {"wan2.1": "wan2.1/Wan2.1_VAE.pth", "wan2.2": "wan2.2/Wan2.2_VAE.pth"}
 
 
-@pytest.mark.parametrize("variant,where", [("wan2.1", "pth"), ("wan2.1", "folder"), ("wan2.2", "pth"),
-                                           ("wan2.2", "folder")])
+@pytest.mark.parametrize(
+    "variant,where", [("wan2.1", "pth"), ("wan2.1", "folder"), ("wan2.2", "pth"), ("wan2.2", "folder")]
+)
 def test_decoder_equals_the_official_decoder(tiny_checkpoints, variant, where):
     path = tiny_checkpoints / (VAE_FILES[variant] if where == "pth" else f"{variant}/vae")
     reference = load_file(REFERENCE)
@@ -42,8 +43,13 @@ def test_decoder_equals_the_official_decoder(tiny_checkpoints, variant, where):
 
 
 def preview(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "preprocess", "preview", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "preprocess", "preview", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def read_mp4(path: Path) -> np.ndarray:
@@ -54,8 +60,10 @@ def read_mp4(path: Path) -> np.ndarray:
 def coarse_error(a: np.ndarray, b: np.ndarray, block: int = 8) -> float:
     """Mean absolute difference of two uint8 videos [T, H, W, 3] after averaging block x block pixels."""
     t, h, w, _ = a.shape
+
     def means(x):
         return x.astype(np.float64).reshape(t, h // block, block, w // block, block, 3).mean(axis=(2, 4))
+
     return float(np.abs(means(a) - means(b)).mean())
 
 
@@ -115,12 +123,12 @@ def test_preview_refuses_another_vae_or_dataset_in_one_line(droid_shards, droid_
     out = tmp_path / "out"
     cases = {
         ("--vae", other_vae): f"--vae {other_vae}: not the VAE {droid_shards} was built with "
-                              f"({built['encoders']['vae']['path']}, sha256 "
-                              f"{built['encoders']['vae']['sha256'][:12]}): pass that file",
+        f"({built['encoders']['vae']['path']}, sha256 "
+        f"{built['encoders']['vae']['sha256'][:12]}): pass that file",
         ("--vae", tmp_path / "none.pth"): f"--vae {tmp_path / 'none.pth'}: not found",
         ("--vae", vae, "--src", other_src): f"--src {other_src}: not the dataset {droid_shards} was built from "
-                                            f"({built['source']['root']}, fingerprint "
-                                            f"{built['source']['fingerprint'][:12]}): pass that dataset",
+        f"({built['source']['root']}, fingerprint "
+        f"{built['source']['fingerprint'][:12]}): pass that dataset",
     }
     for args, message in cases.items():
         done = preview(droid_shards, *args, "--out", out)
@@ -132,8 +140,9 @@ def test_preview_refuses_another_vae_or_dataset_in_one_line(droid_shards, droid_
 def test_preview_refuses_shards_without_a_vae(tiny_shards, tiny_checkpoints, tmp_path):
     done = preview(tiny_shards, "--vae", tiny_checkpoints / VAE_FILES["wan2.2"], "--out", tmp_path / "out")
     assert done.returncode != 0
-    assert done.stderr.strip() == (f"{tiny_shards}: the manifest records no VAE (synthetic shards): nothing to "
-                                   "decode with")
+    assert done.stderr.strip() == (
+        f"{tiny_shards}: the manifest records no VAE (synthetic shards): nothing to decode with"
+    )
 
 
 def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
@@ -142,8 +151,9 @@ def test_clip_pixels_are_shown_as_the_frame_clip_consumes(tiny_checkpoints):
     clip = load_image_encoder(tiny_checkpoints / "clip" / "image_encoder", dtype=torch.float32)
     size = clip.image_size  # the stored pixels' size: bicubic to it is the identity here
     ramp = np.linspace(0, 255, size).round().astype(np.uint8)
-    image = np.stack([np.tile(ramp, (size, 1)), np.tile(ramp[:, None], (1, size)), np.full((size, size), 40, np.uint8)],
-                     axis=-1)  # red: left to right, green: top to bottom, blue: flat
+    image = np.stack(
+        [np.tile(ramp, (size, 1)), np.tile(ramp[:, None], (1, size)), np.full((size, size), 40, np.uint8)], axis=-1
+    )  # red: left to right, green: top to bottom, blue: flat
     frame = torch.from_numpy(image).permute(2, 0, 1)[None].float() / 127.5 - 1
     stored = clip.preprocess(frame)[0].bfloat16()  # as a bf16 GPU build stores clip_pixels
     shown = clip_input_image(stored)

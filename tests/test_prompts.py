@@ -4,13 +4,17 @@ from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.prompts import format_prompt, instruction_text, window_prompts
 from wampipe.shardformat.embodiments import get_embodiment
 
-DROID = ("A multi-view video shows that a robot put the marker in the cup The video is split into three views: The top "
-         "view shows the camera view from the robot's wrist, the bottom-left view shows the camera view from the left "
-         "exterior camera, and the bottom-right view shows the camera view from the right exterior camera. During "
-         "training, one of the two bottom exterior views may be a black screen (dropped view). The robot put the "
-         "marker in the cup")
-LIBERO = ("A multi-view video shows that a robot turn on the stove The video is split into two horizontal views: the "
-          "left view shows the exterior camera and the right view shows the wrist camera. The robot turn on the stove")
+DROID = (
+    "A multi-view video shows that a robot put the marker in the cup The video is split into three views: The top "
+    "view shows the camera view from the robot's wrist, the bottom-left view shows the camera view from the left "
+    "exterior camera, and the bottom-right view shows the camera view from the right exterior camera. During "
+    "training, one of the two bottom exterior views may be a black screen (dropped view). The robot put the "
+    "marker in the cup"
+)
+LIBERO = (
+    "A multi-view video shows that a robot turn on the stove The video is split into two horizontal views: the "
+    "left view shows the exterior camera and the right view shows the wrist camera. The robot turn on the stove"
+)
 
 
 def test_templates():

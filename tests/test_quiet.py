@@ -65,16 +65,21 @@ def check_help(done: subprocess.CompletedProcess) -> None:
     assert "--help" in done.stdout and help_problems(done.stdout) == []
 
 
-@pytest.mark.parametrize("argv", [
-    ["-m", "preprocess", "--help"],
-    *[["-m", "preprocess", command, "--help"] for command in ("shards", "check", "stats", "inspect", "preview")],
-    ["train/main.py", "--help"],
-    # every console script but wampipe-train, whose help is torchrun's and then train/main.py's
-    *[["-c", console_script(name), "--help"] for name in PROJECT["scripts"] if name != "wampipe-train"],
-], ids=lambda argv: " ".join(argv[-2:]) if argv[0] != "-c" else argv[1].split("'")[1])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "preprocess", "--help"],
+        *[["-m", "preprocess", command, "--help"] for command in ("shards", "check", "stats", "inspect", "preview")],
+        ["train/main.py", "--help"],
+        # every console script but wampipe-train, whose help is torchrun's and then train/main.py's
+        *[["-c", console_script(name), "--help"] for name in PROJECT["scripts"] if name != "wampipe-train"],
+    ],
+    ids=lambda argv: " ".join(argv[-2:]) if argv[0] != "-c" else argv[1].split("'")[1],
+)
 def test_help_prints_every_flag_and_nothing_on_stderr(argv):
-    check_help(subprocess.run([sys.executable, *argv], cwd=ROOT, env=HELP_ENV, capture_output=True, text=True,
-                              timeout=300))
+    check_help(
+        subprocess.run([sys.executable, *argv], cwd=ROOT, env=HELP_ENV, capture_output=True, text=True, timeout=300)
+    )
 
 
 def test_a_build_prints_only_its_progress_on_stderr(droid_shards):
@@ -86,8 +91,11 @@ def test_a_build_prints_only_its_progress_on_stderr(droid_shards):
 @pytest.mark.parametrize("command", ["shards", "check", "stats", "inspect", "preview"])
 def test_preprocess_help_does_not_load_torch(command):
     """`--help` stays quick: torch (a second of imports) is loaded by the commands' work, not by their flags."""
-    code = ("import sys\nfrom wampipe.preprocess.__main__ import main\ntry:\n    main([sys.argv[1], '--help'])\n"
-            "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch loaded'")
-    done = subprocess.run([sys.executable, "-c", code, command], cwd=ROOT, env=HELP_ENV, capture_output=True,
-                          text=True, timeout=300)
+    code = (
+        "import sys\nfrom wampipe.preprocess.__main__ import main\ntry:\n    main([sys.argv[1], '--help'])\n"
+        "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch loaded'"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, command], cwd=ROOT, env=HELP_ENV, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]

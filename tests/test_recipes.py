@@ -56,20 +56,28 @@ def test_every_preset_survives_the_file_round_trip(tmp_path):
 
 def test_flags_override_the_file_which_overrides_the_preset(tmp_path):
     path = tmp_path / "mine.yaml"
-    path.write_text("# a partial config\ntrain:\n  preset: libero-5b\n  steps: 7\n"
-                    "  optim: {lr: 2e-5, betas: [0.9, 0.99]}\n")
+    path.write_text(
+        "# a partial config\ntrain:\n  preset: libero-5b\n  steps: 7\n  optim: {lr: 2e-5, betas: [0.9, 0.99]}\n"
+    )
     cfg = parse_args(["--config", str(path), "--optim.lr", "3e-5", "--data.shards", "s"])
     want = preset_config("libero-5b")
-    want = dataclasses.replace(want, config=str(path), steps=7, data=dataclasses.replace(want.data, shards="s"),
-                               optim=dataclasses.replace(want.optim, lr=3e-5, betas=(0.9, 0.99)))
+    want = dataclasses.replace(
+        want,
+        config=str(path),
+        steps=7,
+        data=dataclasses.replace(want.data, shards="s"),
+        optim=dataclasses.replace(want.optim, lr=3e-5, betas=(0.9, 0.99)),
+    )
     assert cfg == want
     # --preset picks the base the file applies to
     tiny = parse_args(["--preset", "tiny", "--config", str(path), "--data.shards", "s"])
     assert (tiny.preset, tiny.steps, tiny.parallel.global_batch_size, tiny.optim.lr) == ("tiny", 7, 0, 2e-5)
     # a recipe name is its file
     assert parse_args(["--config", "droid-14b", "--data.shards", "s"]) == dataclasses.replace(
-        preset_config("droid-14b"), config="droid-14b",
-        data=dataclasses.replace(preset_config("droid-14b").data, shards="s"))
+        preset_config("droid-14b"),
+        config="droid-14b",
+        data=dataclasses.replace(preset_config("droid-14b").data, shards="s"),
+    )
 
 
 def test_preprocess_config_sets_the_defaults_of_its_flags(tmp_path):
@@ -77,19 +85,23 @@ def test_preprocess_config_sets_the_defaults_of_its_flags(tmp_path):
         return tyro.cli(preprocess_shards.Args, default=preprocess_shards.defaults(list(argv)), args=list(argv))
 
     assert parse("--config", "tiny") == dataclasses.replace(
-        parse("--dataset", "droid", "--anchor-stride", "4", "--samples-per-shard", "16"), config="tiny")
+        parse("--dataset", "droid", "--anchor-stride", "4", "--samples-per-shard", "16"), config="tiny"
+    )
     assert parse("--config", "droid-14b", "--anchor-stride", "2").model == "14b"
     assert parse("--config", "libero-5b", "--model", "14b").model == "14b"
     assert parse("--config", "libero-5b").dataset == "libero"
 
 
-@pytest.mark.parametrize("text, error", [
-    ("train:\n  optim: {lr: 1e-5, moment: 2}\n", r"mine.yaml: train.optim: unknown key 'moment' \(known: "),
-    ("train:\n  steps: many\n", r"mine.yaml: train.steps: 'many' is not of type int$"),
-    ("train:\n  model: {name: 5b-libero}\n", r"mine.yaml: train.model.name: '5b-libero' is not one of \["),
-    ("preprocess: {dataset: droid}\n", r"mine.yaml: no train section$"),
-    ("train: [1, 2\n", r"mine.yaml: line 2: expected ',' or '\]', but got '<stream end>'$"),
-])
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("train:\n  optim: {lr: 1e-5, moment: 2}\n", r"mine.yaml: train.optim: unknown key 'moment' \(known: "),
+        ("train:\n  steps: many\n", r"mine.yaml: train.steps: 'many' is not of type int$"),
+        ("train:\n  model: {name: 5b-libero}\n", r"mine.yaml: train.model.name: '5b-libero' is not one of \["),
+        ("preprocess: {dataset: droid}\n", r"mine.yaml: no train section$"),
+        ("train: [1, 2\n", r"mine.yaml: line 2: expected ',' or '\]', but got '<stream end>'$"),
+    ],
+)
 def test_bad_trainer_files_stop_with_one_line(tmp_path, text, error):
     (tmp_path / "mine.yaml").write_text(text)
     with pytest.raises(UsageError, match=error):
@@ -107,8 +119,10 @@ def test_unknown_names_stop_with_one_line():
 
 def test_both_clis_list_config_and_stop_with_one_line_for_a_bad_file(tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text("preprocess:\n  datset: droid\n")
-    for main, command, error in [(preprocess_main, ["shards"], ": preprocess: unknown key 'datset' (known: "),
-                                 (train_main, [], ": no train section")]:
+    for main, command, error in [
+        (preprocess_main, ["shards"], ": preprocess: unknown key 'datset' (known: "),
+        (train_main, [], ": no train section"),
+    ]:
         with pytest.raises(SystemExit) as helped:
             main([*command, "--help"])
         assert helped.value.code == 0 and "--config" in capsys.readouterr().out
@@ -119,8 +133,14 @@ def test_both_clis_list_config_and_stop_with_one_line_for_a_bad_file(tmp_path, c
 
 
 def _train(*argv: str) -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), *argv], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train" / "main.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -132,9 +152,28 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 def test_a_runs_saved_config_reproduces_its_losses(tmp_path):
     make_synthetic_shards(tmp_path / "shards", "tiny", episodes=4, windows_per_episode=4, seed=2)
     first, again = tmp_path / "first", tmp_path / "again"
-    _train("--preset", "tiny", "--data.shards", str(tmp_path / "shards"), "--checkpoint.dir", str(first),
-           "--steps", "6", "--seed", "3", "--optim.lr", "3e-3", "--data.seed", "5", "--metrics.interval", "1",
-           "--metrics.no-tensorboard", "--metrics.no-progress", "--parallel.deterministic", "--checkpoint.no-export")
+    _train(
+        "--preset",
+        "tiny",
+        "--data.shards",
+        str(tmp_path / "shards"),
+        "--checkpoint.dir",
+        str(first),
+        "--steps",
+        "6",
+        "--seed",
+        "3",
+        "--optim.lr",
+        "3e-3",
+        "--data.seed",
+        "5",
+        "--metrics.interval",
+        "1",
+        "--metrics.no-tensorboard",
+        "--metrics.no-progress",
+        "--parallel.deterministic",
+        "--checkpoint.no-export",
+    )
     _train("--config", str(first / "config.yaml"), "--checkpoint.dir", str(again))
     assert len(_losses(first)) == 6 and _losses(again) == _losses(first)
     saved = [configs.read(run / "config.yaml")["train"] for run in (first, again)]

@@ -22,13 +22,22 @@ STEPS = 8
 
 
 def _cmd(shards: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [*_command(shards, run_dir), "--steps", str(STEPS), "--checkpoint.interval", "2", "--data.num-workers", "0",
-            *extra]
+    return [
+        *_command(shards, run_dir),
+        "--steps",
+        str(STEPS),
+        "--checkpoint.interval",
+        "2",
+        "--data.num-workers",
+        "0",
+        *extra,
+    ]
 
 
 def _run(shards: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_cmd(shards, run_dir, *extra), env=_env(), cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        _cmd(shards, run_dir, *extra), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -37,8 +46,11 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 def _snapshot(root: Path) -> dict[str, bytes]:
     """Every file's bytes, but the lock's (each run that takes the lock writes its pid there)."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != LOCK}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != LOCK
+    }
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +71,14 @@ def test_files_the_trainer_did_not_write_are_never_touched(small_shards, full_ru
     before = _snapshot(foreign)
     refused = _run(small_shards, foreign)
     assert refused.returncode != 0
-    line = (f"{foreign} holds config.yaml, export, metrics.jsonl but is not a wampipe run directory (no {MARKER}): "
-            f"pass a new or empty --checkpoint.dir")
+    line = (
+        f"{foreign} holds config.yaml, export, metrics.jsonl but is not a wampipe run directory (no {MARKER}): "
+        f"pass a new or empty --checkpoint.dir"
+    )
     assert refused.stderr.count(line) == 1, refused.stderr[-3000:]
     assert _snapshot(foreign) == before and sorted(p.name for p in foreign.iterdir()) == sorted(
-        ["config.yaml", "export", "metrics.jsonl"])  # not even a lock file
+        ["config.yaml", "export", "metrics.jsonl"]
+    )  # not even a lock file
 
     # the trainer's own directory, with a file put into its export folder: the export would replace the folder
     run_dir = tmp_path / "run"
@@ -72,8 +87,10 @@ def test_files_the_trainer_did_not_write_are_never_touched(small_shards, full_ru
     before = _snapshot(run_dir)
     refused = _run(small_shards, run_dir, "--steps", str(STEPS + 2))
     assert refused.returncode != 0
-    line = (f"{run_dir / 'export'} holds README.md, which no export writes: the export would replace the folder, "
-            f"so move them out of it (or pass --checkpoint.no-export)")
+    line = (
+        f"{run_dir / 'export'} holds README.md, which no export writes: the export would replace the folder, "
+        f"so move them out of it (or pass --checkpoint.no-export)"
+    )
     assert refused.stderr.count(line) == 1, refused.stderr[-3000:]
     assert _snapshot(run_dir) == before
 
@@ -90,8 +107,9 @@ def test_a_second_trainer_on_a_directory_in_use_refuses_in_one_line(small_shards
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("launched from the notebook\n")
     with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen(_cmd(small_shards, run_dir), env=_env(), cwd=ROOT, stdout=log, stderr=log,
-                                 start_new_session=True)
+        first = subprocess.Popen(
+            _cmd(small_shards, run_dir), env=_env(), cwd=ROOT, stdout=log, stderr=log, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").is_file() and first.poll() is None and time.monotonic() < deadline:
@@ -108,8 +126,10 @@ def test_a_second_trainer_on_a_directory_in_use_refuses_in_one_line(small_shards
         if first.poll() is None:
             _signal_all(first, signal.SIGKILL)
     assert second.returncode != 0
-    line = (f"{run_dir} is in use by another training run (pid {holder}): wait for it to end, or pass another "
-            f"--checkpoint.dir")
+    line = (
+        f"{run_dir} is in use by another training run (pid {holder}): wait for it to end, or pass another "
+        f"--checkpoint.dir"
+    )
     assert second.stderr.count(line) == 1, second.stderr[-3000:]
     assert second.stdout == ""  # no work began
     assert _losses(run_dir) == _losses(full_run)  # the first run's rows only, as if alone
@@ -133,19 +153,25 @@ def test_a_damaged_checkpoint_is_named_and_the_last_complete_one_resumes(small_s
     before = _snapshot(run_dir)
     refused = _run(small_shards, run_dir)
     assert refused.returncode != 0
-    line = (f"{step6}: not a complete checkpoint and none before it: restore its files, or pass "
-            f"--checkpoint.no-resume to start over (deleting its step directories)")
+    line = (
+        f"{step6}: not a complete checkpoint and none before it: restore its files, or pass "
+        f"--checkpoint.no-resume to start over (deleting its step directories)"
+    )
     assert refused.stderr.count(line) == 1, refused.stderr[-3000:]
-    assert f"{step_dir(run_dir, 2)} skipped, not a complete checkpoint: missing rank-00000.json of its 2 ranks" \
+    assert (
+        f"{step_dir(run_dir, 2)} skipped, not a complete checkpoint: missing rank-00000.json of its 2 ranks"
         in refused.stdout.splitlines()
+    )
     assert _snapshot(run_dir) == before
 
     (tmp_path / kept.name).rename(kept)
     resumed = _run(small_shards, run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = resumed.stdout.splitlines()
-    assert f"{step6} skipped, not a complete checkpoint: missing __1_0.distcp, rank-00001.json, " \
-           f"rank-00001.safetensors of its 2 ranks" in lines
+    assert (
+        f"{step6} skipped, not a complete checkpoint: missing __1_0.distcp, rank-00001.json, "
+        f"rank-00001.safetensors of its 2 ranks" in lines
+    )
     skipped4 = next(line for line in lines if line.startswith(f"{step4} skipped, not a complete checkpoint: "))
     assert "rank-00001.json unreadable" in skipped4 and "rank-00000.safetensors unreadable" in skipped4
     assert any(line.startswith(f"resumed from {step_dir(run_dir, 2)} at step 2 ") for line in lines)
@@ -162,8 +188,10 @@ def test_a_start_over_never_mixes_with_the_run_before_it(small_shards, full_run,
     assert [s for s, _ in complete_checkpoints(run_dir)] == [4, 6, 8]
     again = _run(small_shards, run_dir, "--checkpoint.no-resume", "--steps", "4", "--checkpoint.interval", "1")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert (f"--checkpoint.no-resume: deleted the 3 step directories of an earlier run in {run_dir} (step-000004, "
-            f"step-000006, step-000008)") in again.stdout.splitlines()
+    assert (
+        f"--checkpoint.no-resume: deleted the 3 step directories of an earlier run in {run_dir} (step-000004, "
+        f"step-000006, step-000008)"
+    ) in again.stdout.splitlines()
     assert [s for s, _ in complete_checkpoints(run_dir)] == [2, 3, 4]
     assert run_identity(run_dir) != run_identity(full_run)  # a start over is another run
     # a step directory of run A copied back in is not run B's: resume, rotation and evaluation pass it by
@@ -172,8 +200,12 @@ def test_a_start_over_never_mixes_with_the_run_before_it(small_shards, full_run,
     resumed = _run(small_shards, run_dir, "--steps", "5", "--checkpoint.interval", "1")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = resumed.stdout.splitlines()
-    assert any(line.startswith(f"{step_dir(run_dir, 8)} skipped, not a complete checkpoint: rank-00000.json belongs "
-                               f"to another run") for line in lines), resumed.stdout[-3000:]
+    assert any(
+        line.startswith(
+            f"{step_dir(run_dir, 8)} skipped, not a complete checkpoint: rank-00000.json belongs to another run"
+        )
+        for line in lines
+    ), resumed.stdout[-3000:]
     assert any(line.startswith(f"resumed from {step_dir(run_dir, 4)} at step 4 ") for line in lines)
     assert step_dir(run_dir, 8).is_dir()  # another run's files: never rotated away
 
@@ -186,8 +218,9 @@ def _one_line(stderr: str, start: str) -> str:
     return lines[0]
 
 
-def test_a_full_disk_during_a_save_or_the_export_stops_in_one_line_and_keeps_what_was_there(small_shards, full_run,
-                                                                                           small_disk):
+def test_a_full_disk_during_a_save_or_the_export_stops_in_one_line_and_keeps_what_was_there(
+    small_shards, full_run, small_disk
+):
     run_dir = small_disk / "run"
     first = _run(small_shards, run_dir, "--stop-after", "2")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -195,8 +228,10 @@ def test_a_full_disk_during_a_save_or_the_export_stops_in_one_line_and_keeps_wha
     full = _run(small_shards, run_dir)
     assert full.returncode != 0
     line = _one_line(full.stderr, f"{step_dir(run_dir, 4)}: saving the checkpoint failed (")
-    assert line.endswith(f"MiB free there); the last checkpoint {step_dir(run_dir, 2)} is as it was: free space (or "
-                         f"fix the cause) and run again to resume")
+    assert line.endswith(
+        f"MiB free there); the last checkpoint {step_dir(run_dir, 2)} is as it was: free space (or "
+        f"fix the cause) and run again to resume"
+    )
     assert float(line.split(" MiB free there")[0].rsplit("; ", 1)[1]) < 0.5
     assert [s for s, _ in complete_checkpoints(run_dir)] == [2] and not step_dir(run_dir, 4).exists()
 
@@ -207,8 +242,9 @@ def test_a_full_disk_during_a_save_or_the_export_stops_in_one_line_and_keeps_wha
 
     export = _snapshot(run_dir / "export")
     fill_disk(small_disk, 128 << 10)  # two more steps, no checkpoint, then the export: it does not fit
-    more = _run(small_shards, run_dir, "--steps", str(STEPS + 2), "--checkpoint.interval", "0",
-                "--checkpoint.no-save-final")
+    more = _run(
+        small_shards, run_dir, "--steps", str(STEPS + 2), "--checkpoint.interval", "0", "--checkpoint.no-save-final"
+    )
     assert more.returncode != 0
     line = _one_line(more.stderr, f"{run_dir / 'export'}: export failed (")
     assert "No space left on device" in line and line.endswith("the previous export there is as it was")

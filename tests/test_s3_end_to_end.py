@@ -53,20 +53,47 @@ def test_check_reads_a_remote_directory_and_names_a_flipped_byte(tiny_shards, s3
     with pytest.raises(SystemExit) as done:
         preprocess_main(["check", url])
     assert done.value.code == 1
-    assert capsys.readouterr().out.splitlines() == [f"FAILED: 2 problem(s) in {url}", f"  {flipped}",
-                                                    "  shard-000002.tar: sha256 differs from the manifest"]
-    assert check(f"{s3_bucket}/nowhere") == [f"{s3_bucket}/nowhere/manifest.json: missing (an unfinished run, or "
-                                             f"not a shard directory)"]
+    assert capsys.readouterr().out.splitlines() == [
+        f"FAILED: 2 problem(s) in {url}",
+        f"  {flipped}",
+        "  shard-000002.tar: sha256 differs from the manifest",
+    ]
+    assert check(f"{s3_bucket}/nowhere") == [
+        f"{s3_bucket}/nowhere/manifest.json: missing (an unfinished run, or not a shard directory)"
+    ]
 
 
 def _train(shards: str, run_dir: Path, *extra: str) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", shards,
-               "--checkpoint.dir", str(run_dir), "--steps", str(STEPS), "--checkpoint.interval", "2",
-               "--checkpoint.no-export", "--metrics.interval", "1", "--metrics.no-progress",
-               "--metrics.no-tensorboard", "--parallel.deterministic", "--data.num-workers", "1", *extra]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "train" / "main.py"),
+        "--preset",
+        "tiny",
+        "--data.shards",
+        shards,
+        "--checkpoint.dir",
+        str(run_dir),
+        "--steps",
+        str(STEPS),
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.no-export",
+        "--metrics.interval",
+        "1",
+        "--metrics.no-progress",
+        "--metrics.no-tensorboard",
+        "--parallel.deterministic",
+        "--data.num-workers",
+        "1",
+        *extra,
+    ]
+    done = subprocess.run(
+        command, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -120,9 +147,18 @@ def test_training_from_s3_continues_a_local_run_with_its_losses(tiny_shards, s3_
 @pytest.mark.slow
 def test_publish_killed_midway_resumes_refuses_other_inputs_and_replaces_a_build(tiny_shards, s3_bucket, tmp_path):
     url = f"{s3_bucket}/tiny"
-    inputs = {"dataset": "droid", "src": "f" * 64, "vae": "v", "text_encoder": "t", "image_encoder": "i",
-              "augment_variants": 0, "image_features": "encoded", "vae_compile": False, "seed": 1,
-              "samples_per_shard": 7}
+    inputs = {
+        "dataset": "droid",
+        "src": "f" * 64,
+        "vae": "v",
+        "text_encoder": "t",
+        "image_encoder": "i",
+        "augment_variants": 0,
+        "image_features": "encoded",
+        "vae_compile": False,
+        "seed": 1,
+        "samples_per_shard": 7,
+    }
     staging = staging_dir(url, tmp_path / "staging")  # a finished build as `preprocess shards` leaves it
     shutil.copytree(tiny_shards, staging)  # with work/ spills
     with outdir.hold(staging):  # and the lock file
@@ -131,8 +167,10 @@ def test_publish_killed_midway_resumes_refuses_other_inputs_and_replaces_a_build
     assert "inputs.json" in order and not [p for p in order if p.startswith("work/") or p.endswith(".lock")]
 
     # killed by SIGKILL after the second file
-    assert upload_then_sigkill("preprocess.remote:publish", staging, url) == [["uploaded", order[0]],
-                                                                              ["uploaded", order[1]]]
+    assert upload_then_sigkill("preprocess.remote:publish", staging, url) == [
+        ["uploaded", order[0]],
+        ["uploaded", order[1]],
+    ]
     store = ShardStore(url)
     assert store.list() == order[:2] and not published(url, staging)
     assert check(url) == [f"{url}/manifest.json: missing (an unfinished run, or not a shard directory)"]
@@ -165,13 +203,37 @@ def test_publish_killed_midway_resumes_refuses_other_inputs_and_replaces_a_build
 @pytest.mark.slow
 def test_loader_benchmark_reads_from_s3(s3_bucket, tmp_path):
     url = f"{s3_bucket}/bench"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_loader.py"), "--preset", "tiny", "--shards",
-                           url, "--workers", "0", "1", "--batches", "2", "--micro-batch", "2", "--windows", "8",
-                           "--out", str(tmp_path / "bench")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_loader.py"),
+            "--preset",
+            "tiny",
+            "--shards",
+            url,
+            "--workers",
+            "0",
+            "1",
+            "--batches",
+            "2",
+            "--micro-batch",
+            "2",
+            "--windows",
+            "8",
+            "--out",
+            str(tmp_path / "bench"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (result["shards"], [(r["workers"], r["cache"]) for r in result["runs"]]) == ("s3", [(0, "remote"),
-                                                                                             (1, "remote")])
+    assert (result["shards"], [(r["workers"], r["cache"]) for r in result["runs"]]) == (
+        "s3",
+        [(0, "remote"), (1, "remote")],
+    )
     assert all(r["samples"] == 4 and r["samples_per_s_per_worker"] > 0 for r in result["runs"])
     assert ShardStore(url).read_bytes(MANIFEST) == (tmp_path / "bench" / "shards" / MANIFEST).read_bytes()
 
@@ -182,10 +244,12 @@ def test_a_prefix_rebuilt_with_other_data_never_reuses_the_old_copies(tmp_path, 
     url, cache = f"{s3_bucket}/set", tmp_path / "cache"
     builds = [tmp_path / "a", tmp_path / "b"]
     for seed, root in enumerate(builds, 1):
-        synthetic.make_synthetic_shards(root, "tiny", episodes=2, windows_per_episode=2, samples_per_shard=2,
-                                        seed=seed, compress="none")
-    assert [p.stat().st_size for p in sorted(builds[0].glob("shard-*.tar"))] == \
-        [p.stat().st_size for p in sorted(builds[1].glob("shard-*.tar"))]
+        synthetic.make_synthetic_shards(
+            root, "tiny", episodes=2, windows_per_episode=2, samples_per_shard=2, seed=seed, compress="none"
+        )
+    assert [p.stat().st_size for p in sorted(builds[0].glob("shard-*.tar"))] == [
+        p.stat().st_size for p in sorted(builds[1].glob("shard-*.tar"))
+    ]
 
     def samples(root, cache_dir=None):
         index = ShardIndex(str(root), cache_dir)
@@ -206,11 +270,33 @@ def test_a_failed_run_from_s3_leaves_no_temporary_copy_behind(tiny_shards, s3_bu
     sync_up(tiny_shards, url)
     temp = tmp_path / "tmp"
     temp.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-               str(ROOT / "train" / "main.py"), "--preset", "tiny", "--data.shards", url, "--data.variant", "5",
-               "--checkpoint.dir", str(tmp_path / "run"), "--metrics.no-progress", "--metrics.no-tensorboard"]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)}, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode != 0 and f"--data.variant 5: {url} holds 1 variant(s) per window" in done.stderr, \
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        str(ROOT / "train" / "main.py"),
+        "--preset",
+        "tiny",
+        "--data.shards",
+        url,
+        "--data.variant",
+        "5",
+        "--checkpoint.dir",
+        str(tmp_path / "run"),
+        "--metrics.no-progress",
+        "--metrics.no-tensorboard",
+    ]
+    done = subprocess.run(
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode != 0 and f"--data.variant 5: {url} holds 1 variant(s) per window" in done.stderr, (
         done.stderr[-3000:]
+    )
     assert list(temp.glob("wampipe-store-*")) == []

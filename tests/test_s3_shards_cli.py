@@ -10,8 +10,9 @@ from wampipe.shardformat.storage import MANIFEST, ShardStore
 from tests.conftest import ROOT, manifest, shards_cmd
 
 
-def test_shards_to_s3_equal_the_local_build_and_a_rerun_uploads_nothing(droid_shards, droid_root, tiny_checkpoints,
-                                                                        s3_bucket, tmp_path):
+def test_shards_to_s3_equal_the_local_build_and_a_rerun_uploads_nothing(
+    droid_shards, droid_root, tiny_checkpoints, s3_bucket, tmp_path
+):
     url = f"{s3_bucket}/droid"
     cmd = shards_cmd(droid_root, url, "droid", tiny_checkpoints, "--staging-dir", str(tmp_path / "staging"))
     subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)

@@ -28,8 +28,14 @@ from safetensors.torch import load_file
 from tests.conftest import tiny_model
 from wampipe.train.dit.attention import TokenLayout, dense_mask, flex_block_mask, masked_attention
 from wampipe.train.dit.model import build_model, random_batch
-from wampipe.train.evaluation.sample import (ActionErrors, SamplerConfig, UniPC, action_error, sample_actions,
-                                             unipc_schedule)
+from wampipe.train.evaluation.sample import (
+    ActionErrors,
+    SamplerConfig,
+    UniPC,
+    action_error,
+    sample_actions,
+    unipc_schedule,
+)
 
 MASK8 = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
 
@@ -127,8 +133,9 @@ def reference_loop(model, batch, mask, cfg_scale=5.0, negative=None, seed=1140):
     z0 = batch.latents[:, :, :1]
     B, C, _, h, w = batch.latents.shape
     noise_obs = torch.randn((1, C, nfpb, h, w), generator=torch.Generator().manual_seed(seed)).expand(B, -1, -1, -1, -1)
-    noise_action = torch.randn((1, A, model.cfg.action_dim),
-                               generator=torch.Generator().manual_seed(seed)).expand(B, -1, -1)
+    noise_action = torch.randn((1, A, model.cfg.action_dim), generator=torch.Generator().manual_seed(seed)).expand(
+        B, -1, -1
+    )
     video_sched, action_sched = RefUniPC(), RefUniPC()
     video_sched.set_timesteps(16, shift=5.0)
     action_sched.set_timesteps(16, shift=5.0)
@@ -167,9 +174,14 @@ def kv_check_inputs(cfg, t: int):
     """(latent frame 0, noisy block, noisy actions, state, text, CLIP features) for 2 samples of a 4x4 latent."""
     g = torch.Generator().manual_seed(t)
     nfpb, A = cfg.num_frame_per_block, cfg.num_action_per_block
-    return (torch.randn(2, cfg.out_dim, 1, 4, 4, generator=g), torch.randn(2, cfg.out_dim, nfpb, 4, 4, generator=g),
-            torch.randn(2, A, cfg.action_dim, generator=g), torch.randn(2, 1, cfg.max_state_dim, generator=g),
-            torch.randn(2, cfg.text_len, cfg.text_dim, generator=g), torch.randn(2, 257, 1280, generator=g))
+    return (
+        torch.randn(2, cfg.out_dim, 1, 4, 4, generator=g),
+        torch.randn(2, cfg.out_dim, nfpb, 4, 4, generator=g),
+        torch.randn(2, A, cfg.action_dim, generator=g),
+        torch.randn(2, 1, cfg.max_state_dim, generator=g),
+        torch.randn(2, cfg.text_len, cfg.text_dim, generator=g),
+        torch.randn(2, 257, 1280, generator=g),
+    )
 
 
 @pytest.mark.parametrize("t", [999, 535])
@@ -182,8 +194,16 @@ def test_one_block_forward_is_the_official_kv_cache_inference(t):
     cfg, ref = model.cfg, load_file(KV_ASSET)
     z0, x, a, state, text, clip = kv_check_inputs(cfg, t)
     t_frames = torch.cat([torch.zeros(2, 1), torch.full((2, cfg.num_frame_per_block), float(t))], 1)
-    args = (torch.cat([z0, x], 2), t_frames, torch.cat([z0, torch.zeros_like(x)], 2), a,
-            torch.full((2, cfg.num_action_per_block), float(t)), state, text, clip)
+    args = (
+        torch.cat([z0, x], 2),
+        t_frames,
+        torch.cat([z0, torch.zeros_like(x)], 2),
+        a,
+        torch.full((2, cfg.num_action_per_block), float(t)),
+        state,
+        text,
+        clip,
+    )
     with torch.no_grad():
         video, actions = model(*args, state_sees_block=True)
         _, trained = model(*args)
@@ -266,7 +286,7 @@ def test_sampling_attention_is_the_kv_cache_inferences():
     assert torch.equal(mask[kept][:, kept], want[kept][:, kept])
     assert not mask[kept][:, [i for i in range(layout.seq_len) if i not in set(kept.tolist())]].any()
     training = dense_mask(cfg.layout(1 + nfpb, fs))
-    states = torch.tensor(register[-cfg.num_state_per_block:])
+    states = torch.tensor(register[-cfg.num_state_per_block :])
     assert torch.equal(training[kept[:, None], kept][:-1], mask[kept[:, None], kept][:-1])  # all but the state row
     assert training[states].sum() == cfg.num_state_per_block < mask[states].sum()
 
@@ -313,8 +333,13 @@ def test_action_error_is_the_masked_mean_per_dim():
 
 def test_a_dim_without_valid_entries_has_no_error():
     errors = ActionErrors(2)
-    errors.add(torch.ones(1, 2, 2), torch.zeros(1, 2, 2), torch.tensor([[[1, 0], [1, 0]]], dtype=torch.bool),
-               np.zeros(2), np.ones(2))
+    errors.add(
+        torch.ones(1, 2, 2),
+        torch.zeros(1, 2, 2),
+        torch.tensor([[[1, 0], [1, 0]]], dtype=torch.bool),
+        np.zeros(2),
+        np.ones(2),
+    )
     assert errors.report()["chunk"] == {"per_dim": [1.0, None], "mean": 1.0}
 
 

@@ -77,20 +77,26 @@ def test_an_index_sealed_again_over_a_wrong_crc_is_refused_at_the_read(copy):
     index = open_index(copy)
     key, name = index.table.key(0), index.table.record(0).members[0].name
     tar = copy / index.manifest.shards[index.table.shard(0)].shard
-    with pytest.raises(ShardFormatError, match=f"^{re.escape(str(tar))}: sample {key}: member {re.escape(name)} "
-                                               f"checksum mismatch"):
+    with pytest.raises(
+        ShardFormatError, match=f"^{re.escape(str(tar))}: sample {key}: member {re.escape(name)} checksum mismatch"
+    ):
         SampleReader(index, preset("tiny")).raw_row(0)
     assert any(p.startswith(f"{tar.name}: sample {key}: member {name} checksum mismatch") for p in check(copy))
     # with the shard JSONs read too, their disagreement with the index is named as well
-    assert any(p.startswith("samples.npy: the samples of shard-") and "differ from" in p
-               for p in check(copy, shard_jsons=True))
+    assert any(
+        p.startswith("samples.npy: the samples of shard-") and "differ from" in p for p in check(copy, shard_jsons=True)
+    )
 
 
-@pytest.mark.parametrize("edit, reason", [
-    (lambda r: r["shard"].__setitem__(0, 7), "row 0: shard 7 of 3"),
-    (lambda r: r["member"].__setitem__((1, 0), 200), "row 1: member ids"),
-    (lambda r: r.__setitem__(1, r[0]), "row 1: rows not sorted by (episode, start, variant), or a sample twice"),
-], ids=["shard", "member", "twice"])
+@pytest.mark.parametrize(
+    "edit, reason",
+    [
+        (lambda r: r["shard"].__setitem__(0, 7), "row 0: shard 7 of 3"),
+        (lambda r: r["member"].__setitem__((1, 0), 200), "row 1: member ids"),
+        (lambda r: r.__setitem__(1, r[0]), "row 1: rows not sorted by (episode, start, variant), or a sample twice"),
+    ],
+    ids=["shard", "member", "twice"],
+)
 def test_crafted_rows_are_refused_in_one_line(copy, edit, reason):
     edit_index(copy, edit)
     message = refused(copy)
@@ -101,8 +107,9 @@ def test_variants_disagreeing_on_their_multiplicity_are_refused(tmp_path):
     root = tmp_path / "shards"
     make_synthetic_shards(root, "tiny", episodes=2, windows_per_episode=2, augment_variants=2, samples_per_shard=3)
     edit_index(root, lambda r: r["multiplicity"].__setitem__(1, r["multiplicity"][1] + 5))
-    assert refused(root) == (f"{root / 'samples.npy'}: row 1: the variants of its window disagree on "
-                             f"anchor_multiplicity")
+    assert refused(root) == (
+        f"{root / 'samples.npy'}: row 1: the variants of its window disagree on anchor_multiplicity"
+    )
 
 
 def test_counts_per_shard_must_be_the_manifests(copy):
@@ -111,23 +118,29 @@ def test_counts_per_shard_must_be_the_manifests(copy):
 
     edit_index(copy, move)
     manifest = Manifest.read(copy)
-    assert refused(copy) == (f"{copy / 'samples.npy'}: {manifest.shards[0].count + 1} samples in shard-000000.tar, "
-                             f"the manifest says {manifest.shards[0].count}")
+    assert refused(copy) == (
+        f"{copy / 'samples.npy'}: {manifest.shards[0].count + 1} samples in shard-000000.tar, "
+        f"the manifest says {manifest.shards[0].count}"
+    )
 
 
 @pytest.mark.parametrize("name", ["../samples.npy", "/etc/passwd.npy", "sub/samples.npy", "samples.json"])
 def test_an_index_outside_the_directory_is_refused(copy, name):
     reseal(copy / "manifest.json", lambda m: m["sample_index"].update(file=name))
-    message = (f"{copy / 'manifest.json'}: sample_index.file {name!r} is not a relative path of the form "
-               f"[^/]+\\.npy inside the shard directory (crafted or corrupt): rebuild the shards")
+    message = (
+        f"{copy / 'manifest.json'}: sample_index.file {name!r} is not a relative path of the form "
+        f"[^/]+\\.npy inside the shard directory (crafted or corrupt): rebuild the shards"
+    )
     assert refused(copy) == message
     assert check(copy) == [message]
 
 
 def test_an_older_build_names_the_command_that_upgrades_it(copy):
     reseal(copy / "manifest.json", lambda m: m.update(format="wampipe-shards/3"))
-    assert refused(copy) == (f"{copy / 'manifest.json'}: format 'wampipe-shards/3', this code reads "
-                             f"'wampipe-shards/4': rebuild the shards with this version (python -m preprocess shards)")
+    assert refused(copy) == (
+        f"{copy / 'manifest.json'}: format 'wampipe-shards/3', this code reads "
+        f"'wampipe-shards/4': rebuild the shards with this version (python -m preprocess shards)"
+    )
 
 
 def test_a_key_twice_is_refused_when_the_index_is_built():
@@ -157,8 +170,10 @@ def test_the_trainer_and_check_read_no_shard_json_from_object_storage(tmp_path, 
         sync_up(root, url)
         before = len(s3_server.requests())
         assert len(open_index(url)) == 2 * shards
-        got = [(m, p.split("/", 3)[-1] if m == "GET" and "." in p.rsplit("/", 1)[-1] else "")
-               for m, p, _ in s3_server.requests()[before:]]
+        got = [
+            (m, p.split("/", 3)[-1] if m == "GET" and "." in p.rsplit("/", 1)[-1] else "")
+            for m, p, _ in s3_server.requests()[before:]
+        ]
         assert not [p for _, p in got if re.fullmatch(r"shard-\d+\.json", p)]
         reads.append(sorted(got))
         before = len(s3_server.requests())
@@ -175,9 +190,23 @@ def test_shards_written_by_two_processes_are_the_bytes_one_writes(tmp_path):
     """Each shard is a task of its own: the directory is the same, byte for byte, whoever wrote which shard; the
     work directory keeps nothing of the mixing but the plan and the rows of the shards."""
     for workers in (1, 2):
-        make_synthetic_shards(tmp_path / f"w{workers}", "tiny", episodes=6, windows_per_episode=3, augment_variants=2,
-                              samples_per_shard=5, seed=3, workers=workers)
-    files = [{p.relative_to(tmp_path / f"w{w}"): p.read_bytes() for p in sorted((tmp_path / f"w{w}").rglob("*"))
-              if p.is_file()} for w in (1, 2)]
+        make_synthetic_shards(
+            tmp_path / f"w{workers}",
+            "tiny",
+            episodes=6,
+            windows_per_episode=3,
+            augment_variants=2,
+            samples_per_shard=5,
+            seed=3,
+            workers=workers,
+        )
+    files = [
+        {
+            p.relative_to(tmp_path / f"w{w}"): p.read_bytes()
+            for p in sorted((tmp_path / f"w{w}").rglob("*"))
+            if p.is_file()
+        }
+        for w in (1, 2)
+    ]
     assert files[0] == files[1] and Path("samples.npy") in files[0]
     assert not [p for p in files[0] if p.name.startswith("bucket-")]

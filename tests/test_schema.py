@@ -49,10 +49,17 @@ def rewrite_first_sample(root: Path, edit) -> str:
     written = write_tar(tar, named)
     located = iter(zip(written["members"], named))
     old = {s.key: s for s in ShardRecord.read(json_path(tar)).samples}
-    records = [SampleRecord(k, old[k].anchor_multiplicity,
-                            tuple(MemberRef(split_member_name(name)[1], offset, size, checksum(data))
-                                  for (name, offset, size), (_, data) in (next(located) for _ in group)))
-               for k, group in samples]
+    records = [
+        SampleRecord(
+            k,
+            old[k].anchor_multiplicity,
+            tuple(
+                MemberRef(split_member_name(name)[1], offset, size, checksum(data))
+                for (name, offset, size), (_, data) in (next(located) for _ in group)
+            ),
+        )
+        for k, group in samples
+    ]
     ShardRecord(tar.name, written["bytes"], written["sha256"], records).write(json_path(tar))
     manifest = Manifest.read(root)
     entry = manifest.shards[0]
@@ -63,10 +70,14 @@ def rewrite_first_sample(root: Path, edit) -> str:
     return key
 
 
-@pytest.mark.parametrize("edit, found", [
-    (lambda t: t.__setitem__(STATE, t[STATE].astype(np.float64)), "float64 [4, 8]"),
-    (lambda t: t.__setitem__(STATE, np.concatenate([t[STATE], t[STATE][:, :1]], 1)), "float32 [4, 9]"),
-], ids=["dtype", "shape"])
+@pytest.mark.parametrize(
+    "edit, found",
+    [
+        (lambda t: t.__setitem__(STATE, t[STATE].astype(np.float64)), "float64 [4, 8]"),
+        (lambda t: t.__setitem__(STATE, np.concatenate([t[STATE], t[STATE][:, :1]], 1)), "float32 [4, 9]"),
+    ],
+    ids=["dtype", "shape"],
+)
 def test_a_sample_that_disagrees_with_the_schema_is_refused_in_one_line_by_every_reader(copy, edit, found):
     key = rewrite_first_sample(copy, edit)
     tar = copy / shard_file(0)
@@ -82,16 +93,19 @@ def test_a_sample_that_disagrees_with_the_schema_is_refused_in_one_line_by_every
 
 def test_a_sample_lacking_a_member_of_the_schema_is_refused(copy):
     key = rewrite_first_sample(copy, lambda t: t.pop(ACTION))
-    assert check(copy) == [f"{shard_file(0)}: sample {key}: member action: absent, the manifest's schema says "
-                           f"float32 [16, 7]"]
+    assert check(copy) == [
+        f"{shard_file(0)}: sample {key}: member action: absent, the manifest's schema says float32 [16, 7]"
+    ]
 
 
 def test_the_producer_records_the_schema_of_what_it_built(small_shards, droid_shards):
     tiny = SHAPES["tiny"]
     assert Manifest.read(small_shards).schema == {
-        ACTION: {"dtype": "float32", "shape": list(tiny.action)}, CLIP: {"dtype": "bfloat16", "shape": list(tiny.clip)},
+        ACTION: {"dtype": "float32", "shape": list(tiny.action)},
+        CLIP: {"dtype": "bfloat16", "shape": list(tiny.clip)},
         LATENTS: {"dtype": "bfloat16", "shape": list(tiny.latents)},
-        STATE: {"dtype": "float32", "shape": list(tiny.state)}}
+        STATE: {"dtype": "float32", "shape": list(tiny.state)},
+    }
     index = ShardIndex(droid_shards)  # a real build: its schema is each sample's meta.json record
     reader = SampleReader(index, None)  # pyright: ignore[reportArgumentType]  # raw() decodes no model input
     meta, _ = reader.raw(*cast(Window, index.windows[0]).variants[0])
@@ -100,17 +114,30 @@ def test_the_producer_records_the_schema_of_what_it_built(small_shards, droid_sh
 
 def test_a_unit_whose_samples_differ_in_their_tensors_is_refused(tmp_path):
     keys = [f"d-e000000-s0000{i}-v0" for i in range(2)]
-    samples = [(key, encode_sample(key, {STATE: np.zeros((4, 8 + i))}, {"anchor_multiplicity": 1}))
-               for i, key in enumerate(keys)]
-    with pytest.raises(ValueError, match=r"unit 0: samples differ in their tensors \(state float64 \[4, 8\]; state "
-                                         r"float64 \[4, 9\]\)"):
+    samples = [
+        (key, encode_sample(key, {STATE: np.zeros((4, 8 + i))}, {"anchor_multiplicity": 1}))
+        for i, key in enumerate(keys)
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"unit 0: samples differ in their tensors \(state float64 \[4, 8\]; state "
+        r"float64 \[4, 9\]\)",
+    ):
         write_unit(tmp_path, 0, samples, {})
 
 
 def test_the_trainer_takes_its_widths_from_the_manifest_not_from_a_sample(copy):
-    assert data_dims(copy) == {"model_type": "ti2v", "in_dim": 4, "out_dim": 4, "frame_seqlen": 4,
-                               "num_action_per_block": 4, "image_len": 5, "image_dim": 24, "text_dim": 32,
-                               "text_len": ShardIndex(copy).longest_prompt}
+    assert data_dims(copy) == {
+        "model_type": "ti2v",
+        "in_dim": 4,
+        "out_dim": 4,
+        "frame_seqlen": 4,
+        "num_action_per_block": 4,
+        "image_len": 5,
+        "image_dim": 24,
+        "text_dim": 32,
+        "text_len": ShardIndex(copy).longest_prompt,
+    }
     # a schema edited (and sealed again) changes what the trainer uses, though every sample is as before
     path = copy / MANIFEST
     manifest = read_sealed_json(path)
@@ -118,9 +145,11 @@ def test_the_trainer_takes_its_widths_from_the_manifest_not_from_a_sample(copy):
     manifest["schema"][Y] = {"dtype": "bfloat16", "shape": [20, 9, 8, 12]}
     manifest["schema"][ACTION]["shape"] = [32, 7]
     write_sealed_json(path, manifest)
-    assert {k: v for k, v in data_dims(copy).items() if k in ("model_type", "in_dim", "out_dim", "frame_seqlen",
-                                                               "num_action_per_block")} == {
-        "model_type": "i2v", "in_dim": 26, "out_dim": 6, "frame_seqlen": 24, "num_action_per_block": 8}
+    assert {
+        k: v
+        for k, v in data_dims(copy).items()
+        if k in ("model_type", "in_dim", "out_dim", "frame_seqlen", "num_action_per_block")
+    } == {"model_type": "i2v", "in_dim": 26, "out_dim": 6, "frame_seqlen": 24, "num_action_per_block": 8}
 
 
 @pytest.mark.parametrize("name", [n for n in configs.names() if n != "tiny"])

@@ -13,8 +13,10 @@ pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their 
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ELSEWHERE = {  # script -> the test that runs it as a program
-    "bench_init_load.py": "test_init_load.py", "bench_loader.py": "test_bench_loader.py",
-    "bench_train.py": "test_bench_train.py", "check_fp8_parity.py": "test_float8.py",
+    "bench_init_load.py": "test_init_load.py",
+    "bench_loader.py": "test_bench_loader.py",
+    "bench_train.py": "test_bench_train.py",
+    "check_fp8_parity.py": "test_float8.py",
 }
 
 
@@ -24,9 +26,17 @@ def test_every_script_prints_its_help(tmp_path):
     for script, test in RUN_ELSEWHERE.items():
         assert f'"{script}"' in (ROOT / "tests" / test).read_text(), (script, test)
     # from another directory, all at once: each one is a separate interpreter that imports torch
-    children = {name: subprocess.Popen([sys.executable, str(ROOT / "scripts" / name), "--help"], cwd=tmp_path,
-                                       env=HELP_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for name in scripts}
+    children = {
+        name: subprocess.Popen(
+            [sys.executable, str(ROOT / "scripts" / name), "--help"],
+            cwd=tmp_path,
+            env=HELP_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in scripts
+    }
     for name, child in children.items():
         out, err = child.communicate(timeout=300)
         assert "usage" in out.lower(), name

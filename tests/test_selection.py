@@ -83,8 +83,15 @@ def official_rows(ranges) -> np.ndarray:
 
 
 def official(ranges_file: Path, **overrides) -> Filters:
-    return Filters(**{"keep_ranges": str(ranges_file), "keep_ranges_key": DROID_KEY, "drop_failed": True,
-                      "require_language": "official", **overrides})
+    return Filters(
+        **{
+            "keep_ranges": str(ranges_file),
+            "keep_ranges_key": DROID_KEY,
+            "drop_failed": True,
+            "require_language": "official",
+            **overrides,
+        }
+    )
 
 
 def chosen(root: Path, filters: Filters, episodes: list[int] | None = None):
@@ -106,14 +113,20 @@ def test_the_official_filters_keep_what_dreamzero_keeps(raw_root, ranges_file):
     kept_rows = sum(len(official_rows(r)) for r in expected.values())
     assert selection.counts == {
         "episodes": {"in": 8, "kept": 3, "dropped": {"failed": 1, "language": 3, "no_ranges": 1}},
-        "frames": {"in": sum(lengths.values()), "kept": kept_rows,
-                   "cut": sum(lengths[e] for e in expected) - kept_rows,
-                   "dropped": {"failed": lengths[1], "language": lengths[2] + lengths[3] + lengths[6],
-                               "no_ranges": lengths[4]}}}
+        "frames": {
+            "in": sum(lengths.values()),
+            "kept": kept_rows,
+            "cut": sum(lengths[e] for e in expected) - kept_rows,
+            "dropped": {
+                "failed": lengths[1],
+                "language": lengths[2] + lengths[3] + lengths[6],
+                "no_ranges": lengths[4],
+            },
+        },
+    }
 
 
-def test_without_failed_filter_the_failed_episode_is_kept_and_its_instructions_still_count_once(raw_root,
-                                                                                                  ranges_file):
+def test_without_failed_filter_the_failed_episode_is_kept_and_its_instructions_still_count_once(raw_root, ranges_file):
     expected = official_selection(raw_root, ranges_file, filter_failed=False)
     selection = chosen(raw_root, official(ranges_file, drop_failed=False))
     assert list(selection.kept) == list(expected) == [0, 1, 5, 7]
@@ -133,12 +146,21 @@ def test_a_success_field_of_meta_episodes_decides_failure(raw_root):
 def test_episode_lists_and_minimum_length(raw_root, ranges_file, tmp_path):
     listing = tmp_path / "ids.txt"
     listing.write_text("# the moving ones\n0, 5\n6-7\n")
-    selection = chosen(raw_root, official(ranges_file, episodes=parse_ids(str(listing), "--episodes"),
-                                          exclude_episodes=(7,), min_length=121))
+    selection = chosen(
+        raw_root,
+        official(ranges_file, episodes=parse_ids(str(listing), "--episodes"), exclude_episodes=(7,), min_length=121),
+    )
     # 5 keeps 140 rows, 0 keeps 120: under the minimum; the first reason that applies is the one recorded
     assert selection.kept == {5: ((12, 72), (102, 182))}
-    assert selection.dropped == {0: "short", 1: "not_listed", 2: "not_listed", 3: "not_listed", 4: "not_listed",
-                                 6: "language", 7: "excluded"}
+    assert selection.dropped == {
+        0: "short",
+        1: "not_listed",
+        2: "not_listed",
+        3: "not_listed",
+        4: "not_listed",
+        6: "language",
+        7: "excluded",
+    }
     assert show_ids(parse_ids("7,3,4,5,10-12", "--episodes")) == "3-5,7,10-12"
 
 
@@ -160,8 +182,9 @@ def test_a_cut_episode_is_the_concatenation_of_its_ranges(raw_root, ranges_file)
     pattern = get_embodiment("oxe_droid").window
     window = next(w for w in episode_windows(part.length, pattern) if w.video_rows[0] < 60 < w.video_rows[-1])
     camera = "exterior_image_1_left"
-    np.testing.assert_array_equal(part.cameras[camera].read(window.video_rows),
-                                  full.cameras[camera].read(rows[window.video_rows]))
+    np.testing.assert_array_equal(
+        part.cameras[camera].read(window.video_rows), full.cameras[camera].read(rows[window.video_rows])
+    )
     assert {69, 102} <= set(rows[window.video_rows]) and not set(range(72, 102)) & set(rows[window.video_rows])
 
 
@@ -174,14 +197,17 @@ def write(tmp_path: Path, content) -> Path:
     return path
 
 
-@pytest.mark.parametrize("content, says", [
-    ("{not json", "unreadable keep-ranges JSON"),
-    ([[0, 10]], "a JSON list, not an object"),
-    ({"a--b": [[0, 10], [5, 20]]}, "entry 'a--b': range [5, 20) overlaps or precedes the one before it"),
-    ({"a--b": [[10, 10]]}, "entry 'a--b': range [10, 10) is empty or negative"),
-    ({"a--b": [[0, "9"]]}, "entry 'a--b': [[0, \"9\"]] is not a list of [start, end] row ranges"),
-    ({"a--b": {"0": 9}}, "entry 'a--b': {\"0\": 9} is not a list"),
-])
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        ("{not json", "unreadable keep-ranges JSON"),
+        ([[0, 10]], "a JSON list, not an object"),
+        ({"a--b": [[0, 10], [5, 20]]}, "entry 'a--b': range [5, 20) overlaps or precedes the one before it"),
+        ({"a--b": [[10, 10]]}, "entry 'a--b': range [10, 10) is empty or negative"),
+        ({"a--b": [[0, "9"]]}, "entry 'a--b': [[0, \"9\"]] is not a list of [start, end] row ranges"),
+        ({"a--b": {"0": 9}}, "entry 'a--b': {\"0\": 9} is not a list"),
+    ],
+)
 def test_a_malformed_keep_ranges_file_is_one_line_naming_file_and_entry(tmp_path, content, says):
     path = write(tmp_path, content)
     with pytest.raises(DatasetError) as err:
@@ -193,8 +219,11 @@ def test_keep_ranges_that_do_not_fit_the_dataset_are_refused(raw_root, ranges_fi
     good = json.loads(ranges_file.read_text())
     key = next(iter(good))
     past = write(tmp_path, {**good, key: [[0, 10_000]]})
-    with pytest.raises(DatasetError, match=rf"^{past}: entry '{key}': range \[0, 10000\) reaches past the 130 rows "
-                                           rf"of episode 0$"):
+    with pytest.raises(
+        DatasetError,
+        match=rf"^{past}: entry '{key}': range \[0, 10000\) reaches past the 130 rows "
+        rf"of episode 0$",
+    ):
         chosen(raw_root, official(past))
     extra = write(tmp_path, {**good, "gs://elsewhere--trajectory.h5": [[0, 10]]})
     with pytest.raises(DatasetError, match=rf"^{extra}: entry 'gs://elsewhere--trajectory.h5' names no episode"):
@@ -229,7 +258,7 @@ def cut_columns(root: Path, episode: int, rows: np.ndarray) -> tuple[dict, dict]
     columns = {c: np.stack(table.column(c).to_pylist())[rows] for c in ("observation.state", "action")}
 
     def sub(kind: str, column: str, keys) -> dict:
-        return {k: columns[column][:, modality[kind][k]["start"]:modality[kind][k]["end"]] for k in keys}
+        return {k: columns[column][:, modality[kind][k]["start"] : modality[kind][k]["end"]] for k in keys}
 
     return sub("state", "observation.state", emb.state_keys), sub("action", "action", emb.action_keys)
 
@@ -245,8 +274,11 @@ def test_the_build_holds_the_official_windows_and_records_the_selection(raw_shar
     emb = get_embodiment("oxe_droid")
     expected = {e: official_rows(r) for e, r in official_selection(raw_root, ranges_file).items()}
     stride = 16  # conftest FAST's --anchor-stride
-    keys = {sample_key("droid", e, w.start, 0): (e, w) for e, rows in expected.items()
-            for w in episode_windows(len(rows), emb.window, stride)}
+    keys = {
+        sample_key("droid", e, w.start, 0): (e, w)
+        for e, rows in expected.items()
+        for w in episode_windows(len(rows), emb.window, stride)
+    }
     reader = ShardReader(ShardIndex(raw_shards))
     table = reader.index.table
     stored = {table.key(row): row for row in range(len(table))}
@@ -266,31 +298,44 @@ def test_the_build_holds_the_official_windows_and_records_the_selection(raw_shar
     assert m["selection"]["counts"] == chosen(raw_root, official(ranges_file)).counts
     assert m["selection"]["filters"] == {
         "keep_ranges": {"path": str(ranges_file), "sha256": sha256_file(ranges_file), "key": DROID_KEY},
-        "drop_failed": {"reward_field": "next.reward"}, "require_language": "official"}
+        "drop_failed": {"reward_field": "next.reward"},
+        "require_language": "official",
+    }
     assert m["totals"]["episodes_encoded"] == 3 and m["source"]["episodes"] == 3
     # statistics over the kept rows only
     kept_joints = np.concatenate([cut_columns(raw_root, e, rows)[0]["joint_position"] for e, rows in expected.items()])
     statistics = json.loads((raw_shards / "metadata.json").read_text())["oxe_droid"]["statistics"]
-    np.testing.assert_allclose(statistics["state"]["joint_position"]["mean"],
-                               kept_joints.astype(np.float32).mean(0), rtol=1e-6)
+    np.testing.assert_allclose(
+        statistics["state"]["joint_position"]["mean"], kept_joints.astype(np.float32).mean(0), rtol=1e-6
+    )
     np.testing.assert_allclose(statistics["state"]["joint_position"]["min"], kept_joints.min(0), rtol=1e-6)
 
 
 @pytest.mark.e2e
-def test_a_rerun_with_another_keep_ranges_file_is_refused_in_one_line(raw_shards, raw_root, ranges_file,
-                                                                       tiny_checkpoints, tmp_path):
+def test_a_rerun_with_another_keep_ranges_file_is_refused_in_one_line(
+    raw_shards, raw_root, ranges_file, tiny_checkpoints, tmp_path
+):
     from wampipe.shardformat.files import sha256_file
 
     changed = json.loads(ranges_file.read_text())
     changed[next(iter(changed))] = [[0, 100]]
     other = write(tmp_path, changed)
     before = sorted(p.name for p in raw_shards.rglob("*"))
-    done = subprocess.run(shards_cmd(raw_root, raw_shards, "droid", tiny_checkpoints, "--official-filters",
-                                     "--keep-ranges", str(other)), cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        shards_cmd(raw_root, raw_shards, "droid", tiny_checkpoints, "--official-filters", "--keep-ranges", str(other)),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith(
-        f"{raw_shards} holds a build made from other inputs: --keep-ranges: sha256 {sha256_file(ranges_file)[:12]} "
-        f"-> sha256 {sha256_file(other)[:12]}.")
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"{raw_shards} holds a build made from other inputs: --keep-ranges: sha256 {sha256_file(ranges_file)[:12]} "
+            f"-> sha256 {sha256_file(other)[:12]}."
+        )
+    )
     assert sorted(p.name for p in raw_shards.rglob("*")) == before
 
 
@@ -320,8 +365,7 @@ def test_preview_shows_the_recorded_frames_a_kept_window_came_from(raw_shards, r
         (tmp_path / "away.json").rename(ranges_file)
 
 
-def test_bad_filter_flags_stop_the_build_in_one_line_before_any_unit(raw_root, ranges_file, tiny_checkpoints,
-                                                                      tmp_path):
+def test_bad_filter_flags_stop_the_build_in_one_line_before_any_unit(raw_root, ranges_file, tiny_checkpoints, tmp_path):
     """The CLI's entry point, in this process: each case stops before any unit with its one line."""
     from wampipe.preprocess.__main__ import main
 
@@ -330,8 +374,11 @@ def test_bad_filter_flags_stop_the_build_in_one_line_before_any_unit(raw_root, r
     overlapping = write(tmp_path, {**good, key: [[0, 50], [40, 90]]})
     cases = {
         ("--official-filters",): "--official-filters: also give --keep-ranges",
-        ("--official-filters", "--keep-ranges", str(overlapping)):
-            f"{overlapping}: entry '{key}': range [40, 90) overlaps or precedes the one before it",
+        (
+            "--official-filters",
+            "--keep-ranges",
+            str(overlapping),
+        ): f"{overlapping}: entry '{key}': range [40, 90) overlaps or precedes the one before it",
         ("--episodes", "3,x"): "--episodes 3,x: 'x' is not an episode id or a range like 10-19",
         ("--keep-ranges", str(ranges_file), "--keep-ranges-key", "{0}"): "--keep-ranges-key '{0}': give fields",
     }

@@ -122,8 +122,9 @@ def test_shard_json_locates_every_member_and_zstd_frames_carry_checksums(shards)
                 pass
         assert {s.key: [[f"{s.key}.{m.name}", m.offset, m.size] for m in s.members] for s in record.samples} == headers
         assert {s.anchor_multiplicity for s in record.samples} <= {1, 2, 3}
-    members = encode_sample("droid-e000000-s00000-v0", {"z": __import__("numpy").zeros((64, 64), "float32")}, {},
-                            compress="all")
+    members = encode_sample(
+        "droid-e000000-s00000-v0", {"z": __import__("numpy").zeros((64, 64), "float32")}, {}, compress="all"
+    )
     assert zstandard.get_frame_parameters(members[0][1]).has_checksum
 
 
@@ -132,8 +133,9 @@ def test_a_shard_json_of_another_version_is_rewritten_on_resume(shards, tmp_path
     done = shard_done(copy, 0)
     assert done is not None and done["keys"] == ShardRecord.read(copy / "shard-000000.json").keys
     old = json.loads((copy / "shard-000000.json").read_text())
-    (copy / "shard-000000.json").write_text(json.dumps({k: old[k] for k in ("shard", "count", "bytes", "sha256",
-                                                                             "keys")}))
+    (copy / "shard-000000.json").write_text(
+        json.dumps({k: old[k] for k in ("shard", "count", "bytes", "sha256", "keys")})
+    )
     assert shard_done(copy, 0) is None
 
 
@@ -160,11 +162,16 @@ def test_check_catches_edits_the_hashes_alone_would_not(shards, tmp_path):
     problems = check(copy, shard_jsons=True)
     assert f"shard-000001.json: sample {key}: members and offsets differ from the tar's headers" in problems
     reindex(copy)  # the index written anew from the edited JSONs, as anyone who edits a directory can
-    assert (f"samples.npy: sample {key}: members and offsets differ from the tar's headers of shard-000001.tar"
-            in check(copy))
-    _edit_sealed(copy / "shard-000001.json", lambda o: o["samples"][key].update(
-        anchor_multiplicity=o["samples"][key]["anchor_multiplicity"] + 1,
-        members=[[m.name, m.offset, m.size, m.crc32] for m in record.samples[0].members]))
+    assert f"samples.npy: sample {key}: members and offsets differ from the tar's headers of shard-000001.tar" in check(
+        copy
+    )
+    _edit_sealed(
+        copy / "shard-000001.json",
+        lambda o: o["samples"][key].update(
+            anchor_multiplicity=o["samples"][key]["anchor_multiplicity"] + 1,
+            members=[[m.name, m.offset, m.size, m.crc32] for m in record.samples[0].members],
+        ),
+    )
     reindex(copy)
     assert any(f"shard-000001.tar: sample {key}: anchor_multiplicity" in p for p in check(copy))
     (copy / "shard-000001.json").write_bytes(b"\xff\xfe")
@@ -192,4 +199,5 @@ def test_check_command_refuses_an_old_format_in_one_line(shards, tmp_path, capsy
     assert run(Args(copy)) == 1  # pyright: ignore[reportArgumentType]  # a Path: check() takes any PathLike
     assert capsys.readouterr().out.splitlines()[1:] == [
         f"  {copy / 'manifest.json'}: format 'wampipe-shards/1', this code reads 'wampipe-shards/4': rebuild the "
-        f"shards with this version (python -m preprocess shards)"]
+        f"shards with this version (python -m preprocess shards)"
+    ]

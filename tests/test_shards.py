@@ -45,7 +45,8 @@ def test_droid_shards_pass_check_and_hold_the_reference_shapes(droid_shards, dro
     prompts = json.loads((droid_shards / "text" / "prompts.json").read_text())
     assert all(p in prompts for p in meta["prompt_ids"].values())
     assert prompts[meta["prompt_ids"]["annotation.language.language_instruction"]]["text"].startswith(
-        "A multi-view video shows that a robot ")
+        "A multi-view video shows that a robot "
+    )
 
 
 @pytest.mark.parametrize("layout", ["libero_root", "libero_v3_root"])
@@ -73,16 +74,35 @@ def test_rerun_is_byte_identical_and_array_jobs_match(droid_shards, droid_root, 
         assert "--stage finalize" in out.stdout
     assert not (split / "manifest.json").exists()
     # finalize split over two array jobs running at once (each its shards), then once more for the index and manifest
-    jobs = [subprocess.Popen(shards_cmd(droid_root, split, "droid", tiny_checkpoints, "--stage", "finalize",
-                                        "--unit-index", str(i), "--num-units", "2"), cwd=ROOT, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in (0, 1)]
+    jobs = [
+        subprocess.Popen(
+            shards_cmd(
+                droid_root,
+                split,
+                "droid",
+                tiny_checkpoints,
+                "--stage",
+                "finalize",
+                "--unit-index",
+                str(i),
+                "--num-units",
+                "2",
+            ),
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in (0, 1)
+    ]
     for job in jobs:
         stdout, stderr = job.communicate(timeout=600)
         assert job.returncode == 0 and "without --unit-index" in stdout, stderr[-2000:]
     assert not (split / "manifest.json").exists()
     written = {p.name: p.stat().st_mtime_ns for p in split.glob("shard-*")}
-    assert sorted(written) == sorted(n for s in manifest(droid_shards)["shards"]
-                                     for n in (s["shard"], s["shard"].replace(".tar", ".json")))
+    assert sorted(written) == sorted(
+        n for s in manifest(droid_shards)["shards"] for n in (s["shard"], s["shard"].replace(".tar", ".json"))
+    )
     build(droid_root, split, "droid", tiny_checkpoints, "--stage", "finalize")
     assert manifest(split)["shards"] == manifest(droid_shards)["shards"]
     assert {p.name: p.stat().st_mtime_ns for p in split.glob("shard-*")} == written  # the jobs' shards were kept
@@ -101,8 +121,12 @@ def test_rerun_is_byte_identical_and_array_jobs_match(droid_shards, droid_root, 
 
 def test_kill_and_resume(droid_shards, droid_root, tiny_checkpoints, tmp_path):
     out = tmp_path / "killed"
-    proc = subprocess.Popen(shards_cmd(droid_root, out, "droid", tiny_checkpoints), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        shards_cmd(droid_root, out, "droid", tiny_checkpoints),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while not list((out / "work").glob("unit-*.json")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -155,8 +179,11 @@ def test_check_finds_corruption(droid_shards, tmp_path):
     assert any(p.startswith(f"{first}: ") and "bytes, the manifest says" in p for p in problems)
 
     deleted = corrupt_copy(droid_shards, tmp_path / "del")
-    members = [(i, cast(IO[bytes], t.extractfile(i)).read())  # every member a file
-               for t in [tarfile.open(deleted / first)] for i in t.getmembers()]
+    members = [
+        (i, cast(IO[bytes], t.extractfile(i)).read())  # every member a file
+        for t in [tarfile.open(deleted / first)]
+        for i in t.getmembers()
+    ]
     victim = next(i.name for i, _ in members if i.name.endswith(".clip.npy") or ".clip.npy" in i.name)
     with tarfile.open(deleted / first, "w", format=tarfile.USTAR_FORMAT) as tar:
         for info, data in members:
@@ -166,13 +193,15 @@ def test_check_finds_corruption(droid_shards, tmp_path):
     problems = check(deleted)
     assert any(p.startswith(f"{first}: sample {key}: member clip.npy") and "missing" in p for p in problems), problems
 
-    assert check(tmp_path / "nowhere") == [f"{tmp_path / 'nowhere' / 'manifest.json'}: missing "
-                                           f"(an unfinished run, or not a shard directory)"]
+    assert check(tmp_path / "nowhere") == [
+        f"{tmp_path / 'nowhere' / 'manifest.json'}: missing (an unfinished run, or not a shard directory)"
+    ]
 
 
 def test_check_cli_exit_codes(droid_shards, tmp_path, capsys):
-    ok = subprocess.run([sys.executable, "-m", "preprocess", "check", str(droid_shards)], cwd=ROOT,
-                        capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "preprocess", "check", str(droid_shards)], cwd=ROOT, capture_output=True, text=True
+    )
     assert ok.returncode == 0 and ok.stdout.startswith("OK:")
     bad = corrupt_copy(droid_shards, tmp_path / "bad")
     os.remove(bad / manifest(bad)["shards"][1]["shard"])
@@ -185,18 +214,36 @@ def test_tiny_trainer_runs_on_pipeline_shards(droid_shards, tmp_path):
     """The shards `preprocess shards` writes are what `train/main.py` reads: the tiny preset takes its widths from
     them (the tiny CLIP's are the released ones, so the export's CLIP branch is the official shape); a real preset
     whose widths differ is refused with the fields named."""
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "train/main.py",
-           "--data.shards", str(droid_shards), "--metrics.no-progress"]
-    out = subprocess.run(run + ["--preset", "tiny", "--steps", "4", "--metrics.interval", "2",
-                                "--checkpoint.dir", str(tmp_path / "tiny")], cwd=ROOT, capture_output=True, text=True)
+    run = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        "train/main.py",
+        "--data.shards",
+        str(droid_shards),
+        "--metrics.no-progress",
+    ]
+    out = subprocess.run(
+        run
+        + ["--preset", "tiny", "--steps", "4", "--metrics.interval", "2", "--checkpoint.dir", str(tmp_path / "tiny")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 4 | loss" in out.stdout
     export = tmp_path / "tiny" / "export" / "model.safetensors"
     with safe_open(export, "pt") as f:  # the official DiT projects CLIP features from ViT-H/14's width
         assert f.get_slice("img_emb.proj.1.weight").get_shape() == [OFFICIAL_CLIP_DIM, OFFICIAL_CLIP_DIM]
     assert "official loader stops" not in out.stdout + out.stderr
-    refused = subprocess.run(run + ["--preset", "droid-5b", "--checkpoint.dir", str(tmp_path / "5b")], cwd=ROOT,
-                             capture_output=True, text=True)
+    refused = subprocess.run(
+        run + ["--preset", "droid-5b", "--checkpoint.dir", str(tmp_path / "5b")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert refused.returncode != 0
     said = refused.stdout + refused.stderr
     assert "does not fit --model.name droid-5b: text_dim: model 4096, shards 32" in said

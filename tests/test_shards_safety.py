@@ -32,8 +32,11 @@ OTHER_INPUTS = {
 
 def tree(out: Path) -> dict[str, tuple[int, int]]:
     """Every file but the lock, with size and mtime: what a refused run must leave as it was."""
-    return {p.relative_to(out).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in out.rglob("*") if p.is_file() and p.name != LOCK}
+    return {
+        p.relative_to(out).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in out.rglob("*")
+        if p.is_file() and p.name != LOCK
+    }
 
 
 def refusal(argv: list[str]) -> str:
@@ -56,7 +59,8 @@ def test_bad_episodes_are_left_out_of_units_and_statistics(bad_build):
     m = manifest(out)
     assert [(f["episode"], f["reason"]) for f in m["failures"]] == [
         (0, f"{src / 'data/chunk-000/episode_000000.parquet'}: episode 0: column 'observation.state' holds NaN or inf"),
-        (3, f"{src / 'data/chunk-000/episode_000003.parquet'}: episode 3: parquet has 123 rows, meta says length 133")]
+        (3, f"{src / 'data/chunk-000/episode_000003.parquet'}: episode 3: parquet has 123 rows, meta says length 133"),
+    ]
     assert m["statistics"]["excluded"] == m["failures"]
     assert m["totals"]["samples"] == 1 and check(out) == []  # episode 2: one window; episode 1 is too short
     assert "FAILED episode 0" in result.stdout and "FAILED episode 3" in result.stdout
@@ -113,20 +117,34 @@ def wait_for(condition, what: str, timeout: float = 300) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="worker death on parent death is Linux's prctl")
-def test_one_run_owns_out_its_workers_die_with_it_and_a_killed_build_is_never_mixed(droid_root, bad_build,
-                                                                                     tiny_checkpoints, tmp_path):
+def test_one_run_owns_out_its_workers_die_with_it_and_a_killed_build_is_never_mixed(
+    droid_root, bad_build, tiny_checkpoints, tmp_path
+):
     out = tmp_path / "killed"
     # a long build (every 4th window, augmented, one unit per episode, two workers); it is killed mid-units
-    cmd = shards_cmd(droid_root, out, "droid", tiny_checkpoints, "--workers", "2", "--anchor-stride", "4",
-                     "--augment-variants", "1", "--episodes-per-unit", "1")
+    cmd = shards_cmd(
+        droid_root,
+        out,
+        "droid",
+        tiny_checkpoints,
+        "--workers",
+        "2",
+        "--anchor-stride",
+        "4",
+        "--augment-variants",
+        "1",
+        "--episodes-per-unit",
+        "1",
+    )
     owner = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: (out / LOCK).is_file() and (out / LOCK).read_text().strip() == str(owner.pid), "the lock")
         second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         assert owner.poll() is None  # the second run ended while the first held OUT
         assert second.returncode == 1
-        assert second.stderr.strip().splitlines()[-1] == (f"{out} is in use by another run (pid {owner.pid}): wait "
-                                                          f"for it to end, or use another --out")
+        assert second.stderr.strip().splitlines()[-1] == (
+            f"{out} is in use by another run (pid {owner.pid}): wait for it to end, or use another --out"
+        )
 
         def mid_units() -> bool:
             return bool(list((out / "work").glob("unit-*.json")) and list((out / "work").glob(".unit-*.tmp")))
@@ -146,19 +164,27 @@ def test_one_run_owns_out_its_workers_die_with_it_and_a_killed_build_is_never_mi
     assert sorted(p.name for p in (out / "work").glob("unit-*.json")) == done  # the units in progress never finished
     assert not (out / "manifest.json").exists()
 
-    refusals = {"--anchor-stride": ("8", "4 -> 8"), "--model": ("5b-wan22", "5b -> 5b-wan22"),
-                "--episodes-per-unit": ("3", "1 -> 3"), "--seed": ("1", "0 -> 1")}  # augmented: the units differ
+    refusals = {
+        "--anchor-stride": ("8", "4 -> 8"),
+        "--model": ("5b-wan22", "5b -> 5b-wan22"),
+        "--episodes-per-unit": ("3", "1 -> 3"),
+        "--seed": ("1", "0 -> 1"),
+    }  # augmented: the units differ
     for flag, (value, change) in refusals.items():
         assert f"{flag}: {change}" in refusal(cmd + [flag, value])
-    assert "--src: sha256 " in refusal(shards_cmd(bad_build[0], out, "droid", tiny_checkpoints,
-                                                  *cmd[cmd.index("--workers"):]))
+    assert "--src: sha256 " in refusal(
+        shards_cmd(bad_build[0], out, "droid", tiny_checkpoints, *cmd[cmd.index("--workers") :])
+    )
     assert tree(out) == after
 
     # --overwrite deletes the old units (their inputs differ) and builds the new ones
     build(droid_root, out, "droid", tiny_checkpoints, "--max-episodes", "1", "--anchor-stride", "96", "--overwrite")
     assert check(out) == []
-    assert sorted(p.name for p in (out / "work").glob("unit-*")) == ["unit-000000.json", "unit-000000.rows.npy",
-                                                                      "unit-000000.tar"]
+    assert sorted(p.name for p in (out / "work").glob("unit-*")) == [
+        "unit-000000.json",
+        "unit-000000.rows.npy",
+        "unit-000000.tar",
+    ]
     assert json.loads((out / INPUTS).read_text())["max_episodes"] == 1
     assert manifest(out)["totals"]["samples"] == 1  # episode 0: 192 rows, 96 windows, the first of every 96
 
@@ -169,10 +195,18 @@ def test_bad_arguments_and_weights_fail_at_start(droid_root, tiny_checkpoints, t
     tiny = tiny_checkpoints
     clip = tiny / "clip" / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
     stats = {"q01": [0.0] * 7, "q99": [1.0] * 7}
-    (tmp_path / "lacking.json").write_text(json.dumps({"oxe_droid": {"statistics": {
-        "state": {"joint_position": stats}, "action": {}}}}))
-    (tmp_path / "narrow.json").write_text(json.dumps({"oxe_droid": {"statistics": {
-        "state": {"joint_position": {"q01": [0.0] * 6, "q99": [1.0] * 6}}, "action": {}}}}))
+    (tmp_path / "lacking.json").write_text(
+        json.dumps({"oxe_droid": {"statistics": {"state": {"joint_position": stats}, "action": {}}}})
+    )
+    (tmp_path / "narrow.json").write_text(
+        json.dumps(
+            {
+                "oxe_droid": {
+                    "statistics": {"state": {"joint_position": {"q01": [0.0] * 6, "q99": [1.0] * 6}}, "action": {}}
+                }
+            }
+        )
+    )
     cases = {
         ("--samples-per-shard", "0"): "--samples-per-shard must be at least 1, got 0",
         ("--max-episodes", "0"): "--max-episodes must be at least 1, got 0",
@@ -189,9 +223,9 @@ def test_bad_arguments_and_weights_fail_at_start(droid_root, tiny_checkpoints, t
         ("--tokenizer", str(tiny / "clip")): f"{tiny / 'clip'}: not a tokenizer folder",
         ("--metadata", str(tmp_path / "none.json")): f"--metadata {tmp_path / 'none.json'}: unreadable",
         ("--metadata", str(tmp_path / "lacking.json")): "oxe_droid: state.gripper_position.q01 unusable "
-                                                        "(statistics.state has no sub-keys ['gripper_position'])",
+        "(statistics.state has no sub-keys ['gripper_position'])",
         ("--metadata", str(tmp_path / "narrow.json")): "oxe_droid: state.joint_position.q01 has 6 values, the "
-                                                       "dataset's joint_position is 7 wide",
+        "dataset's joint_position is 7 wide",
         ("--src", str(tmp_path)): f"{tmp_path / 'meta' / 'info.json'}: not a LeRobot dataset",
     }
     for extra, expected in cases.items():
@@ -199,19 +233,25 @@ def test_bad_arguments_and_weights_fail_at_start(droid_root, tiny_checkpoints, t
     assert not out.exists()  # nothing was started
 
     # through a real process: the message as the last line, no traceback
-    result = subprocess.run(shards_cmd(droid_root, out, "droid", tiny, "--vae", str(clip)), cwd=ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        shards_cmd(droid_root, out, "droid", tiny, "--vae", str(clip)), cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (f"{clip}: this file is a open-clip xlm-roberta ViT-H/14, Wan "
-                                                      f"layout, but the VAE needs a Wan2.1 VAE (16 latent channels, "
-                                                      f"8x), original layout or Wan2.2 VAE38 (48 latent channels, "
-                                                      f"16x), original layout or Diffusers AutoencoderKLWan")
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"{clip}: this file is a open-clip xlm-roberta ViT-H/14, Wan "
+        f"layout, but the VAE needs a Wan2.1 VAE (16 latent channels, "
+        f"8x), original layout or Wan2.2 VAE38 (48 latent channels, "
+        f"16x), original layout or Diffusers AutoencoderKLWan"
+    )
 
 
 def test_dataset_error_survives_the_trip_from_a_worker_process():
     err = pickle.loads(pickle.dumps(DatasetError("/data/episode_000003.parquet", 3, "holds NaN")))
     assert isinstance(err, DatasetError) and (err.path, err.episode, err.reason) == (
-        Path("/data/episode_000003.parquet"), 3, "holds NaN")
+        Path("/data/episode_000003.parquet"),
+        3,
+        "holds NaN",
+    )
     assert str(err) == "/data/episode_000003.parquet: episode 3: holds NaN"
 
 
@@ -226,8 +266,11 @@ def test_an_inputs_json_no_build_wrote_is_a_foreign_file(tmp_path):
     (out / INPUTS).write_text('{"notes": "my own file"}\n')
     inputs = {key: "x" for key in RECORD_KEYS} | {"augment_variants": 0, "seed": 0}
     for overwrite in (False, True):
-        with pytest.raises(UsageError, match=r"holds files that no wampipe build recorded.*: inputs\.json\. Nothing "
-                                             r"was deleted"):
+        with pytest.raises(
+            UsageError,
+            match=r"holds files that no wampipe build recorded.*: inputs\.json\. Nothing "
+            r"was deleted",
+        ):
             claim(out, inputs, overwrite)
     assert (out / INPUTS).read_text() == '{"notes": "my own file"}\n'
     older = {key: "x" for key in RECORD_KEYS}  # no augment_variants, no seed
@@ -236,8 +279,7 @@ def test_an_inputs_json_no_build_wrote_is_a_foreign_file(tmp_path):
         claim(out, inputs, False)
 
 
-def test_a_full_disk_stops_the_build_in_one_line_and_the_same_command_resumes(droid_root, tiny_checkpoints,
-                                                                              small_disk):
+def test_a_full_disk_stops_the_build_in_one_line_and_the_same_command_resumes(droid_root, tiny_checkpoints, small_disk):
     """A real tmpfs filled but for 64 KiB: a unit's tar does not fit. One line, no traceback; with space again the
     same command finishes a build `check` accepts."""
     from tests.conftest import fill_disk
@@ -249,7 +291,8 @@ def test_a_full_disk_stops_the_build_in_one_line_and_the_same_command_resumes(dr
     assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
     assert full.stderr.strip().splitlines()[-1] == (
         f"{out}: No space left on device: free space (or raise the quota) and run the same command again; finished "
-        f"units are kept"), full.stderr[-3000:]
+        f"units are kept"
+    ), full.stderr[-3000:]
     filler.unlink()
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]

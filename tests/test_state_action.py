@@ -19,9 +19,13 @@ MAX_STATE_DIM, MAX_ACTION_DIM = DiTConfig.max_state_dim, DiTConfig.action_dim
 def test_normalize_q99_values():
     q01, q99 = torch.tensor([0.0, 1.0, 2.0]), torch.tensor([2.0, 1.0, 4.0])
     x = torch.tensor([[1.0, 5.0, 5.0], [-1.0, 0.5, 3.0], [0.5, -3.0, 2.0]])
-    expected = torch.tensor([[0.0, 1.0, 1.0],  # 5 on the constant dim: identity, then clamped to 1
-                             [-1.0, 0.5, 0.0],  # 2*(-1-0)/2-1 = -2 -> -1
-                             [-0.5, -1.0, -1.0]])
+    expected = torch.tensor(
+        [
+            [0.0, 1.0, 1.0],  # 5 on the constant dim: identity, then clamped to 1
+            [-1.0, 0.5, 0.0],  # 2*(-1-0)/2-1 = -2 -> -1
+            [-0.5, -1.0, -1.0],
+        ]
+    )
     torch.testing.assert_close(normalize_q99(x, q01, q99), expected)
     inside = torch.tensor([[0.3, 0.2, 2.5]])
     torch.testing.assert_close(unnormalize_q99(normalize_q99(inside, q01, q99), q01, q99), inside)
@@ -51,8 +55,9 @@ def test_droid_window_slices_and_relative_actions(droid_root):
     a0 = window.start
     assert state.shape == (4, 8) and action.shape == (96, 8) and state.dtype == action.dtype == np.float32
     for c in range(4):
-        np.testing.assert_array_equal(state[c], np.r_[raw_state[a0 + 24 * c, 7:14],
-                                                      raw_state[a0 + 24 * c, 6:7]].astype(np.float32))
+        np.testing.assert_array_equal(
+            state[c], np.r_[raw_state[a0 + 24 * c, 7:14], raw_state[a0 + 24 * c, 6:7]].astype(np.float32)
+        )
         for k in range(24):
             row = a0 + 24 * c + k
             joints = raw_action[row, 14:21] - raw_state[a0 + 24 * c, 7:14]  # relative to the chunk's first row
@@ -65,8 +70,12 @@ def test_libero_window_is_absolute(libero_root):
     ds = LeRobotDataset(libero_root)
     episode = ds.episode(ds.episode_indices[0], ["state", "actions"])
     window = episode_windows(episode.length, emb.window)[3]
-    state, action = window_state_action(slice_keys(episode, ds.modality.state, emb.state_keys),
-                                        slice_keys(episode, ds.modality.action, emb.action_keys), window, emb)
+    state, action = window_state_action(
+        slice_keys(episode, ds.modality.state, emb.state_keys),
+        slice_keys(episode, ds.modality.action, emb.action_keys),
+        window,
+        emb,
+    )
     np.testing.assert_array_equal(state, episode.columns["state"][[3, 19, 35, 51]])
     np.testing.assert_array_equal(action, episode.columns["actions"][3:67])
 
@@ -90,11 +99,16 @@ def test_model_view_with_dataset_statistics(droid_root):
     statistics = build_metadata([droid_root], emb)["oxe_droid"]["statistics"]
     episode = ds.episode(ds.episode_indices[0], ["observation.state", "action"])
     window = episode_windows(episode.length, emb.window)[0]
-    state, action = window_state_action(slice_keys(episode, ds.modality.state, emb.state_keys),
-                                        slice_keys(episode, ds.modality.action, emb.action_keys), window, emb)
+    state, action = window_state_action(
+        slice_keys(episode, ds.modality.state, emb.state_keys),
+        slice_keys(episode, ds.modality.action, emb.action_keys),
+        window,
+        emb,
+    )
     out = dict(zip(("state", "state_mask"), model_view(state, statistics, "state", emb.state_keys, MAX_STATE_DIM)))
-    out |= dict(zip(("action", "action_mask"),
-                    model_view(action, statistics, "action", emb.action_keys, MAX_ACTION_DIM)))
+    out |= dict(
+        zip(("action", "action_mask"), model_view(action, statistics, "action", emb.action_keys, MAX_ACTION_DIM))
+    )
     assert out["state"].shape == (4, MAX_STATE_DIM) and out["action"].shape == (96, MAX_ACTION_DIM)
     assert out["state_mask"][:, :8].all() and not out["state_mask"][:, 8:].any()
     assert out["action_mask"].sum() == 96 * 8

@@ -26,8 +26,14 @@ def parquet_columns(root: Path, column: str) -> list[np.ndarray]:
 
 
 def direct(values: np.ndarray) -> dict:
-    return {"max": values.max(0), "min": values.min(0), "mean": values.mean(0), "std": values.std(0),
-            "q01": np.quantile(values, 0.01, axis=0), "q99": np.quantile(values, 0.99, axis=0)}
+    return {
+        "max": values.max(0),
+        "min": values.min(0),
+        "mean": values.mean(0),
+        "std": values.std(0),
+        "q01": np.quantile(values, 0.01, axis=0),
+        "q99": np.quantile(values, 0.99, axis=0),
+    }
 
 
 def assert_stats(got: dict, expected: dict) -> None:
@@ -49,16 +55,30 @@ def test_droid_statistics(droid_root):
     assert_stats(m["statistics"]["action"]["gripper_position"], direct(action[:, 12:13]))
     assert_stats(m["statistics"]["action"]["cartesian_velocity"], direct(action[:, 6:12]))
     # relative joint statistics: action[i + k] - state[i], k < 24, i + 24 <= L, pooled over all episodes
-    relative = [a[i + k, 14:21] - s[i, 7:14] for s, a in zip(state_eps, action_eps)
-                for i in range(len(s) - 23) for k in range(24)]
+    relative = [
+        a[i + k, 14:21] - s[i, 7:14]
+        for s, a in zip(state_eps, action_eps)
+        for i in range(len(s) - 23)
+        for k in range(24)
+    ]
     assert_stats(m["statistics"]["action"]["joint_position"], direct(np.array(relative)))
-    assert set(m["statistics"]["action"]) == {"cartesian_position", "cartesian_velocity", "gripper_position",
-                                              "gripper_velocity", "joint_position", "joint_velocity"}
+    assert set(m["statistics"]["action"]) == {
+        "cartesian_position",
+        "cartesian_velocity",
+        "gripper_position",
+        "gripper_velocity",
+        "joint_position",
+        "joint_velocity",
+    }
     video = m["modalities"]["video"]
     assert list(video) == ["exterior_image_1_left", "exterior_image_2_left", "wrist_image_left"]
     assert video["wrist_image_left"] == {"resolution": [320, 180], "channels": 3, "fps": 15.0}  # [width, height]
-    assert m["modalities"]["state"]["joint_position"] == {"absolute": True, "rotation_type": None, "shape": [7],
-                                                          "continuous": True}
+    assert m["modalities"]["state"]["joint_position"] == {
+        "absolute": True,
+        "rotation_type": None,
+        "shape": [7],
+        "continuous": True,
+    }
 
 
 def test_libero_statistics(libero_root):
@@ -78,8 +98,12 @@ def test_relative_episode_sampling_matches_reference(droid_root):
     chosen = np.random.default_rng(42).choice(4, size=2, replace=False)
     state_eps = parquet_columns(droid_root, "observation.state")
     action_eps = parquet_columns(droid_root, "action")
-    relative = [action_eps[e][i + k, 14:21] - state_eps[e][i, 7:14] for e in chosen
-                for i in range(len(state_eps[e]) - 23) for k in range(24)]
+    relative = [
+        action_eps[e][i + k, 14:21] - state_eps[e][i, 7:14]
+        for e in chosen
+        for i in range(len(state_eps[e]) - 23)
+        for k in range(24)
+    ]
     assert_stats(capped["joint_position"], direct(np.array(relative)))
 
 
@@ -89,8 +113,11 @@ def test_merge_equals_pooled_moments():
 
     def part(x):
         stats = {k: v.tolist() for k, v in direct(x).items()}
-        return {"statistics": {"state": {"s": stats}, "action": {"a": stats}}, "modalities": {"video": {}},
-                "embodiment_tag": "t"}
+        return {
+            "statistics": {"state": {"s": stats}, "action": {"a": stats}},
+            "modalities": {"video": {}},
+            "embodiment_tag": "t",
+        }
 
     merged = merge_metadata([part(a), part(b)], np.array([100.0, 300.0]), ["a", "b"])["statistics"]["state"]["s"]
     both = np.concatenate([a, b])
@@ -110,8 +137,20 @@ def tree_state(root: Path) -> dict:
 def test_cli_merges_and_never_writes_into_sources(libero_root, libero_v3_root, tmp_path):
     before = tree_state(libero_root), tree_state(libero_v3_root)
     out = tmp_path / "cfg" / "metadata.json"
-    cmd = [sys.executable, "-m", "preprocess", "stats", "--src", str(libero_root), "--src", str(libero_v3_root),
-           "--embodiment", "libero_sim", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "preprocess",
+        "stats",
+        "--src",
+        str(libero_root),
+        "--src",
+        str(libero_v3_root),
+        "--embodiment",
+        "libero_sim",
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
     assert (tree_state(libero_root), tree_state(libero_v3_root)) == before
     merged = json.loads(out.read_text())["libero_sim"]
@@ -119,11 +158,21 @@ def test_cli_merges_and_never_writes_into_sources(libero_root, libero_v3_root, t
     # the v3 copy holds the same rows: the merge of two equal datasets is that dataset
     for stat in ("min", "max", "q01", "q99"):
         assert merged["statistics"]["state"]["state"][stat] == single["statistics"]["state"]["state"][stat]
-    np.testing.assert_allclose(merged["statistics"]["action"]["actions"]["mean"],
-                               single["statistics"]["action"]["actions"]["mean"], rtol=1e-6)
+    np.testing.assert_allclose(
+        merged["statistics"]["action"]["actions"]["mean"], single["statistics"]["action"]["actions"]["mean"], rtol=1e-6
+    )
     with pytest.raises(SystemExit, match="inside the source dataset"):  # the CLI's entry point, in this process
-        preprocess_main(["stats", "--src", str(libero_root), "--embodiment", "libero_sim", "--out",
-                         str(libero_root / "meta" / "metadata.json")])
+        preprocess_main(
+            [
+                "stats",
+                "--src",
+                str(libero_root),
+                "--embodiment",
+                "libero_sim",
+                "--out",
+                str(libero_root / "meta" / "metadata.json"),
+            ]
+        )
     assert not (libero_root / "meta" / "metadata.json").exists()
 
 
@@ -156,8 +205,12 @@ def assert_good_episode_statistics(metadata: dict, root: Path, good: list[int]) 
     action_eps = [parquet_columns(root, "action")[i] for i in good]
     stats = metadata["oxe_droid"]["statistics"]
     assert_stats(stats["state"]["joint_position"], direct(np.concatenate(state_eps).astype(np.float32)[:, 7:14]))
-    relative = [a[i + k, 14:21] - s[i, 7:14] for s, a in zip(state_eps, action_eps)
-                for i in range(len(s) - 23) for k in range(24)]
+    relative = [
+        a[i + k, 14:21] - s[i, 7:14]
+        for s, a in zip(state_eps, action_eps)
+        for i in range(len(s) - 23)
+        for k in range(24)
+    ]
     assert_stats(stats["action"]["joint_position"], direct(np.array(relative)))
 
 
@@ -166,10 +219,12 @@ def test_stats_cli_reports_and_leaves_out_bad_episodes(droid_root, tmp_path, cap
     out = tmp_path / "metadata.json"
     main(["stats", "--src", str(src), "--embodiment", "oxe_droid", "--out", str(out)])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped")]
-    assert lines == [f"skipped {src / 'data/chunk-000/episode_000000.parquet'}: episode 0: column 'observation.state' "
-                     f"holds NaN or inf",
-                     f"skipped {src / 'data/chunk-000/episode_000003.parquet'}: episode 3: parquet has 123 rows, meta "
-                     f"says length 133"]
+    assert lines == [
+        f"skipped {src / 'data/chunk-000/episode_000000.parquet'}: episode 0: column 'observation.state' "
+        f"holds NaN or inf",
+        f"skipped {src / 'data/chunk-000/episode_000003.parquet'}: episode 3: parquet has 123 rows, meta "
+        f"says length 133",
+    ]
     assert_good_episode_statistics(json.loads(out.read_text()), src, [1, 2])
 
 
@@ -188,9 +243,26 @@ def test_a_length_meta_claims_but_the_rows_lack_fails_its_episode_not_the_alloca
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
-    done = subprocess.run([sys.executable, "-m", "wampipe.preprocess", "stats", "--src", str(src), "--embodiment",
-                           "oxe_droid", "--out", str(tmp_path / "metadata.json")], capture_output=True, text=True,
-                          preexec_fn=cap, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wampipe.preprocess",
+            "stats",
+            "--src",
+            str(src),
+            "--embodiment",
+            "oxe_droid",
+            "--out",
+            str(tmp_path / "metadata.json"),
+        ],
+        capture_output=True,
+        text=True,
+        preexec_fn=cap,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"skipped {src / 'data/chunk-000/episode_000002.parquet'}: episode 2: parquet has 97 rows, meta says " \
-           f"length 40000000000" in done.stdout.splitlines()
+    assert (
+        f"skipped {src / 'data/chunk-000/episode_000002.parquet'}: episode 2: parquet has 97 rows, meta says "
+        f"length 40000000000" in done.stdout.splitlines()
+    )

@@ -47,7 +47,8 @@ def test_upload_order_puts_tars_first_manifest_last_and_leaves_out_spills(shard_
     assert order[-1] == MANIFEST
     everything = {p.relative_to(shard_dir).as_posix() for p in shard_dir.rglob("*") if p.is_file()}
     assert everything - set(order) == {".shard-000009.tar.123.0a1b2c3d.tmp", "finalize.lock"} | {
-        p for p in everything if p.startswith("work/")}
+        p for p in everything if p.startswith("work/")
+    }
 
 
 def test_ranged_reads_equal_local_bytes(shard_dir, s3_bucket, s3_server):
@@ -104,8 +105,10 @@ def test_sync_up_killed_midway_leaves_no_manifest_and_resumes(shard_dir, s3_buck
     order = upload_order(shard_dir)
 
     # killed by SIGKILL after the second tar
-    assert upload_then_sigkill("shardformat.storage:sync_up", shard_dir, url) == [["uploaded", order[0]],
-                                                                                  ["uploaded", order[1]]]
+    assert upload_then_sigkill("shardformat.storage:sync_up", shard_dir, url) == [
+        ["uploaded", order[0]],
+        ["uploaded", order[1]],
+    ]
     assert store.list() == order[:2] and not store.exists(MANIFEST)
 
     # Objects written by another tool carry no recorded hash: one identical (read back and skipped), one of the

@@ -33,10 +33,16 @@ from devtools.s3 import CREDENTIALS, S3Server
 from tests.test_shards_safety import refusal, tree
 
 # Another tool's shard directory: files at the names a build writes, none of them recorded by a build.
-FOREIGN = {"manifest.json": b"{}\n", "metadata.json": b'{"mine": 1}\n', "wids.json": b"{}\n",
-           "shard-000000.tar": b"not a wampipe shard"}
-FOREIGN_REFUSAL = ("{where} holds files that no wampipe build recorded, at names a build writes: {names}. Nothing was "
-                   "deleted; move them away or use another --out (--overwrite deletes only a build's own files)")
+FOREIGN = {
+    "manifest.json": b"{}\n",
+    "metadata.json": b'{"mine": 1}\n',
+    "wids.json": b"{}\n",
+    "shard-000000.tar": b"not a wampipe shard",
+}
+FOREIGN_REFUSAL = (
+    "{where} holds files that no wampipe build recorded, at names a build writes: {names}. Nothing was "
+    "deleted; move them away or use another --out (--overwrite deletes only a build's own files)"
+)
 
 
 def failed_at_start(cmd: list[str]) -> str:
@@ -60,8 +66,10 @@ def test_a_planted_lock_link_is_refused_and_its_target_untouched(droid_root, tin
         plant(out / outdir.LOCK)
         with pytest.raises(UsageError) as exc, outdir.hold(out):
             pass
-        assert str(exc.value) == (f"{out / outdir.LOCK}: not a plain file of its own (a device, pipe or hard link): "
-                                  f"remove it, or use another --out")
+        assert str(exc.value) == (
+            f"{out / outdir.LOCK}: not a plain file of its own (a device, pipe or hard link): "
+            f"remove it, or use another --out"
+        )
     assert victim.read_text() == "someone's file\n"
 
 
@@ -85,9 +93,11 @@ def test_the_default_staging_folder_is_private_to_the_user_and_a_planted_one_is_
         plant(planted)
         with pytest.raises(UsageError) as exc:
             staging_dir(url)
-        assert str(exc.value) == (f"{planted}: not a private folder of this user (a link, another user's, or open to "
-                                  f"others), so the default staging folder cannot be used: remove it, or pass "
-                                  f"--staging-dir")
+        assert str(exc.value) == (
+            f"{planted}: not a private folder of this user (a link, another user's, or open to "
+            f"others), so the default staging folder cannot be used: remove it, or pass "
+            f"--staging-dir"
+        )
     assert list(elsewhere.iterdir()) == []
 
 
@@ -109,10 +119,12 @@ def test_hidden_files_of_the_user_survive_a_run_and_a_failed_run(droid_shards, d
     assert (fresh / ".x.tmp").read_text() == "mine\n"
 
 
-@pytest.mark.parametrize("names,overwrite", [(tuple(FOREIGN), False), (tuple(FOREIGN), True),
-                                             (("metadata.json", "shard-000000.tar"), False)])
-def test_foreign_files_at_build_names_are_refused_and_kept_with_or_without_overwrite(names, overwrite, droid_root,
-                                                                                     tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize(
+    "names,overwrite", [(tuple(FOREIGN), False), (tuple(FOREIGN), True), (("metadata.json", "shard-000000.tar"), False)]
+)
+def test_foreign_files_at_build_names_are_refused_and_kept_with_or_without_overwrite(
+    names, overwrite, droid_root, tiny_checkpoints, tmp_path
+):
     out = tmp_path / "out"
     out.mkdir()
     for name in names:
@@ -123,8 +135,9 @@ def test_foreign_files_at_build_names_are_refused_and_kept_with_or_without_overw
     assert tree(out) == before and sorted(p.name for p in out.iterdir()) == sorted([*names, outdir.LOCK])
 
 
-def test_a_remote_prefix_with_a_foreign_build_is_refused_at_start_and_kept(s3_bucket, droid_root, tiny_checkpoints,
-                                                                          tmp_path):
+def test_a_remote_prefix_with_a_foreign_build_is_refused_at_start_and_kept(
+    s3_bucket, droid_root, tiny_checkpoints, tmp_path
+):
     url = f"{s3_bucket}/droid"
     store = ShardStore(url)
     for name, data in FOREIGN.items():
@@ -137,11 +150,20 @@ def test_a_remote_prefix_with_a_foreign_build_is_refused_at_start_and_kept(s3_bu
     assert not (staging / "work").exists()
 
 
-def test_publishing_over_another_build_needs_overwrite_and_deletes_only_that_builds_files(tiny_shards, s3_bucket,
-                                                                                        tmp_path):
+def test_publishing_over_another_build_needs_overwrite_and_deletes_only_that_builds_files(
+    tiny_shards, s3_bucket, tmp_path
+):
     url = f"{s3_bucket}/tiny"
-    inputs = {"dataset": "droid", "src": "f" * 64, "vae": "v", "text_encoder": "t", "image_encoder": "i",
-              "augment_variants": 0, "seed": 1, "samples_per_shard": 7}  # a build's record (outdir.RECORD_KEYS)
+    inputs = {
+        "dataset": "droid",
+        "src": "f" * 64,
+        "vae": "v",
+        "text_encoder": "t",
+        "image_encoder": "i",
+        "augment_variants": 0,
+        "seed": 1,
+        "samples_per_shard": 7,
+    }  # a build's record (outdir.RECORD_KEYS)
     first = Path(shutil.copytree(tiny_shards, tmp_path / "first"))
     atomic_write_json(first / outdir.INPUTS, inputs)
     second = tmp_path / "second"
@@ -154,8 +176,10 @@ def test_publishing_over_another_build_needs_overwrite_and_deletes_only_that_bui
 
     with pytest.raises(UsageError) as exc:
         publish(second, url, lambda path, action: None)
-    assert str(exc.value) == (f"{url} holds another build (its inputs.json differs from {second / 'inputs.json'}); "
-                              f"nothing was uploaded or deleted: pass --overwrite to replace it, or use another --out")
+    assert str(exc.value) == (
+        f"{url} holds another build (its inputs.json differs from {second / 'inputs.json'}); "
+        f"nothing was uploaded or deleted: pass --overwrite to replace it, or use another --out"
+    )
     assert {name: store.read_bytes(name) for name in store.list()} == before
 
     publish(second, url, lambda path, action: None, overwrite=True)
@@ -180,12 +204,15 @@ def test_wrong_credentials_are_one_line_at_start(droid_root, tiny_checkpoints, t
         for name, value in server.env().items():
             monkeypatch.setenv(name, value)
         url = "s3://bucket/droid"
-        line = failed_at_start(shards_cmd(droid_root, url, "droid", tiny_checkpoints, "--staging-dir",
-                                          str(tmp_path / "staging")))
+        line = failed_at_start(
+            shards_cmd(droid_root, url, "droid", tiny_checkpoints, "--staging-dir", str(tmp_path / "staging"))
+        )
     finally:
         server.stop()
-    assert line == (f"{url}: list bucket bucket failed: The AWS Access Key Id you provided does not exist in our "
-                    f"records; {AT_START}")
+    assert line == (
+        f"{url}: list bucket bucket failed: The AWS Access Key Id you provided does not exist in our "
+        f"records; {AT_START}"
+    )
 
 
 @contextmanager
@@ -221,8 +248,9 @@ def refusing_endpoint() -> Iterator[str]:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("endpoint", ["closed", "silent"])
-def test_an_unreachable_or_stalled_endpoint_is_one_line_at_start(endpoint, droid_root, tiny_checkpoints, tmp_path,
-                                                                 monkeypatch):
+def test_an_unreachable_or_stalled_endpoint_is_one_line_at_start(
+    endpoint, droid_root, tiny_checkpoints, tmp_path, monkeypatch
+):
     for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("WAMPIPE_S3_READ_TIMEOUT", "1")  # 5 tries of 1 s instead of 10 s
@@ -232,7 +260,7 @@ def test_an_unreachable_or_stalled_endpoint_is_one_line_at_start(endpoint, droid
         monkeypatch.setenv("AWS_ENDPOINT_URL", address)
         line = failed_at_start(cmd)
     reason = "Read timeout on endpoint URL" if endpoint == "silent" else "Could not connect to the endpoint URL"
-    assert line.startswith(f"{url}: list bucket bucket failed: {reason}: \"{address}/bucket?")
+    assert line.startswith(f'{url}: list bucket bucket failed: {reason}: "{address}/bucket?')
     assert line.endswith(AT_START) and not (tmp_path / "staging").exists()
 
 
@@ -246,8 +274,7 @@ def test_the_default_timeouts_give_up_on_a_stalled_endpoint_within_a_minute(monk
 
 
 @pytest.mark.timeout(300)
-def test_a_frozen_endpoint_stops_the_loader_within_one_request_deadline(tiny_shards, s3_bucket, s3_server,
-                                                                        monkeypatch):
+def test_a_frozen_endpoint_stops_the_loader_within_one_request_deadline(tiny_shards, s3_bucket, s3_server, monkeypatch):
     """Training from s3:// through a proxy that freezes mid-run (connections held open, nothing forwarded): the
     loader's worker gives up after one request's deadline, not after s3fs's nested retries, and the run stops with
     one line naming the shard and the sample."""
@@ -268,8 +295,9 @@ def test_a_frozen_endpoint_stops_the_loader_within_one_request_deadline(tiny_sha
     monkeypatch.setenv("WAMPIPE_S3_CONNECT_TIMEOUT", "1")
     assert request_deadline() == pytest.approx(1 + S3_TRIES * 1 + 1.9, abs=0.1)
     try:
-        batches = iter(ShardLoader(DataConfig(shards=url, micro_batch_size=2, num_workers=1), TINY, 0, 1,
-                                   torch.device("cpu")))
+        batches = iter(
+            ShardLoader(DataConfig(shards=url, micro_batch_size=2, num_workers=1), TINY, 0, 1, torch.device("cpu"))
+        )
         next(batches)
         proxy.freeze()
         with pytest.raises(ShardFormatError) as stop:
@@ -278,5 +306,7 @@ def test_a_frozen_endpoint_stops_the_loader_within_one_request_deadline(tiny_sha
     finally:
         proxy.close()
     assert str(stop.value).startswith(f"{url}/shard-")
-    assert str(stop.value).endswith(f": unreadable: no answer from the endpoint within 8 s ({S3_TRIES} tries of "
-                                         f"WAMPIPE_S3_READ_TIMEOUT seconds of silence)")
+    assert str(stop.value).endswith(
+        f": unreadable: no answer from the endpoint within 8 s ({S3_TRIES} tries of "
+        f"WAMPIPE_S3_READ_TIMEOUT seconds of silence)"
+    )

@@ -25,16 +25,29 @@ def test_stream_gives_the_bytes_of_the_local_pool(droid_shards, droid_root, tiny
     # encoders' and the resize's rounding depend on the count) must give the same shards
     threads = json.loads((droid_shards / "inputs.json").read_text())["threads_per_worker"]
     out = tmp_path / "local"
-    build(droid_root, out, "droid", tiny_checkpoints, "--executor", "local", "--workers", "1",
-          "--threads-per-worker", str(threads))
+    build(
+        droid_root,
+        out,
+        "droid",
+        tiny_checkpoints,
+        "--executor",
+        "local",
+        "--workers",
+        "1",
+        "--threads-per-worker",
+        str(threads),
+    )
     assert check(out) == []
     assert manifest(out)["shards"] == manifest(droid_shards)["shards"]
     # the stream says where its start went: weight checks and hashing, then each encoder's process start and load
     said = (droid_shards.parent / "build-stdout.txt").read_text()
     assert re.search(r"^start: encoder weights checked in [\d.]+ s, inputs hashed in [\d.]+ s$", said, re.M), said
-    assert re.search(r"^encoders on cpu: ready [\d.]+ s after the run started it \(process start [\d.]+ s, "
-                     r"loading [\d.]+ s: diffusers import [\d.]+ s, VAE weights [\d.]+ s, CLIP weights [\d.]+ s\)$",
-                     said, re.M), said
+    assert re.search(
+        r"^encoders on cpu: ready [\d.]+ s after the run started it \(process start [\d.]+ s, "
+        r"loading [\d.]+ s: diffusers import [\d.]+ s, VAE weights [\d.]+ s, CLIP weights [\d.]+ s\)$",
+        said,
+        re.M,
+    ), said
 
 
 def test_the_compiled_vae_gives_the_same_bytes_on_every_executor_and_batch_cut(droid_root, tiny_checkpoints, tmp_path):
@@ -50,8 +63,12 @@ def test_the_compiled_vae_gives_the_same_bytes_on_every_executor_and_batch_cut(d
     assert check(stream) == [] and check(local) == []
     assert manifest(stream)["shards"] == manifest(local)["shards"]
     assert json.loads((stream / "inputs.json").read_text())["vae_compile"] is True  # recorded like any byte-changer
-    assert re.search(r"^encoders on cpu: ready .*: diffusers import [\d.]+ s, VAE weights [\d.]+ s, "
-                     r"compiling [\d.]+ s, CLIP weights", said, re.M), said
+    assert re.search(
+        r"^encoders on cpu: ready .*: diffusers import [\d.]+ s, VAE weights [\d.]+ s, "
+        r"compiling [\d.]+ s, CLIP weights",
+        said,
+        re.M,
+    ), said
     assert any(cache.iterdir())
 
 
@@ -60,8 +77,14 @@ def test_a_bad_episode_with_fail_fast_stops_the_stream_with_its_line(droid_root,
     subprocess.run(["cp", "-r", str(droid_root), str(src)], check=True)
     video = sorted(src.glob("videos/**/episode_000002.mp4"))[0]
     video.write_bytes(video.read_bytes()[:2000])  # truncated: undecodable
-    done = subprocess.run(shards_cmd(src, tmp_path / "out", "droid", tiny_checkpoints, "--executor", "stream",
-                                     "--workers", "2", "--fail-fast"), cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        shards_cmd(
+            src, tmp_path / "out", "droid", tiny_checkpoints, "--executor", "stream", "--workers", "2", "--fail-fast"
+        ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert "episode 2" in last and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -71,12 +94,26 @@ def test_a_bad_episode_with_fail_fast_stops_the_stream_with_its_line(droid_root,
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="children die with their parent through prctl")
 def test_killing_the_run_stops_every_worker_and_encoder(droid_root, tiny_checkpoints, tmp_path):
     out = tmp_path / "killed"
-    cmd = shards_cmd(droid_root, out, "droid", tiny_checkpoints, "--executor", "stream", "--workers", "2",
-                     "--anchor-stride", "2", "--episodes-per-unit", "1")
+    cmd = shards_cmd(
+        droid_root,
+        out,
+        "droid",
+        tiny_checkpoints,
+        "--executor",
+        "stream",
+        "--workers",
+        "2",
+        "--anchor-stride",
+        "2",
+        "--episodes-per-unit",
+        "1",
+    )
     owner = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: len(children(owner.pid)) >= 3 and list((out / "work").glob(".unit-*.tmp")),
-                 "two workers, an encoder and a unit being written")
+        wait_for(
+            lambda: len(children(owner.pid)) >= 3 and list((out / "work").glob(".unit-*.tmp")),
+            "two workers, an encoder and a unit being written",
+        )
         procs = children(owner.pid)
         owner.send_signal(signal.SIGKILL)
     finally:
@@ -102,14 +139,19 @@ def spawned(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_an_encoder_killed_while_importing_stops_the_run_before_any_worker_starts(droid_root, tiny_checkpoints,
-                                                                                    tmp_path):
+def test_an_encoder_killed_while_importing_stops_the_run_before_any_worker_starts(
+    droid_root, tiny_checkpoints, tmp_path
+):
     """The CPU workers start only once the encoder processes have imported their libraries; an encoder that dies
     before that ends the run with its one line, and no worker was ever started."""
     out = tmp_path / "out"
-    run = subprocess.Popen(shards_cmd(droid_root, out, "droid", tiny_checkpoints, "--executor", "stream",
-                                      "--workers", "2"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    run = subprocess.Popen(
+        shards_cmd(droid_root, out, "droid", tiny_checkpoints, "--executor", "stream", "--workers", "2"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: spawned(run.pid), "the encoder process", timeout=120)
         (encoder,) = spawned(run.pid)  # alone: still importing, the workers wait for it
@@ -124,7 +166,8 @@ def test_an_encoder_killed_while_importing_stops_the_run_before_any_worker_start
         run.wait()
     assert seen <= {encoder}, f"CPU workers started before the encoder had imported: {seen}"
     assert run.returncode == 1
-    assert stderr.strip().splitlines()[-1] == ("encoder-cpu died (killed by SIGKILL): out of host memory? "
-                                               "see `dmesg`"), stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "encoder-cpu died (killed by SIGKILL): out of host memory? see `dmesg`"
+    ), stderr
     assert "Traceback" not in stderr and "resource_tracker" not in stderr, stderr
     assert not (out / "manifest.json").exists()

@@ -4,15 +4,20 @@ import torch
 from wampipe.encoders.text_encoder import MAX_LENGTH, clean_text, load_text_encoder
 from wampipe.encoders.weights import WeightsError, read_state_dict
 
-PROMPTS = ["Pick up the red cup and put it in the sink.", "put the bowl on the stove",
-           "A multi-view video shows that a robot open the drawer The robot open the drawer",
-           "put the bowl on the stove"]
+PROMPTS = [
+    "Pick up the red cup and put it in the sink.",
+    "put the bowl on the stove",
+    "A multi-view video shows that a robot open the drawer The robot open the drawer",
+    "put the bowl on the stove",
+]
 
 
 def encoders(tiny_checkpoints):
     tok = tiny_checkpoints / "umt5" / "tokenizer"
-    return (load_text_encoder(tiny_checkpoints / "umt5" / "models_t5_umt5-xxl-enc-bf16.pth", tok),
-            load_text_encoder(tiny_checkpoints / "umt5" / "text_encoder", tok))
+    return (
+        load_text_encoder(tiny_checkpoints / "umt5" / "models_t5_umt5-xxl-enc-bf16.pth", tok),
+        load_text_encoder(tiny_checkpoints / "umt5" / "text_encoder", tok),
+    )
 
 
 def test_clean_text():
@@ -55,8 +60,9 @@ def test_strict_errors(tiny_checkpoints, tmp_path):
     with pytest.raises(WeightsError) as err:
         load_text_encoder(tmp_path / "t5.pth", tok)
     assert str(err.value) == f"{tmp_path / 't5.pth'}: missing keys: blocks.1.ffn.fc2.weight"
-    with pytest.raises(WeightsError,
-                       match="this file is a open-clip xlm-roberta ViT-H/14, Wan layout, but the text encoder"):
+    with pytest.raises(
+        WeightsError, match="this file is a open-clip xlm-roberta ViT-H/14, Wan layout, but the text encoder"
+    ):
         load_text_encoder(tiny_checkpoints / "clip" / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth", tok)
     with pytest.raises(WeightsError, match="not a tokenizer folder"):
         load_text_encoder(tiny_checkpoints / "umt5" / "text_encoder", tmp_path)

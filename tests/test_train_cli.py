@@ -33,8 +33,9 @@ def flag_help(text: str) -> dict[str, list[str]]:
 
 def test_help_gives_every_flag_flowing_help():
     env = {**os.environ, "COLUMNS": str(WIDTH)}
-    done = subprocess.run([sys.executable, "-m", "train.main", "--help"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "train.main", "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     helps = flag_help(done.stdout)
     assert {"--steps", "--data.shards", "--parallel.global-batch-size", "--lora.rank", "--loss.shift"} <= set(helps)
@@ -48,8 +49,10 @@ def test_help_gives_every_flag_flowing_help():
 
 
 def test_help_does_without_torch():
-    code = "import sys\nfrom wampipe.train.main import main\n" \
-           "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n" \
-           "assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys\nfrom wampipe.train.main import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

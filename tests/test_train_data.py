@@ -21,8 +21,15 @@ from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.shard import ShardRecord, json_path
 from wampipe.shardformat.stats import normalize_q99, pad_with_mask
 from wampipe.train.config import DataConfig
-from wampipe.train.data import (SampleReader, ShardIndex, ShardLoader, batch_positions, batches_per_epoch, collate,
-                                epoch_order)
+from wampipe.train.data import (
+    SampleReader,
+    ShardIndex,
+    ShardLoader,
+    batch_positions,
+    batches_per_epoch,
+    collate,
+    epoch_order,
+)
 from wampipe.train.dit.model import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +42,16 @@ def shards(tmp_path_factory) -> Path:
     """25 windows x 2 variants in shards of 7 (the last one short), 5 synthetic episodes; each episode's first and last
     windows have anchor multiplicity 3 and 2, so an anchor-weighted epoch visits 5 x 8 = 40 windows."""
     out = tmp_path_factory.mktemp("shards") / "tiny"
-    synthetic.make_synthetic_shards(out, "tiny", episodes=5, windows_per_episode=5, augment_variants=2,
-                                    samples_per_shard=7, seed=3)
+    synthetic.make_synthetic_shards(
+        out, "tiny", episodes=5, windows_per_episode=5, augment_variants=2, samples_per_shard=7, seed=3
+    )
     return out
 
 
 def _loader(shards, rank=0, world=2, workers=0, **kw):
-    return ShardLoader(DataConfig(shards=shards, micro_batch_size=2, num_workers=workers, **kw), TINY, rank, world,
-                       torch.device("cpu"))
+    return ShardLoader(
+        DataConfig(shards=shards, micro_batch_size=2, num_workers=workers, **kw), TINY, rank, world, torch.device("cpu")
+    )
 
 
 def _take(it, n):
@@ -65,8 +74,10 @@ def test_epoch_split_is_disjoint_equal_and_seeded():
     assert nb == 6  # 25 windows -> 12 per rank -> 6 micro-batches; one window rests each epoch
     for epoch in range(2):
         order = epoch_order(np.ones(n, np.int64), 0, epoch)
-        per_rank = [np.concatenate([order[batch_positions(n, epoch * nb + b, r, world, micro)[1]] for b in range(nb)])
-                    for r in range(world)]
+        per_rank = [
+            np.concatenate([order[batch_positions(n, epoch * nb + b, r, world, micro)[1]] for b in range(nb)])
+            for r in range(world)
+        ]
         assert [len(p) for p in per_rank] == [12, 12]
         assert not set(per_rank[0]) & set(per_rank[1])
     assert batch_positions(n, 0, 0, world, micro)[0] == 0 and batch_positions(n, nb, 0, world, micro)[0] == 1
@@ -107,8 +118,13 @@ def test_loader_draws_windows_by_anchor_multiplicity(shards):
         for batch in _take(iter(loader), loader.batches_per_epoch):
             np.add.at(visits, batch["window"].numpy(), 1)
     np.testing.assert_array_equal(visits, index.weights("anchor"))
-    uniform = np.concatenate([b["window"].numpy() for rank in range(2)
-                              for b in _take(iter(_loader(shards, rank=rank, sampling="uniform")), 6)])
+    uniform = np.concatenate(
+        [
+            b["window"].numpy()
+            for rank in range(2)
+            for b in _take(iter(_loader(shards, rank=rank, sampling="uniform")), 6)
+        ]
+    )
     assert len(uniform) == len(set(uniform.tolist())) == 24
 
 
@@ -184,8 +200,9 @@ def test_batch_is_normalized_padded_and_text_is_a_table_row(shards):
     sample = reader.sample(window, rng, variant=1, column="annotation.human.action.task_description")
     meta, raw = reader.raw(*window.variants[1])
     assert meta["variant"] == 1
-    state, mask = pad_with_mask(normalize_q99(torch.from_numpy(raw["state"]), index.q01["state"], index.q99["state"]),
-                                TINY.max_state_dim)
+    state, mask = pad_with_mask(
+        normalize_q99(torch.from_numpy(raw["state"]), index.q01["state"], index.q99["state"]), TINY.max_state_dim
+    )
     torch.testing.assert_close(sample["state"], state)
     assert sample["state"].shape == (4, 8) and sample["actions"].shape == (16, 8)
     assert sample["action_mask"][:, :7].all() and not sample["action_mask"][:, 7:].any()
@@ -199,7 +216,7 @@ def test_batch_is_normalized_padded_and_text_is_a_table_row(shards):
         meta, _ = reader.raw(*cast(Window, index.windows[w]).variants[0])
         table = reader.text(next(iter(meta["prompt_ids"].values())))
         torch.testing.assert_close(text[i, : len(table)], table, rtol=0, atol=0)
-        assert not text[i, len(table):].any() and int(batch["text_lengths"][i]) == len(table)
+        assert not text[i, len(table) :].any() and int(batch["text_lengths"][i]) == len(table)
     reader.close()
 
 
@@ -207,8 +224,10 @@ def test_variant_is_drawn_per_visit(shards):
     index = ShardIndex(shards)
     reader = SampleReader(index, TINY)
     window = cast(Window, index.windows[3])
-    seen = {reader.sample(window, np.random.default_rng([0, epoch, 3, 1]))["latents"].float().sum().item()
-            for epoch in range(8)}
+    seen = {
+        reader.sample(window, np.random.default_rng([0, epoch, 3, 1]))["latents"].float().sum().item()
+        for epoch in range(8)
+    }
     assert len(seen) == 2  # both stored variants come up over epochs
     reader.close()
 
@@ -216,18 +235,22 @@ def test_variant_is_drawn_per_visit(shards):
 def test_model_config_takes_widths_from_the_shards_and_overrides_depth(shards):
     from wampipe.train.builder import model_config
     from wampipe.train.config import parse_args
+
     base = model_config(parse_args(["--data.shards", str(shards)]))
     deeper = model_config(parse_args(["--data.shards", str(shards), "--model.num-layers", "5"]))
     assert base.num_layers == TINY.num_layers != 5 and deeper.num_layers == 5
     assert (base.text_dim, base.image_dim) == (32, 24)  # tiny synthetic shards: 32-wide text, 24-wide CLIP
     assert {k: v for k, v in vars(deeper).items() if k != "num_layers"} == {
-        k: v for k, v in vars(base).items() if k != "num_layers"}
+        k: v for k, v in vars(base).items() if k != "num_layers"
+    }
 
 
 @pytest.mark.e2e
 def test_trainer_data_imports_no_preprocessing_code():
-    probe = ("import wampipe.train.data, sys; bad = sorted(m for m in sys.modules if m.startswith("
-             "('preprocess', 'wampipe.preprocess')) or m == 'pyarrow'); assert not bad, bad")
+    probe = (
+        "import wampipe.train.data, sys; bad = sorted(m for m in sys.modules if m.startswith("
+        "('preprocess', 'wampipe.preprocess')) or m == 'pyarrow'); assert not bad, bad"
+    )
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
 
@@ -271,8 +294,9 @@ def test_old_or_edited_manifests_are_refused_in_one_line(shards, tmp_path):
     shutil.copytree(shards, old)
     manifest = json.loads((old / "manifest.json").read_text())
     (old / "manifest.json").write_text(json.dumps({**manifest, "format": "wampipe-shards/1"}))
-    with pytest.raises(ShardFormatError,
-                       match=r"format 'wampipe-shards/1', this code reads 'wampipe-shards/4': rebuild"):
+    with pytest.raises(
+        ShardFormatError, match=r"format 'wampipe-shards/1', this code reads 'wampipe-shards/4': rebuild"
+    ):
         _loader(old)
     (old / "manifest.json").write_text(json.dumps({**manifest, "seed": manifest["seed"] + 1}))
     with pytest.raises(ShardFormatError, match="content_sha256 does not match the content"):
@@ -293,11 +317,19 @@ def test_a_resume_over_rebuilt_shards_is_refused_unless_said(tmp_path):
     shutil.rmtree(root)
     synthetic.make_synthetic_shards(root, "tiny", episodes=3, windows_per_episode=2, samples_per_shard=4, seed=2)
     again = ShardLoader(cfg, TINY, 0, 1, torch.device("cpu"))
-    with pytest.raises(UsageError, match=f"checkpoint data was read from other builds of {root} \\(manifest "
-                                         f"{state['builds'][0]} -> {again.index.store.build}\\): the shards were "
-                                         f"rebuilt since; pass --data.mixture-changed to continue with them"):
+    with pytest.raises(
+        UsageError,
+        match=f"checkpoint data was read from other builds of {root} \\(manifest "
+        f"{state['builds'][0]} -> {again.index.store.build}\\): the shards were "
+        f"rebuilt since; pass --data.mixture-changed to continue with them",
+    ):
         again.load_state_dict(state)
-    said = ShardLoader(DataConfig(shards=root, micro_batch_size=2, num_workers=0, mixture_changed=True), TINY, 0, 1,
-                       torch.device("cpu"))
+    said = ShardLoader(
+        DataConfig(shards=root, micro_batch_size=2, num_workers=0, mixture_changed=True),
+        TINY,
+        0,
+        1,
+        torch.device("cpu"),
+    )
     said.load_state_dict(state)
     assert said.next_batch == 2

@@ -32,11 +32,30 @@ STEPS = 24
 
 
 def _command(shards: Path | None, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            str(ROOT / "train" / "main.py"), "--preset", "tiny", *(["--data.shards", str(shards)] if shards else []),
-            "--checkpoint.dir", str(run_dir), "--steps", str(STEPS), "--checkpoint.interval", "8",
-            "--metrics.interval", "1", "--metrics.no-progress", "--metrics.no-tensorboard",
-            "--parallel.deterministic", "--checkpoint.export-dtype", "float32"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "train" / "main.py"),
+        "--preset",
+        "tiny",
+        *(["--data.shards", str(shards)] if shards else []),
+        "--checkpoint.dir",
+        str(run_dir),
+        "--steps",
+        str(STEPS),
+        "--checkpoint.interval",
+        "8",
+        "--metrics.interval",
+        "1",
+        "--metrics.no-progress",
+        "--metrics.no-tensorboard",
+        "--parallel.deterministic",
+        "--checkpoint.export-dtype",
+        "float32",
+    ]
 
 
 def _env():
@@ -89,8 +108,14 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def _start(shards: Path, run_dir: Path) -> subprocess.Popen:
-    return subprocess.Popen(_command(shards, run_dir), env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(
+        _command(shards, run_dir),
+        env=_env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
@@ -182,16 +207,30 @@ def test_reducing_after_every_micro_batch_offloading_and_gathering_once_train_th
     the same run. Gathering the parameters once per step instead of once per micro-batch: the default's run bit for
     bit (the same gathered values), with one all-gather per FSDP unit in a profiled step instead of two."""
     runs = {}
-    for name, extra in [("per_step", []), ("per_micro_batch", ["--parallel.reduce-every-micro-batch"]),
-                        ("offloaded", ["--parallel.reduce-every-micro-batch", "--parallel.cpu-offload",
-                                       "--optim.fused", "False"]),
-                        ("gathered_once", ["--parallel.no-reshard-after-forward", "--parallel.gather-once-per-step"]),
-                        ("gathered_per_micro_batch", ["--parallel.no-reshard-after-forward"])]:
+    for name, extra in [
+        ("per_step", []),
+        ("per_micro_batch", ["--parallel.reduce-every-micro-batch"]),
+        ("offloaded", ["--parallel.reduce-every-micro-batch", "--parallel.cpu-offload", "--optim.fused", "False"]),
+        ("gathered_once", ["--parallel.no-reshard-after-forward", "--parallel.gather-once-per-step"]),
+        ("gathered_per_micro_batch", ["--parallel.no-reshard-after-forward"]),
+    ]:
         run_dir = tmp_path / name
-        cmd = [*_command(tiny_shards, run_dir), "--steps", "6", "--checkpoint.interval", "0",
-               "--checkpoint.no-save-final", "--checkpoint.no-export", "--parallel.param-dtype", "float32",
-               "--parallel.global-batch-size", "8", "--parallel.backend", "gloo",  # CPU ranks, also on a GPU host
-               *extra]  # tiny: micro-batch 2 x 2 ranks x accum 2
+        cmd = [
+            *_command(tiny_shards, run_dir),
+            "--steps",
+            "6",
+            "--checkpoint.interval",
+            "0",
+            "--checkpoint.no-save-final",
+            "--checkpoint.no-export",
+            "--parallel.param-dtype",
+            "float32",
+            "--parallel.global-batch-size",
+            "8",
+            "--parallel.backend",
+            "gloo",  # CPU ranks, also on a GPU host
+            *extra,
+        ]  # tiny: micro-batch 2 x 2 ranks x accum 2
         if name.startswith("gathered") or name == "offloaded":  # step 4 profiled: its collectives are in the trace
             cmd += ["--metrics.profile-start", "3", "--metrics.profile-steps", "1"]
         done = subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -200,8 +239,9 @@ def test_reducing_after_every_micro_batch_offloading_and_gathering_once_train_th
     per_step, per_micro = runs["per_step"], runs["per_micro_batch"]
     assert [r["step"] for r in per_step] == [r["step"] for r in per_micro] == list(range(1, 7))
     for a, b in zip(per_step, per_micro):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"],
-                                                                                                    rel=1e-4)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=1e-4
+        )
     assert per_step[0]["loss"] == per_micro[0]["loss"]  # the first forward sees the same weights bit for bit
     # ... but not the same sums: the flag took effect (a no-op would give the default's bits)
     assert [r["grad_norm"] for r in per_step] != [r["grad_norm"] for r in per_micro]

@@ -21,9 +21,19 @@ from wampipe.train.config import CheckpointConfig, OptimConfig, ParallelConfig
 from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
 from wampipe.train.dit.model import Block, build_model, random_batch
 from wampipe.train.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
-from wampipe.train.parallel import (HostGradientSum, ac_block_indices, allocator_settings, apply_ac, check_host_memory,
-                                    host_memory_available, offload_host_bytes, parallelize, prepare_micro_batch,
-                                    recomputed_blocks, use_expandable_segments)
+from wampipe.train.parallel import (
+    HostGradientSum,
+    ac_block_indices,
+    allocator_settings,
+    apply_ac,
+    check_host_memory,
+    host_memory_available,
+    offload_host_bytes,
+    parallelize,
+    prepare_micro_batch,
+    recomputed_blocks,
+    use_expandable_segments,
+)
 
 torch.set_num_threads(2)
 
@@ -105,8 +115,10 @@ def test_fsdp_mixed_precision_trains_with_fp32_masters_and_official_names(tmp_pa
     norm = clip_grad_norm(model, 1.0)
     assert norm > 0 and not isinstance(norm, DTensor)
     opt.step()
-    full = cast(dict[str, torch.Tensor],  # a model's state: tensors only
-                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    full = cast(
+        dict[str, torch.Tensor],  # a model's state: tensors only
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+    )
     assert full.keys() == reference.keys()
     assert not torch.equal(full["blocks.0.self_attn.q.weight"], reference["blocks.0.self_attn.q.weight"])
     cfg = CheckpointConfig(dir=tmp_path / "run", keep_last=2)
@@ -138,8 +150,9 @@ def test_cpu_offload_keeps_every_shard_in_host_memory_and_trains_the_same():
         model = tiny_model()
         parallelize(model, ParallelConfig(cpu_offload=offload))
         assert all(_offloaded(model)) == offload and all(all(_offloaded(b)) == offload for b in model.blocks)
-        opt = build_optimizer(model, OptimConfig(lr=1e-3, fused=True if not offload else None), torch.device("cpu"),
-                              offloaded=offload)
+        opt = build_optimizer(
+            model, OptimConfig(lr=1e-3, fused=True if not offload else None), torch.device("cpu"), offloaded=offload
+        )
         assert opt.defaults["fused"]
         _, grads[offload] = _loss_and_grads(model)
         clip_grad_norm(model, 1.0)
@@ -233,9 +246,16 @@ def _offloaded_host_bytes(rank: int, out: str) -> None:
     opt.step()
     # the shards' storage (FSDP2 pads it to the same size on every rank), their gradients, AdamW's moments
     held = [cast(DTensor, p).to_local().untyped_storage().nbytes() for p in model.parameters()]
-    held += [t.numel() * t.element_size() for t in [cast(DTensor, p.grad).to_local() for p in model.parameters()] + [
-        v.to_local() if isinstance(v, DTensor) else v for state in opt.state.values()
-        for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]]
+    held += [
+        t.numel() * t.element_size()
+        for t in [cast(DTensor, p.grad).to_local() for p in model.parameters()]
+        + [
+            v.to_local() if isinstance(v, DTensor) else v
+            for state in opt.state.values()
+            for k, v in state.items()
+            if k in ("exp_avg", "exp_avg_sq")
+        ]
+    ]
     devices = {cast(DTensor, p).to_local().device.type for p in model.parameters()}
     torch.save((estimate, sum(held), devices), f"{out}.{rank}")
 
@@ -261,8 +281,11 @@ def test_offload_estimate_pads_shards_and_rounds_pinned_ones_and_refuses_what_do
     assert offload_host_bytes(linear, 2, pinned=True) == 64 + 2 * 16 + 2 * 12
     check_host_memory(80 * 10**9, 4, 400 * 10**9)
     check_host_memory(80 * 10**9, 4, None)  # no /proc/meminfo: not checked
-    with pytest.raises(UsageError, match=r"--parallel.cpu-offload: this node's 4 rank\(s\) need ~344 GB of host "
-                                         r"memory \(84.0 GB each .*2 GB for the process\), 340 GB is available"):
+    with pytest.raises(
+        UsageError,
+        match=r"--parallel.cpu-offload: this node's 4 rank\(s\) need ~344 GB of host "
+        r"memory \(84.0 GB each .*2 GB for the process\), 340 GB is available",
+    ):
         check_host_memory(84 * 10**9, 4, 340 * 10**9)  # the state alone (336 GB) would fit
     available = host_memory_available()
     assert available is not None and available > 0  # this Linux machine's MemAvailable
@@ -271,10 +294,14 @@ def test_offload_estimate_pads_shards_and_rounds_pinned_ones_and_refuses_what_do
 def test_expandable_segments_keep_the_environments_other_allocator_settings():
     """Applying allocator settings resets every one not named: the environment's own are applied with them."""
     assert allocator_settings({}) == "expandable_segments:True"
-    assert (allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,garbage_collection_threshold:0.8"})
-            == "max_split_size_mb:512,garbage_collection_threshold:0.8,expandable_segments:True")
-    assert (allocator_settings({"PYTORCH_ALLOC_CONF": "max_split_size_mb:256", "PYTORCH_CUDA_ALLOC_CONF": "x:1"})
-            == "max_split_size_mb:256,expandable_segments:True")  # the newer name first
+    assert (
+        allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,garbage_collection_threshold:0.8"})
+        == "max_split_size_mb:512,garbage_collection_threshold:0.8,expandable_segments:True"
+    )
+    assert (
+        allocator_settings({"PYTORCH_ALLOC_CONF": "max_split_size_mb:256", "PYTORCH_CUDA_ALLOC_CONF": "x:1"})
+        == "max_split_size_mb:256,expandable_segments:True"
+    )  # the newer name first
     # the environment chooses: expandable segments named either way, or another allocator backend
     assert allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) is None
     assert allocator_settings({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}) is None

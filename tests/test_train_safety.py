@@ -84,8 +84,9 @@ def _put_nan(shard_tar: str | Path, key: str) -> None:
 @pytest.mark.e2e
 def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
     shards = tmp_path / "shards"
-    synthetic.make_synthetic_shards(shards, "tiny", episodes=5, windows_per_episode=5, samples_per_shard=7, seed=1,
-                                    compress="none")
+    synthetic.make_synthetic_shards(
+        shards, "tiny", episodes=5, windows_per_episode=5, samples_per_shard=7, seed=1, compress="none"
+    )
     first, loader = _first_visits(shards, 8)
     bad_step, bad = min((s, w) for w, s in first.items() if s >= 5)
     window = cast(Window, loader.index.windows[bad])
@@ -98,8 +99,10 @@ def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
     stopped = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert stopped.returncode != 0
     good = list(range(2, bad_step, 2))[-2:]  # keep-last 2 of the checkpoints every 2 steps before the NaN
-    line = f"step {bad_step}: non-finite loss on {window.name} in {loader.index.shards[shard_index]} " \
-           f"(non-finite latents): stopped, nothing saved (last checkpoint: {checkpoint.step_dir(run_dir, good[-1])})"
+    line = (
+        f"step {bad_step}: non-finite loss on {window.name} in {loader.index.shards[shard_index]} "
+        f"(non-finite latents): stopped, nothing saved (last checkpoint: {checkpoint.step_dir(run_dir, good[-1])})"
+    )
     assert stopped.stderr.count(line) == 1, stopped.stderr[-3000:]  # one line, from rank 0 only
     assert [s for s, _ in checkpoint.complete_checkpoints(run_dir)] == good
     assert max(r["step"] for r in _rows(run_dir)) < bad_step
@@ -117,13 +120,16 @@ def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
     assert all(torch.isfinite(t).all() for t in exported.values())
 
 
-@pytest.mark.parametrize("failure, code, message", [
-    ("RuntimeError('CUDA out of memory')", 1, "RuntimeError: CUDA out of memory"),  # with its traceback
-    ("RunError('step 5: non-finite loss')", 1, "step 5: non-finite loss"),  # the trainer's one-line errors
-    ("UsageError('--data.shards x: no windows')", 1, "--data.shards x: no windows"),
-    ("SystemExit('step 5: non-finite loss')", 1, "step 5: non-finite loss"),
-    ("SystemExit(3)", 3, None),
-])
+@pytest.mark.parametrize(
+    "failure, code, message",
+    [
+        ("RuntimeError('CUDA out of memory')", 1, "RuntimeError: CUDA out of memory"),  # with its traceback
+        ("RunError('step 5: non-finite loss')", 1, "step 5: non-finite loss"),  # the trainer's one-line errors
+        ("UsageError('--data.shards x: no windows')", 1, "--data.shards x: no windows"),
+        ("SystemExit('step 5: non-finite loss')", 1, "step 5: non-finite loss"),
+        ("SystemExit(3)", 3, None),
+    ],
+)
 @pytest.mark.e2e
 def test_a_failed_rank_leaves_at_once_with_its_error(failure, code, message):
     """A rank that failed must exit even where Python's own exit would block (on GPUs: freeing memory under a
@@ -141,8 +147,9 @@ def test_a_failed_rank_leaves_at_once_with_its_error(failure, code, message):
         except BaseException as failure:
             leave_now(failure)
     """)
-    done = subprocess.run([sys.executable, "-c", script], env=_env(), cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == code, done.stderr[-2000:]
     assert done.stdout == "step 4 | loss 2.61\n"
     if message is None:
@@ -164,8 +171,13 @@ def _trained_model(**overrides):
 
 
 def _save(run: Path, step: int, model, optimizer) -> Path:
-    return checkpoint.save(CheckpointConfig(dir=run, keep_last=2), step, model, optimizer,
-                           {"step": step, "rng": torch.Generator().get_state()})
+    return checkpoint.save(
+        CheckpointConfig(dir=run, keep_last=2),
+        step,
+        model,
+        optimizer,
+        {"step": step, "rng": torch.Generator().get_state()},
+    )
 
 
 def test_nonfinite_weights_are_never_saved_or_exported(process_group, tmp_path):
@@ -186,8 +198,7 @@ def test_nonfinite_weights_are_never_saved_or_exported(process_group, tmp_path):
 def test_resume_with_another_model_shape_is_refused(process_group, tmp_path):
     path = _save(tmp_path, 1, *_trained_model())
     deeper, optimizer = _trained_model(num_layers=3)
-    with pytest.raises(RunError,
-                       match=r"a checkpoint of another model \(num_layers: checkpoint 2, this run 3\)"):
+    with pytest.raises(RunError, match=r"a checkpoint of another model \(num_layers: checkpoint 2, this run 3\)"):
         checkpoint.load(path, deeper, optimizer)
     state = checkpoint.load(path, *_trained_model())
     assert state["step"] == 1 and state["same_rank"] and state["rng"].dtype == torch.uint8
@@ -271,18 +282,25 @@ def test_bad_settings_and_missing_shards_are_refused_at_start(tmp_path, monkeypa
     for argv, message in [
         (["--steps", "0"], r"--steps 0 \(must be >= 1\)"),
         (["--data.micro-batch-size", "-2"], r"--data.micro-batch-size -2 \(must be >= 1\)"),
-        (["--parallel.global-batch-size", "6", "--data.micro-batch-size", "4"],
-         r"--parallel.global-batch-size 6 \(must be 0 or a positive multiple of the micro-batch 4\)"),
-        (["--checkpoint.keep-last", "0", "--metrics.interval", "0"],
-         r"--checkpoint.keep-last 0 \(must be >= 1\); --metrics.interval 0 \(must be >= 1\)"),
+        (
+            ["--parallel.global-batch-size", "6", "--data.micro-batch-size", "4"],
+            r"--parallel.global-batch-size 6 \(must be 0 or a positive multiple of the micro-batch 4\)",
+        ),
+        (
+            ["--checkpoint.keep-last", "0", "--metrics.interval", "0"],
+            r"--checkpoint.keep-last 0 \(must be >= 1\); --metrics.interval 0 \(must be >= 1\)",
+        ),
     ]:
         with pytest.raises(UsageError, match=r"^invalid settings: " + message + "$"):
             parse_args(argv + shards)
     assert parse_args(["--preset", "droid-5b"] + shards).optim.warmup_ratio == 0.05  # both references' 5B recipes
 
     monkeypatch.chdir(tmp_path)  # `torchrun train/main.py` with no flags: `make shards`' output, or what to pass
-    with pytest.raises(UsageError, match=r"no shards given and shards/droid/manifest.json does not exist: pass "
-                                         r"--data.shards DIR"):
+    with pytest.raises(
+        UsageError,
+        match=r"no shards given and shards/droid/manifest.json does not exist: pass "
+        r"--data.shards DIR",
+    ):
         parse_args([])
     (tmp_path / "shards" / "droid").mkdir(parents=True)
     (tmp_path / "shards" / "droid" / "manifest.json").write_text("{}")
@@ -298,8 +316,14 @@ def test_metrics_of_a_resumed_run_replace_later_rows_and_tensorboard_gets_the_co
     config = {"steps": cfg.steps, "optim": {"lr": cfg.optim.lr}}
     logger = MetricsLogger(cfg.metrics, tmp_path, 0, torch.device("cpu"), 40, 6, 1.0, None, 1, config=config)
     logger.close()
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3,
-                                                                                                           4, 5, 6]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
     events.Reload()
     text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()

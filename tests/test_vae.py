@@ -73,7 +73,7 @@ def test_channels_last_encoder_stores_the_default_layout_whatever_the_batch_comp
     x = clip(b=3)
     together = vae.encode(x)
     assert together.is_contiguous() and together.shape[0] == 3
-    assert torch.equal(together, torch.cat([vae.encode(x[i:i + 1]) for i in range(3)]))
+    assert torch.equal(together, torch.cat([vae.encode(x[i : i + 1]) for i in range(3)]))
     assert torch.equal(together, vae.encode(x.flip(0)).flip(0))
     vae.set_memory_format(torch.contiguous_format)  # back: the default layout's latents, in bf16 tolerance
     assert all(p.is_contiguous() for p in convs)
@@ -85,7 +85,7 @@ def test_normalization_and_batch_invariance(tiny_checkpoints, variant):
     vae = load_vae(tiny_checkpoints / FILES[variant], variant)
     x = clip(b=3)
     z = vae.encode(x)
-    one = torch.cat([vae.encode(x[i:i + 1]) for i in range(3)])
+    one = torch.cat([vae.encode(x[i : i + 1]) for i in range(3)])
     torch.testing.assert_close(z.float(), one.float(), atol=0.05, rtol=0.02)  # bf16 tolerance
     assert torch.equal(vae.encode(x, batch_size=1), one)
     mu = cast("AutoencoderKLOutput", vae.model.encode(x.bfloat16())).latent_dist.mean
@@ -111,8 +111,10 @@ def test_first_frame_y(tiny_checkpoints, variant, channels):
 def test_wrong_variant_is_recognized(tiny_checkpoints):
     with pytest.raises(WeightsError) as err:
         load_vae(tiny_checkpoints / FILES["wan2.1"], "wan2.2")
-    assert str(err.value) == (f"{tiny_checkpoints / FILES['wan2.1']}: this is a Wan2.1 VAE (16 latent channels, 8x), "
-                              "but a Wan2.2 VAE38 (48 latent channels, 16x) was asked for")
+    assert str(err.value) == (
+        f"{tiny_checkpoints / FILES['wan2.1']}: this is a Wan2.1 VAE (16 latent channels, 8x), "
+        "but a Wan2.2 VAE38 (48 latent channels, 16x) was asked for"
+    )
     with pytest.raises(WeightsError, match="this is a Wan2.2 VAE38 .* but a Wan2.1 VAE"):
         load_vae(tiny_checkpoints / "wan2.2" / "vae", "wan2.1")
     with pytest.raises(WeightsError, match="this file is a umT5 encoder, Wan layout .* but the VAE needs"):
@@ -128,8 +130,10 @@ def test_missing_unexpected_and_misshaped_keys(tiny_checkpoints, tmp_path):
     torch.save(bad, tmp_path / "Wan2.1_VAE.pth")
     with pytest.raises(WeightsError) as err:
         load_vae(tmp_path / "Wan2.1_VAE.pth")
-    assert str(err.value) == (f"{tmp_path / 'Wan2.1_VAE.pth'}: missing keys: encoder.middle.1.proj.bias; "
-                              "unexpected keys: encoder.extra.weight; wrong shapes: conv1.bias (5,) != (32,)")
+    assert str(err.value) == (
+        f"{tmp_path / 'Wan2.1_VAE.pth'}: missing keys: encoder.middle.1.proj.bias; "
+        "unexpected keys: encoder.extra.weight; wrong shapes: conv1.bias (5,) != (32,)"
+    )
 
 
 COMPILED_RUN = """
@@ -185,9 +189,17 @@ def test_a_batch_cast_by_the_worker_encodes_as_one_cast_by_the_encoder(tiny_chec
     from wampipe.preprocess.pipeline import Encoders, stack_clips
 
     clips = list(clip(b=2, t=33, h=32, w=64))
-    spec = SimpleNamespace(vae=str(tiny_checkpoints / FILES["wan2.2"]), model="5b", device="cpu", dtype="bfloat16",
-                           image_features="encoded", vae_compile=False, batch_size=2, compile_cache="",
-                           image_encoder=str(tiny_checkpoints / "clip" / "image_encoder"))
+    spec = SimpleNamespace(
+        vae=str(tiny_checkpoints / FILES["wan2.2"]),
+        model="5b",
+        device="cpu",
+        dtype="bfloat16",
+        image_features="encoded",
+        vae_compile=False,
+        batch_size=2,
+        compile_cache="",
+        image_encoder=str(tiny_checkpoints / "clip" / "image_encoder"),
+    )
     encoders = Encoders(spec)  # pyright: ignore[reportArgumentType]  # a stand-in: the fields Encoders reads
     batch = stack_clips(clips, torch.bfloat16)
     assert batch["videos"].dtype == torch.bfloat16 and batch["frame0"].dtype == torch.float32

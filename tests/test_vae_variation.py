@@ -11,7 +11,7 @@ def test_ordered_bf16_counts_representable_steps_across_zero():
     next_up = (one.view(torch.int16) + 1).view(torch.bfloat16)  # the bf16 number right above 1
     assert int(ordered_bf16(next_up) - ordered_bf16(one)) == 1
     assert int(ordered_bf16(torch.tensor([-0.0])) - ordered_bf16(torch.tensor([0.0]))) == 0
-    tiny = torch.tensor([2.0 ** -133], dtype=torch.bfloat16)  # the smallest subnormal: one step from zero each side
+    tiny = torch.tensor([2.0**-133], dtype=torch.bfloat16)  # the smallest subnormal: one step from zero each side
     assert int(ordered_bf16(tiny) - ordered_bf16(-tiny)) == 2
     values = torch.linspace(-3, 3, 101).to(torch.bfloat16)
     assert torch.all(ordered_bf16(values)[1:] > ordered_bf16(values)[:-1])  # monotone: a difference is a distance
@@ -24,7 +24,7 @@ def test_distance_of_one_step_and_of_scaled_noise():
     stepped = (a.view(torch.int16) + 1).view(torch.bfloat16)  # every element one step away from zero
     one = distance(stepped, a)
     assert one["frac_differ"] == 1 and one["frac_over_1_ulp"] == 0 and one["p99_ulps"] == 1
-    assert 0 < one["rel_rms"] < 2 ** -7  # one step is at most 2^-8 relative, 2^-7 counting the rounding of a
+    assert 0 < one["rel_rms"] < 2**-7  # one step is at most 2^-8 relative, 2^-7 counting the rounding of a
     far = distance((a.float() * 1.1).to(torch.bfloat16), a)
     assert abs(far["rel_rms"] - 0.1) < 0.01 and far["frac_over_1_ulp"] > 0.9
 
@@ -42,8 +42,21 @@ def test_script_reports_every_pair_of_eager_batch_sizes_and_compares_saved_runs(
     reported; two saved runs of the same machine compare as identical."""
     from scripts.check_vae_variation import main
 
-    args = ["--device", "cpu", "--quick", "--recipes", "libero-5b", "--clips", "4", "--batch-sizes", "4", "1", "2",
-            "--time-reps", "1"]
+    args = [
+        "--device",
+        "cpu",
+        "--quick",
+        "--recipes",
+        "libero-5b",
+        "--clips",
+        "4",
+        "--batch-sizes",
+        "4",
+        "1",
+        "2",
+        "--time-reps",
+        "1",
+    ]
     (row,) = main([*args, "--save", str(tmp_path / "a.pt")])
     main([*args, "--save", str(tmp_path / "b.pt")])
     assert row["eager_rerun_same_bits"] and set(row["clips_per_s"]) == {"eager_b4", "eager_b1", "eager_b2"}
@@ -51,5 +64,8 @@ def test_script_reports_every_pair_of_eager_batch_sizes_and_compares_saved_runs(
     assert row["graph_same_bits_as_without"] == {}  # CUDA graphs only on CUDA
     (same,) = main(["--compare", str(tmp_path / "a-libero-5b.pt"), str(tmp_path / "b-libero-5b.pt")])
     assert {name for name in same if name.startswith("eager_b")} == {"eager_b4", "eager_b1", "eager_b2"}
-    assert all(same[name][half]["frac_differ"] == 0 for name in ("eager_b4", "eager_b1", "eager_b2")
-               for half in ("noise", "smooth"))
+    assert all(
+        same[name][half]["frac_differ"] == 0
+        for name in ("eager_b4", "eager_b1", "eager_b2")
+        for half in ("noise", "smooth")
+    )

@@ -27,19 +27,48 @@ def val_shards(held_out_3) -> Path:
 
 
 def torchrun(script: str, ranks: int, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(ROOT / "train" / script), "--preset", "tiny", "--parallel.deterministic", "--metrics.val-batch", "2",
-               *args]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        str(ROOT / "train" / script),
+        "--preset",
+        "tiny",
+        "--parallel.deterministic",
+        "--metrics.val-batch",
+        "2",
+        *args,
+    ]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
 
 def train(shards: Path, run_dir: Path, *args: str) -> None:
-    torchrun("main.py", 2, "--data.shards", str(shards), "--checkpoint.dir", str(run_dir), "--steps", "4",
-             "--checkpoint.interval", "2", "--metrics.interval", "1", "--metrics.val-interval", "2",
-             "--metrics.no-progress", "--metrics.no-tensorboard", "--checkpoint.no-export", *args)
+    torchrun(
+        "main.py",
+        2,
+        "--data.shards",
+        str(shards),
+        "--checkpoint.dir",
+        str(run_dir),
+        "--steps",
+        "4",
+        "--checkpoint.interval",
+        "2",
+        "--metrics.interval",
+        "1",
+        "--metrics.val-interval",
+        "2",
+        "--metrics.no-progress",
+        "--metrics.no-tensorboard",
+        "--checkpoint.no-export",
+        *args,
+    )
 
 
 def rows(run_dir: Path) -> dict[int, dict]:
@@ -95,9 +124,20 @@ def test_bad_validation_flags_are_one_line(tmp_path):
     from wampipe.errors import UsageError
     from wampipe.train.config import parse_args
 
-    argv = ["--data.shards", str(tmp_path), "--metrics.val-interval", "-1", "--metrics.val-samples", "0",
-            "--metrics.val-batch", "-2"]
-    with pytest.raises(UsageError, match=r"^invalid settings: --metrics.val-interval -1 \(must be >= 0\); "
-                                         r"--metrics.val-samples 0 \(must be >= 1\); --metrics.val-batch -2 "
-                                         r"\(must be >= 0\)$"):
+    argv = [
+        "--data.shards",
+        str(tmp_path),
+        "--metrics.val-interval",
+        "-1",
+        "--metrics.val-samples",
+        "0",
+        "--metrics.val-batch",
+        "-2",
+    ]
+    with pytest.raises(
+        UsageError,
+        match=r"^invalid settings: --metrics.val-interval -1 \(must be >= 0\); "
+        r"--metrics.val-samples 0 \(must be >= 1\); --metrics.val-batch -2 "
+        r"\(must be >= 0\)$",
+    ):
         parse_args(argv)

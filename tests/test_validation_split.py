@@ -19,8 +19,11 @@ pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their 
 
 def keys(out: Path) -> list[str]:
     """Every sample key of a shard directory, from its shard JSONs."""
-    return [k for s in manifest(out)["shards"]
-            for k in json.loads((out / s["shard"]).with_suffix(".json").read_text())["keys"]]
+    return [
+        k
+        for s in manifest(out)["shards"]
+        for k in json.loads((out / s["shard"]).with_suffix(".json").read_text())["keys"]
+    ]
 
 
 def episodes(out: Path) -> set[int]:
@@ -39,7 +42,8 @@ def test_held_out_episodes_never_reach_training_shards(held_out_3, droid_shards)
     stats = (held_out_3 / "metadata.json").read_bytes()
     assert stats == (held_out_3 / "val" / "metadata.json").read_bytes() != (droid_shards / "metadata.json").read_bytes()
     assert {"episode": 3, "reason": "held out for validation (--val-episodes)"} in manifest(held_out_3)["statistics"][
-        "excluded"]
+        "excluded"
+    ]
 
 
 def test_check_finds_a_held_out_sample_in_training_shards(held_out_3, droid_shards, tmp_path):
@@ -64,8 +68,22 @@ def test_a_fraction_picks_the_same_episodes_on_every_executor(droid_root, tiny_c
     assert 0 < len(held) < 4  # the sample dataset's ids and this fraction leave both splits episodes
     local, stream = tmp_path / "local", tmp_path / "stream"
     build(droid_root, local, "droid", tiny_checkpoints, "--val-episodes", "0.50", "--executor", "local")
-    build(droid_root, stream, "droid", tiny_checkpoints, "--val-episodes", "0.5", "--executor", "stream",
-          "--workers", "2", "--threads-per-worker", "1", "--episodes-per-unit", "3")
+    build(
+        droid_root,
+        stream,
+        "droid",
+        tiny_checkpoints,
+        "--val-episodes",
+        "0.5",
+        "--executor",
+        "stream",
+        "--workers",
+        "2",
+        "--threads-per-worker",
+        "1",
+        "--episodes-per-unit",
+        "3",
+    )
     for out in (local, stream):
         assert check(out) == []
         assert manifest(out)["validation"]["episodes"] == held and manifest(out)["validation"]["choice"] == "0.5"
@@ -81,18 +99,28 @@ def test_a_rerun_with_other_held_out_episodes_is_refused(held_out_3, tiny_checkp
     before = sorted(p.name for p in held_out_3.rglob("*"))
     done = run_cli(shards_cmd(droid_root, held_out_3, "droid", tiny_checkpoints, "--val-episodes", "2,3"))
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith(f"{held_out_3} holds a build made from other inputs: "
-                                                             f"--val-episodes: 3 -> 2,3.")
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"{held_out_3} holds a build made from other inputs: --val-episodes: 3 -> 2,3.")
+    )
     without = run_cli(shards_cmd(droid_root, held_out_3, "droid", tiny_checkpoints))
     assert without.returncode == 1 and "--val-episodes: 3 -> None" in without.stderr
     assert sorted(p.name for p in held_out_3.rglob("*")) == before
 
 
-@pytest.mark.parametrize("value,says", [
-    ("1.5", "not a fraction in (0, 1)"), ("0.0", "not a fraction in (0, 1)"), ("abc", "not a fraction in (0, 1)"),
-    ("-1", "not a fraction in (0, 1)"), ("3,x", "not a fraction in (0, 1)"),
-    ("3,9", "episodes [9] are not among the 4 episodes"), ("0,1,2,3", "holds out every one of the 4 episodes"),
-])
+@pytest.mark.parametrize(
+    "value,says",
+    [
+        ("1.5", "not a fraction in (0, 1)"),
+        ("0.0", "not a fraction in (0, 1)"),
+        ("abc", "not a fraction in (0, 1)"),
+        ("-1", "not a fraction in (0, 1)"),
+        ("3,x", "not a fraction in (0, 1)"),
+        ("3,9", "episodes [9] are not among the 4 episodes"),
+        ("0,1,2,3", "holds out every one of the 4 episodes"),
+    ],
+)
 def test_bad_values_give_one_line(value, says, droid_root, tiny_checkpoints, tmp_path):
     done = run_cli(shards_cmd(droid_root, tmp_path / "out", "droid", tiny_checkpoints, "--val-episodes", value))
     lines = done.stderr.strip().splitlines()
@@ -118,13 +146,22 @@ def test_evaluation_sets_of_another_recipe_stop_the_run_at_start(flag, small_sha
     """Checked like --data.shards, before the first step: not thousands of steps in at the first evaluation."""
     from tests.test_train_main import _command, _env
 
-    cmd = [*_command(small_shards, tmp_path / "run"), flag, str(droid_shards), "--metrics.val-interval", "100",
-           "--metrics.action-interval", "100"]
+    cmd = [
+        *_command(small_shards, tmp_path / "run"),
+        flag,
+        str(droid_shards),
+        "--metrics.val-interval",
+        "100",
+        "--metrics.action-interval",
+        "100",
+    ]
     done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
     role = "a validation split" if "val" in flag else "an action-evaluation set"
-    line = (f"{droid_shards}: built for another DiT recipe than {small_shards}: in_dim 48 vs 4; {role} must be "
-            f"built like the data it evaluates")
+    line = (
+        f"{droid_shards}: built for another DiT recipe than {small_shards}: in_dim 48 vs 4; {role} must be "
+        f"built like the data it evaluates"
+    )
     assert done.stderr.count(line) == 1, done.stderr[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
 
@@ -135,6 +172,8 @@ def test_a_validation_split_is_checked_on_its_own(held_out_3, capsys):
 
     assert check(held_out_3 / "val") == []
     preprocess_main(["check", str(held_out_3 / "val")])
-    assert capsys.readouterr().out.splitlines() == [f"OK: {held_out_3 / 'val'}: "
-                                                    f"{manifest(held_out_3 / 'val')['totals']['samples']} samples in "
-                                                    f"{len(manifest(held_out_3 / 'val')['shards'])} shards"]
+    assert capsys.readouterr().out.splitlines() == [
+        f"OK: {held_out_3 / 'val'}: "
+        f"{manifest(held_out_3 / 'val')['totals']['samples']} samples in "
+        f"{len(manifest(held_out_3 / 'val')['shards'])} shards"
+    ]

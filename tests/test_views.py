@@ -10,8 +10,18 @@ from PIL import Image
 
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.views import (
-    adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation, draw_train_params, episode_canvas,
-    episode_model_video, eval_params, make_canvas, sample_video, to_model_video, transform_views,
+    adjust_brightness,
+    adjust_contrast,
+    adjust_hue,
+    adjust_saturation,
+    draw_train_params,
+    episode_canvas,
+    episode_model_video,
+    eval_params,
+    make_canvas,
+    sample_video,
+    to_model_video,
+    transform_views,
 )
 from wampipe.preprocess.windows import episode_windows
 from wampipe.shardformat.embodiments import get_embodiment
@@ -34,8 +44,9 @@ def test_droid_canvas_pixel_by_pixel():
     for t in range(2):
         for y in range(5):
             for x in range(7):
-                assert ((canvas[t, y, 2 * x] == views[2, t, y, x]).all()
-                        and (canvas[t, y, 2 * x + 1] == views[2, t, y, x]).all())
+                assert (canvas[t, y, 2 * x] == views[2, t, y, x]).all() and (
+                    canvas[t, y, 2 * x + 1] == views[2, t, y, x]
+                ).all()
                 assert (canvas[t, 5 + y, x] == views[0, t, y, x]).all()
                 assert (canvas[t, 5 + y, 7 + x] == views[1, t, y, x]).all()
 
@@ -60,8 +71,10 @@ def test_resize_matches_pil_antialiased_bilinear():
 def test_truncation_not_rounding():
     """uint8 via (x * 255).to(uint8): a 0.999-level value is truncated down."""
     views = np.full((1, 1, 4, 4, 3), 100, np.uint8)
-    params = {"crop": [0, 0, 4, 4], "jitter": {"order": ["brightness"], "brightness": 1.009, "contrast": 1.0,
-                                                "saturation": 1.0, "hue": 0.0}}
+    params = {
+        "crop": [0, 0, 4, 4],
+        "jitter": {"order": ["brightness"], "brightness": 1.009, "contrast": 1.0, "saturation": 1.0, "hue": 0.0},
+    }
     assert transform_views(views, (4, 4), params).max() == 100  # 100.9 -> 100 (rounding would give 101)
 
 
@@ -127,13 +140,16 @@ def test_model_video_range_and_resize():
     assert video[0].eq(-1).all() and video[1].eq(1).all()
     same = to_model_video(canvas, (256, 512))
     assert same.shape == (3, 2, 256, 512)
-    expected = torch.nn.functional.interpolate(same.permute(1, 0, 2, 3), size=(160, 320), mode="bilinear",
-                                               align_corners=False).permute(1, 0, 2, 3)
+    expected = torch.nn.functional.interpolate(
+        same.permute(1, 0, 2, 3), size=(160, 320), mode="bilinear", align_corners=False
+    ).permute(1, 0, 2, 3)
     torch.testing.assert_close(video, expected)
 
 
-@pytest.mark.parametrize("preset,canvas_hw,model_hw", [("14b", (352, 640), (352, 640)), ("5b", (352, 640), (176, 320)),
-                                                        ("5b-wan22", (320, 640), (160, 320))])
+@pytest.mark.parametrize(
+    "preset,canvas_hw,model_hw",
+    [("14b", (352, 640), (352, 640)), ("5b", (352, 640), (176, 320)), ("5b-wan22", (320, 640), (160, 320))],
+)
 def test_droid_window_on_sample_dataset(droid_root, preset, canvas_hw, model_hw):
     emb = get_embodiment("oxe_droid")
     ds = LeRobotDataset(droid_root)

@@ -3,6 +3,7 @@ exactly the tensors and text embeddings the trainer's SampleReader gives for the
 
 import pickle
 import shutil
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def shards(tmp_path_factory) -> Path:
     """12 samples (3 episodes x 2 windows x 2 variants) in shards of 5; every tensor member zstd-compressed."""
     out = tmp_path_factory.mktemp("wds") / "tiny"
-    synthetic.make_synthetic_shards(out, "tiny", episodes=3, windows_per_episode=2, augment_variants=2,
-                                    samples_per_shard=5, seed=1, compress="all")
+    synthetic.make_synthetic_shards(
+        out, "tiny", episodes=3, windows_per_episode=2, augment_variants=2, samples_per_shard=5, seed=1, compress="all"
+    )
     return out
 
 
@@ -75,8 +77,10 @@ def test_webdataset_reads_what_the_trainer_reads(shards):
 def test_wids_random_access_reads_what_the_trainer_reads(shards, tmp_path):
     expected = _expected(shards)
     # wids leaves `transformations` unannotated: its default "PIL" types it as str, though it takes a list of functions
-    dataset = wids.ShardListDataset(str(shards / "wids.json"), cache_dir=str(tmp_path / "cache"),
-                                    transformations=[webdataset_decoder(shards)])  # pyright: ignore[reportArgumentType]
+    transformations: Any = [webdataset_decoder(shards)]
+    dataset = wids.ShardListDataset(
+        str(shards / "wids.json"), cache_dir=str(tmp_path / "cache"), transformations=transformations
+    )
     assert len(dataset) == 12
     for i in (11, 0, 7, 3):  # across shards, out of order
         sample = dataset[i]

@@ -4,8 +4,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wampipe.encoders.weights import (WeightsError, assign_loaded, check_keys, expect_kind, on_meta, read_state_dict,
-                                      recognize)
+from wampipe.encoders.weights import (
+    WeightsError,
+    assign_loaded,
+    check_keys,
+    expect_kind,
+    on_meta,
+    read_state_dict,
+    recognize,
+)
 
 
 def test_read_formats(tmp_path, tiny_checkpoints):
@@ -21,9 +28,12 @@ def test_read_formats(tmp_path, tiny_checkpoints):
 
 def test_recognize_every_tiny_file(tiny_checkpoints):
     kinds = {
-        "wan2.1/Wan2.1_VAE.pth": "wan2.1-vae", "wan2.2/Wan2.2_VAE.pth": "wan2.2-vae",
-        "wan2.1/vae": "diffusers-vae", "wan2.2/vae": "diffusers-vae",
-        "umt5/models_t5_umt5-xxl-enc-bf16.pth": "wan-umt5", "umt5/text_encoder": "hf-umt5",
+        "wan2.1/Wan2.1_VAE.pth": "wan2.1-vae",
+        "wan2.2/Wan2.2_VAE.pth": "wan2.2-vae",
+        "wan2.1/vae": "diffusers-vae",
+        "wan2.2/vae": "diffusers-vae",
+        "umt5/models_t5_umt5-xxl-enc-bf16.pth": "wan-umt5",
+        "umt5/text_encoder": "hf-umt5",
         "clip/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth": "wan-clip",
         "clip/image_encoder": "hf-clip-vision",
     }

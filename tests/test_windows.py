@@ -13,8 +13,46 @@ from wampipe.shardformat.embodiments import EMBODIMENTS, get_embodiment
 # rows, state rows, full windows per episode = L - extent.
 SPEC = {
     "oxe_droid": (list(range(0, 97, 3)), 96, [0, 24, 48, 72], 96),
-    "libero_sim": ([0, 3, 6, 9, 12, 15, 16, 18, 19, 21, 22, 25, 28, 31, 32, 34, 35, 37, 38, 41, 44, 47, 48, 50, 51,
-                    53, 54, 57, 60, 63, 66, 69, 72], 64, [0, 16, 32, 48], 72),
+    "libero_sim": (
+        [
+            0,
+            3,
+            6,
+            9,
+            12,
+            15,
+            16,
+            18,
+            19,
+            21,
+            22,
+            25,
+            28,
+            31,
+            32,
+            34,
+            35,
+            37,
+            38,
+            41,
+            44,
+            47,
+            48,
+            50,
+            51,
+            53,
+            54,
+            57,
+            60,
+            63,
+            66,
+            69,
+            72,
+        ],
+        64,
+        [0, 16, 32, 48],
+        72,
+    ),
     "franka_pnp": ([*range(0, 8), *range(12, 20), *range(24, 32), *range(36, 44), 44], 48, [0, 12, 24, 36], 48),
 }
 
@@ -81,8 +119,9 @@ def test_droid_rlinf_is_aligned():
         for f in range(length):
             s = rlinf_sample(f, length, pattern)
             if s.num_chunks == 4:
-                assert (s.action[0] == s.video[0]
-                        and s.state.tolist() == (s.video[0] + np.array([0, 24, 48, 72])).tolist())
+                assert (
+                    s.action[0] == s.video[0] and s.state.tolist() == (s.video[0] + np.array([0, 24, 48, 72])).tolist()
+                )
 
 
 def test_libero_misalignment_is_not_reproduced():
@@ -90,14 +129,17 @@ def test_libero_misalignment_is_not_reproduced():
     pattern = get_embodiment("libero_sim").window
     s = rlinf_sample(163, 200, pattern)
     assert (s.video[0], s.action[0], s.state[0]) == (115, 131, 131)
-    misaligned = [f for f in range(200)
-                  if (x := rlinf_sample(f, 200, pattern)).num_chunks == 4 and x.action[0] != x.video[0]]
+    misaligned = [
+        f for f in range(200) if (x := rlinf_sample(f, 200, pattern)).num_chunks == 4 and x.action[0] != x.video[0]
+    ]
     assert len(misaligned) == 15
     ours = {w.start: w for w in episode_windows(200, pattern)}[115]
     assert ours.action_rows[0] == ours.state_rows[0] == ours.video_rows[0] == 115
     franka = get_embodiment("franka_pnp").window
-    assert sum(1 for f in range(60)
-               if (x := rlinf_sample(f, 60, franka)).num_chunks == 4 and x.action[0] != x.video[0]) == 2
+    assert (
+        sum(1 for f in range(60) if (x := rlinf_sample(f, 60, franka)).num_chunks == 4 and x.action[0] != x.video[0])
+        == 2
+    )
 
 
 def test_anchor_stride_keeps_every_nth_window():

@@ -27,9 +27,17 @@ from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
 from wampipe.train.metrics import MetricsLogger, StepProfiler, device_peak_flops
 from wampipe.train.dit.model import MODEL_INPUTS, CausalWanModel, DiTBatch, DiTConfig, preset
 from wampipe.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, warmup_steps
-from wampipe.train.parallel import (HostGradientSum, check_host_memory, computes_on_cuda, float8_after_step,
-                            host_memory_available, offload_host_bytes, parallelize, prepare_micro_batch,
-                            recomputed_blocks)
+from wampipe.train.parallel import (
+    HostGradientSum,
+    check_host_memory,
+    computes_on_cuda,
+    float8_after_step,
+    host_memory_available,
+    offload_host_bytes,
+    parallelize,
+    prepare_micro_batch,
+    recomputed_blocks,
+)
 from wampipe.train.state import TrainState
 from wampipe.train.dit.weights import WeightsError, load_weights
 
@@ -38,8 +46,10 @@ if TYPE_CHECKING:
 
     from wampipe.encoders.image_encoder import ImageEncoder
 
-NEEDS_CLIP = ("{shards} holds CLIP's input pixels, not its features (preprocess --image-features pixels): pass the "
-              "CLIP weights it was built with ({path}) as --model.image-encoder")
+NEEDS_CLIP = (
+    "{shards} holds CLIP's input pixels, not its features (preprocess --image-features pixels): pass the "
+    "CLIP weights it was built with ({path}) as --model.image-encoder"
+)
 
 
 def frozen_image_encoder(cfg: Config, device: torch.device):
@@ -59,8 +69,10 @@ def frozen_image_encoder(cfg: Config, device: torch.device):
     if not path.exists():
         raise UsageError(f"--model.image-encoder {path}: not found")
     if weights_sha256(path)[0] != built_with["sha256"]:
-        raise UsageError(f"--model.image-encoder {path}: not the CLIP weights {shards} was built with "
-                         f"({built_with['path']}, sha256 {built_with['sha256'][:12]}): its features would differ")
+        raise UsageError(
+            f"--model.image-encoder {path}: not the CLIP weights {shards} was built with "
+            f"({built_with['path']}, sha256 {built_with['sha256'][:12]}): its features would differ"
+        )
     return load_image_encoder(path, device=device, dtype=getattr(torch, manifest.encoders["dtype"]))
 
 
@@ -92,8 +104,9 @@ def model_config(cfg: Config, image_encoder=None, indexes: list[ShardIndex] | No
     return model_cfg
 
 
-def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
-                  checkpoint_holds_all: bool = False) -> CausalWanModel:
+def sharded_model(
+    model_cfg: DiTConfig, cfg: Config, device: torch.device, checkpoint_holds_all: bool = False
+) -> CausalWanModel:
     """The DiT of `model_cfg`, parallelized, with fp32 shards on `device` (in host memory with --parallel.cpu-offload):
     the seeded init, or --model.init-from of which each rank reads only its own rows (with --model.init-device meta
     no rank ever holds the full model).
@@ -124,16 +137,21 @@ def sharded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
     return model
 
 
-def offloaded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
-                    checkpoint_holds_all: bool = False) -> CausalWanModel:
+def offloaded_model(
+    model_cfg: DiTConfig, cfg: Config, device: torch.device, checkpoint_holds_all: bool = False
+) -> CausalWanModel:
     """`sharded_model` with --parallel.cpu-offload: its shards initialized or loaded on `device` without the offload,
     then copied into the offloaded model's host memory. Why: FSDP2 moves an offloaded shard to host memory the moment
     it exists, and on the host DTensor has no per-shard random streams (every rank would draw the same values)."""
     with torch.device("meta"):
         model = CausalWanModel(model_cfg)
     apply_lora(model, cfg.lora)
-    held = offload_host_bytes(model, dist.get_world_size(), pinned=computes_on_cuda(cfg.parallel),
-                              accumulating=host_sums_gradients(cfg, dist.get_world_size()))
+    held = offload_host_bytes(
+        model,
+        dist.get_world_size(),
+        pinned=computes_on_cuda(cfg.parallel),
+        accumulating=host_sums_gradients(cfg, dist.get_world_size()),
+    )
     # the least any rank found (-1: one could not tell), read before any rank allocates its state, so that every rank
     # decides alike (a host tensor: the offload's process group has a CPU backend)
     found = host_memory_available()
@@ -141,8 +159,9 @@ def offloaded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
     dist.all_reduce(least, op=dist.ReduceOp.MIN)
     check_host_memory(held, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), None if least < 0 else int(least))
     # the fp32 shards on the device first (4 bytes per parameter over the ranks; the 14B on 4 GPUs: 16.5 GB each)
-    on_device = sharded_model(model_cfg, replace(cfg, parallel=replace(cfg.parallel, cpu_offload=False)), device,
-                              checkpoint_holds_all)
+    on_device = sharded_model(
+        model_cfg, replace(cfg, parallel=replace(cfg.parallel, cpu_offload=False)), device, checkpoint_holds_all
+    )
     parallelize(model, cfg.parallel)
     model.to_empty(device="cpu")  # FSDP2 pins the shards where a GPU computes
     model._masks = {}
@@ -157,14 +176,18 @@ def offloaded_model(model_cfg: DiTConfig, cfg: Config, device: torch.device,
     return model
 
 
-def build(cfg: Config, device: torch.device, image_encoder=None, indexes: list[ShardIndex] | None = None,
-          checkpoint_holds_all: bool = False) -> CausalWanModel:
+def build(
+    cfg: Config,
+    device: torch.device,
+    image_encoder=None,
+    indexes: list[ShardIndex] | None = None,
+    checkpoint_holds_all: bool = False,
+) -> CausalWanModel:
     """Same init on every rank, then parallelize; parameters end up as fp32 shards on `device`."""
     model = sharded_model(model_config(cfg, image_encoder, indexes), cfg, device, checkpoint_holds_all)
     if cfg.checkpoint.export and cfg.checkpoint.export_base is not None:  # refuse an unusable base now, not at the end
         try:
-            check_base(cfg.checkpoint.export_base, model,
-                       list(mixture_statistics([s.shards for s in cfg.data.sets()])))
+            check_base(cfg.checkpoint.export_base, model, list(mixture_statistics([s.shards for s in cfg.data.sets()])))
         except WeightsError as e:
             raise WeightsError(f"--checkpoint.export-base {e}") from None
     model.attention_backend = cfg.model.attention
@@ -242,16 +265,19 @@ def host_sums_gradients(cfg: Config, world: int) -> bool:
     return p.cpu_offload and bool(p.reduce_every_micro_batch) and batch_plan(cfg, world).accum > 1
 
 
-def resume(cfg: Config, path: Path, model: CausalWanModel, optimizer: torch.optim.Optimizer,
-           state: TrainState) -> None:
+def resume(cfg: Config, path: Path, model: CausalWanModel, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
     """Model, optimizer and the loop's state from the checkpoint at `path`."""
     state.load_state_dict(checkpoint.load(path, model, optimizer))
     if state.step > cfg.steps:
-        raise RunError(f"{path} is at step {state.step}, beyond --steps {cfg.steps}: pass a larger "
-                                  f"--steps or another --checkpoint.dir")
+        raise RunError(
+            f"{path} is at step {state.step}, beyond --steps {cfg.steps}: pass a larger "
+            f"--steps or another --checkpoint.dir"
+        )
     if dist.get_rank() == 0:
-        print(f"resumed from {path} at step {state.step} (epoch {state.loader.epoch}, batch "
-              f"{state.loader.next_batch})", flush=True)
+        print(
+            f"resumed from {path} at step {state.step} (epoch {state.loader.epoch}, batch {state.loader.next_batch})",
+            flush=True,
+        )
 
 
 def announce(cfg: Config, run: Run, plan: BatchPlan, device: torch.device) -> None:
@@ -263,13 +289,21 @@ def announce(cfg: Config, run: Run, plan: BatchPlan, device: torch.device) -> No
     save_config(cfg, run_dir / "config.yaml")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     where = device.type + ("; fp32 state in host memory" if cfg.parallel.cpu_offload else "")
-    print(f"{cfg.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
-          f"({trainable / 1e6:.2f}M trainable), {dist.get_world_size()} ranks ({where}), micro-batch {plan.micro}, "
-          f"accum {plan.accum}, global batch {plan.global_batch}, "
-          f"{loader.num_windows} windows, {loader.batches_per_epoch} batches/epoch/rank", flush=True)
+    print(
+        f"{cfg.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
+        f"({trainable / 1e6:.2f}M trainable), {dist.get_world_size()} ranks ({where}), micro-batch {plan.micro}, "
+        f"accum {plan.accum}, global batch {plan.global_batch}, "
+        f"{loader.num_windows} windows, {loader.batches_per_epoch} batches/epoch/rank",
+        flush=True,
+    )
     if cfg.data.mixture:
-        print("mixture: " + ", ".join(f"{name} {p:.3f} ({len(ix)} windows)" for name, p, ix in
-                                      zip(loader.names, loader.probs, loader.indexes)), flush=True)
+        print(
+            "mixture: "
+            + ", ".join(
+                f"{name} {p:.3f} ({len(ix)} windows)" for name, p, ix in zip(loader.names, loader.probs, loader.indexes)
+            ),
+            flush=True,
+        )
 
 
 def open_metrics(cfg: Config, run: Run, first: dict, device: torch.device) -> tuple[MetricsLogger, StepProfiler]:
@@ -280,9 +314,19 @@ def open_metrics(cfg: Config, run: Run, first: dict, device: torch.device) -> tu
     recomputed = recomputed_blocks(cfg.parallel.activation_checkpoint, cfg.parallel.ac_blocks, model.cfg.num_layers)
     flops = flops_per_sample.train_step(recompute=recomputed / model.cfg.num_layers)
     run_dir = Path(cfg.checkpoint.dir)
-    metrics = MetricsLogger(cfg.metrics, run_dir, rank, device, cfg.steps, run.state.step, flops,
-                            device_peak_flops(device, cfg.parallel.peak_tflops), world, config=asdict(cfg),
-                            sets=run.loader.names if cfg.data.mixture else None)
+    metrics = MetricsLogger(
+        cfg.metrics,
+        run_dir,
+        rank,
+        device,
+        cfg.steps,
+        run.state.step,
+        flops,
+        device_peak_flops(device, cfg.parallel.peak_tflops),
+        world,
+        config=asdict(cfg),
+        sets=run.loader.names if cfg.data.mixture else None,
+    )
     profiler = StepProfiler(cfg.metrics, run_dir, rank, device)
     profiler.after_step(run.state.step)  # a profile that starts at the first step
     return metrics, profiler

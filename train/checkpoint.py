@@ -65,8 +65,22 @@ MARKER = ".wampipe-run"
 LOCK = ".lock"
 RUN_ID = "run-id"  # the run's identity, recorded in each checkpoint it saves
 # Everything the trainer writes at the top of a run directory (glob patterns); it touches nothing else there.
-RUN_FILES = (MARKER, LOCK, RUN_ID, "config.yaml", "metrics.jsonl", "tb", "wandb", "export", "step-*",
-             "summary-rank*.json", "profile-rank*.txt", "trace-rank*.json.gz", ".*.tmp", ".export.old")
+RUN_FILES = (
+    MARKER,
+    LOCK,
+    RUN_ID,
+    "config.yaml",
+    "metrics.jsonl",
+    "tb",
+    "wandb",
+    "export",
+    "step-*",
+    "summary-rank*.json",
+    "profile-rank*.txt",
+    "trace-rank*.json.gz",
+    ".*.tmp",
+    ".export.old",
+)
 # Frozen parameters (a LoRA run's base DiT) are not saved: the run rebuilds them from its seed or --model.init-from.
 # Loading is then not strict about them; dcp.load itself still requires every saved (trainable) key.
 TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
@@ -134,8 +148,11 @@ def start_over(root: Path) -> None:
     for _, path in earlier:
         shutil.rmtree(path)
     if earlier:
-        print(f"--checkpoint.no-resume: deleted the {len(earlier)} step directories of an earlier run in {root} "
-              f"({', '.join(p.name for _, p in earlier[:5])}{', ...' if len(earlier) > 5 else ''})", flush=True)
+        print(
+            f"--checkpoint.no-resume: deleted the {len(earlier)} step directories of an earlier run in {root} "
+            f"({', '.join(p.name for _, p in earlier[:5])}{', ...' if len(earlier) > 5 else ''})",
+            flush=True,
+        )
 
 
 def _claim(root: Path, export: bool) -> int:
@@ -144,16 +161,23 @@ def _claim(root: Path, export: bool) -> int:
     if not marked:
         ours = sorted(p.name for p in root.iterdir() if p.name != LOCK and any(fnmatch(p.name, f) for f in RUN_FILES))
         if ours:
-            raise RunError(f"{root} holds {', '.join(ours[:5])} but is not a wampipe run directory (no {MARKER}): "
-                           f"pass a new or empty --checkpoint.dir")
+            raise RunError(
+                f"{root} holds {', '.join(ours[:5])} but is not a wampipe run directory (no {MARKER}): "
+                f"pass a new or empty --checkpoint.dir"
+            )
     foreign = foreign_files(root / "export") if export else []
     if foreign:
-        raise RunError(f"{root / 'export'} holds {', '.join(foreign[:5])}, which no export writes: the export would "
-                       f"replace the folder, so move them out of it (or pass --checkpoint.no-export)")
+        raise RunError(
+            f"{root / 'export'} holds {', '.join(foreign[:5])}, which no export writes: the export would "
+            f"replace the folder, so move them out of it (or pass --checkpoint.no-export)"
+        )
     fd = lock_directory(root / LOCK, "training run", "pass another --checkpoint.dir")
     if not marked:
-        atomic_write_bytes(root / MARKER, b"a wampipe training run directory: the trainer writes and deletes only "
-                                          b"the files it names here (docs/TRAINING.md)\n")
+        atomic_write_bytes(
+            root / MARKER,
+            b"a wampipe training run directory: the trainer writes and deletes only "
+            b"the files it names here (docs/TRAINING.md)\n",
+        )
     return fd
 
 
@@ -196,8 +220,10 @@ def resumable(root: Path) -> list[tuple[int, Path]]:
                 damaged = path
         shared = [complete_checkpoints(root)]
         if damaged and not shared[0]:
-            error = (f"{damaged}: not a complete checkpoint and none before it: restore its files, or pass "
-                     f"--checkpoint.no-resume to start over (deleting its step directories)")
+            error = (
+                f"{damaged}: not a complete checkpoint and none before it: restore its files, or pass "
+                f"--checkpoint.no-resume to start over (deleting its step directories)"
+            )
     _stop_if_any(error)
     dist.broadcast_object_list(shared, src=0)
     return cast("list[tuple[int, Path]]", shared[0])  # rank 0's list, on every rank now
@@ -293,12 +319,19 @@ def save(cfg: CheckpointConfig, step: int, model: nn.Module, optimizer: torch.op
         error = _first_error(shutil.rmtree, path)
     _stop_if_any(error, describe=failed)  # also the barrier: no rank writes before the old files are gone
     tensors = {k: v.detach().cpu().contiguous() for k, v in extra.items() if isinstance(v, torch.Tensor)}
-    data = ({k: v for k, v in extra.items() if k not in tensors} |
-            {"step": step, "world_size": dist.get_world_size(), "model": model_fields(model),
-             "run": _run[0] if _run else None})
-    error = _first_error(path.mkdir, parents=True, exist_ok=True) or _first_error(
-        atomic_write_bytes, path / f"rank-{rank:05d}.safetensors", safetensors_bytes(tensors)) or _first_error(
-        atomic_write_bytes, path / f"rank-{rank:05d}.json", (json.dumps(data, indent=1) + "\n").encode())
+    data = {k: v for k, v in extra.items() if k not in tensors} | {
+        "step": step,
+        "world_size": dist.get_world_size(),
+        "model": model_fields(model),
+        "run": _run[0] if _run else None,
+    }
+    error = (
+        _first_error(path.mkdir, parents=True, exist_ok=True)
+        or _first_error(atomic_write_bytes, path / f"rank-{rank:05d}.safetensors", safetensors_bytes(tensors))
+        or _first_error(
+            atomic_write_bytes, path / f"rank-{rank:05d}.json", (json.dumps(data, indent=1) + "\n").encode()
+        )
+    )
     _stop_if_any(error, remove=path, describe=failed)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
     try:
@@ -326,9 +359,11 @@ def _first_error(write, *args, **kwargs) -> str | None:
 
 def _save_failed(path: Path, cause: str) -> str:
     kept = complete_checkpoints(path.parent)
-    return (f"{path}: saving the checkpoint failed ({cause}; {free_space(path.parent)}); "
-            + (f"the last checkpoint {kept[-1][1]} is as it was" if kept else "no earlier checkpoint exists")
-            + ": free space (or fix the cause) and run again to resume")
+    return (
+        f"{path}: saving the checkpoint failed ({cause}; {free_space(path.parent)}); "
+        + (f"the last checkpoint {kept[-1][1]} is as it was" if kept else "no earlier checkpoint exists")
+        + ": free space (or fix the cause) and run again to resume"
+    )
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -343,10 +378,15 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     state = json.loads(source.read_text()) | load_file(source.with_suffix(".safetensors"))
     current = model_fields(model)
     if state["model"] != current:
-        diff = ", ".join(f"{k}: checkpoint {state['model'].get(k)}, this run {current.get(k)}"
-                         for k in {**state["model"], **current} if state["model"].get(k) != current.get(k))
-        raise RunError(f"{path}: a checkpoint of another model ({diff}); resume with the model and --lora flags "
-                       f"it was trained with, or start a new --checkpoint.dir")
+        diff = ", ".join(
+            f"{k}: checkpoint {state['model'].get(k)}, this run {current.get(k)}"
+            for k in {**state["model"], **current}
+            if state["model"].get(k) != current.get(k)
+        )
+        raise RunError(
+            f"{path}: a checkpoint of another model ({diff}); resume with the model and --lora flags "
+            f"it was trained with, or start a new --checkpoint.dir"
+        )
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
     sd = {"model": model_sd, "optim": optim_sd}
     try:
@@ -354,8 +394,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     except CheckpointException as e:  # a rank's failure, e.g. a non-data pickle refused by DataOnlyPlanner
         cause = next(iter(e.failures.values()), (e,))[0]
         raise RunError(f"{path}: refusing to load: {_first_line(cause)}") from None
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                   options=TRAINABLE_ONLY)
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=TRAINABLE_ONLY)
     state["same_rank"] = source == own
     return state
 
@@ -367,11 +406,25 @@ def _first_line(e: BaseException) -> str:
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP pickles its .metadata: admit only the classes it is made of, so a crafted file cannot call anything."""
 
-    ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-        ("torch", "Size"), ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
+    ALLOWED = {
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    } | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+        ("collections", "OrderedDict"),
+    }
 
     def find_class(self, module: str, name: str):
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
@@ -407,5 +460,3 @@ class DataOnlyPlanner(DefaultLoadPlanner):
         torch.load(value, weights_only=True)
         value.seek(0)
         super().load_bytes(read_item, value)
-
-

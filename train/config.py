@@ -52,9 +52,12 @@ def _parse_sets(args: list[str]) -> tuple[ShardSet, ...]:
 
 
 MIXTURE_FLAG = tyro.constructors.PrimitiveConstructorSpec(
-    nargs="*", metavar="DIR[=WEIGHT] ...", instance_from_str=_parse_sets,
+    nargs="*",
+    metavar="DIR[=WEIGHT] ...",
+    instance_from_str=_parse_sets,
     is_instance=lambda v: isinstance(v, tuple) and all(isinstance(s, ShardSet) for s in v),
-    str_from_instance=lambda sets: [f"{s.shards}={s.weight:g}" for s in sets])
+    str_from_instance=lambda sets: [f"{s.shards}={s.weight:g}" for s in sets],
+)
 
 
 @dataclass
@@ -365,8 +368,9 @@ AUTO_MICRO = 0  # --data.micro-batch-size 0: resolved with the recompute mode (t
 def recipe_config(name: str) -> Config:
     """The preset `name`: the defaults above with its recipe's train section (configs/<name>.yaml), read once; shared,
     so callers take `preset_config`'s copy."""
-    base = Config(preset=name, model=ModelConfig(name=name),
-                  checkpoint=CheckpointConfig(dir=Path("checkpoints") / name))
+    base = Config(
+        preset=name, model=ModelConfig(name=name), checkpoint=CheckpointConfig(dir=Path("checkpoints") / name)
+    )
     return configs.apply(base, configs.section(configs.recipe(name), "train", name), f"configs/{name}.yaml: train")
 
 
@@ -420,8 +424,10 @@ DEFAULT_SHARDS = Path("shards/droid")  # where `make shards` writes
 def default_shards() -> Path:
     if (DEFAULT_SHARDS / MANIFEST).is_file():
         return DEFAULT_SHARDS
-    raise UsageError(f"no shards given and {DEFAULT_SHARDS / MANIFEST} does not exist: pass --data.shards DIR (a "
-                     f"directory written by `python -m preprocess shards` or `make shards`)")
+    raise UsageError(
+        f"no shards given and {DEFAULT_SHARDS / MANIFEST} does not exist: pass --data.shards DIR (a "
+        f"directory written by `python -m preprocess shards` or `make shards`)"
+    )
 
 
 def mixture_problem(d: DataConfig) -> str | None:
@@ -450,8 +456,12 @@ def validate(cfg: Config) -> None:
     rules = [
         ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"),
         ("--stop-after", cfg.stop_after, cfg.stop_after >= 0, ">= 0"),
-        ("--data.micro-batch-size", d.micro_batch_size, d.micro_batch_size >= 1 or d.micro_batch_size == AUTO_MICRO,
-         ">= 1"),
+        (
+            "--data.micro-batch-size",
+            d.micro_batch_size,
+            d.micro_batch_size >= 1 or d.micro_batch_size == AUTO_MICRO,
+            ">= 1",
+        ),
         ("--data.num-workers", d.num_workers, d.num_workers >= 0, ">= 0"),
         ("--data.prefetch-factor", d.prefetch_factor, d.prefetch_factor >= 1, ">= 1"),
         ("--data.variant", d.variant, d.variant >= -1, ">= -1"),
@@ -467,9 +477,12 @@ def validate(cfg: Config) -> None:
         ("--optim.min-lr-ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
         ("--optim.grad-clip", o.grad_clip, o.grad_clip >= 0, ">= 0"),
         ("--optim.skip-nonfinite", o.skip_nonfinite, o.skip_nonfinite >= 0, ">= 0"),
-        ("--parallel.global-batch-size", p.global_batch_size,
-         p.global_batch_size >= 0 and (d.micro_batch_size < 1 or p.global_batch_size % d.micro_batch_size == 0),
-         f"0 or a positive multiple of the micro-batch {d.micro_batch_size}"),
+        (
+            "--parallel.global-batch-size",
+            p.global_batch_size,
+            p.global_batch_size >= 0 and (d.micro_batch_size < 1 or p.global_batch_size % d.micro_batch_size == 0),
+            f"0 or a positive multiple of the micro-batch {d.micro_batch_size}",
+        ),
         ("--parallel.ac-blocks", p.ac_blocks, p.ac_blocks >= -1, ">= -1"),
         ("--parallel.peak-tflops", p.peak_tflops, p.peak_tflops >= 0, ">= 0"),
         ("--checkpoint.interval", c.interval, c.interval >= 0, ">= 0"),
@@ -485,16 +498,31 @@ def validate(cfg: Config) -> None:
         ("--lora.rank", cfg.lora.rank, cfg.lora.rank >= 0, ">= 0"),
         ("--lora.alpha", cfg.lora.alpha, cfg.lora.alpha > 0, "> 0"),
         ("--lora.targets", cfg.lora.targets, bool(cfg.lora.suffixes()), "at least one module-name suffix"),
-        ("--parallel.float8", p.float8, p.float8 == "none" or not cfg.lora.rank,
-         "none with --lora.rank > 0: float8 swaps out the adapted linears"),
-        ("--parallel.cpu-offload", p.cpu_offload, not p.cpu_offload or p.float8 == "none",
-         "off with --parallel.float8: float8 casts and scales its weights on the GPU"),
-        ("--parallel.gather-once-per-step", p.gather_once_per_step,
-         not p.gather_once_per_step or p.reshard_after_forward is not True,
-         "used with --parallel.no-reshard-after-forward, given or chosen by the auto settings: resharding after "
-         "forward gathers every micro-batch's parameters again"),
-        ("--checkpoint.export-lora", c.export_lora, c.export_lora == "merged" or cfg.lora.rank > 0,
-         "merged without --lora.rank"),
+        (
+            "--parallel.float8",
+            p.float8,
+            p.float8 == "none" or not cfg.lora.rank,
+            "none with --lora.rank > 0: float8 swaps out the adapted linears",
+        ),
+        (
+            "--parallel.cpu-offload",
+            p.cpu_offload,
+            not p.cpu_offload or p.float8 == "none",
+            "off with --parallel.float8: float8 casts and scales its weights on the GPU",
+        ),
+        (
+            "--parallel.gather-once-per-step",
+            p.gather_once_per_step,
+            not p.gather_once_per_step or p.reshard_after_forward is not True,
+            "used with --parallel.no-reshard-after-forward, given or chosen by the auto settings: resharding after "
+            "forward gathers every micro-batch's parameters again",
+        ),
+        (
+            "--checkpoint.export-lora",
+            c.export_lora,
+            c.export_lora == "merged" or cfg.lora.rank > 0,
+            "merged without --lora.rank",
+        ),
     ]
     bad = [f"{flag} {value} (must be {need})" for flag, value, ok, need in rules if not ok]
     if bad:

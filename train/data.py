@@ -101,6 +101,7 @@ class SetDraws:
 def set_names(sets: Sequence[ShardSet]) -> list[str]:
     """Short names of a mixture's sets for metrics: the folder name (a validation split's: `<build>-val`), with its
     position where two share one."""
+
     def name(i: int, s: ShardSet) -> str:
         parts = str(s.shards).rstrip("/").rsplit("/", 2)
         if parts[-1] == VAL_DIR and len(parts) > 1 and parts[-2]:
@@ -144,8 +145,10 @@ def open_sets(cfg: DataConfig) -> list[ShardIndex]:
             raise UsageError(f"{s.shards}: no windows (an empty shard set)")
         variants = max(1, int(index.manifest.transform.get("augment_variants", 0)))  # every window holds them all
         if cfg.variant >= variants:
-            raise UsageError(f"--data.variant {cfg.variant}: {s.shards} holds {variants} variant(s) per window "
-                             f"(0-{variants - 1}; -1 draws one per visit)")
+            raise UsageError(
+                f"--data.variant {cfg.variant}: {s.shards} holds {variants} variant(s) per window "
+                f"(0-{variants - 1}; -1 draws one per visit)"
+            )
     if len(indexes) > 1:
         mixture_dims(indexes)
     return indexes
@@ -159,8 +162,9 @@ def check_alongside(index: ShardIndex, run: Sequence[ShardIndex], role: str) -> 
     mixture_dims([run[0], index], f"{role} must be built like the data it evaluates")
 
 
-def mixture_dims(indexes: Sequence[ShardIndex],
-                 rule: str = "the sets of a mixture share the encoders and the DiT's widths") -> dict:
+def mixture_dims(
+    indexes: Sequence[ShardIndex], rule: str = "the sets of a mixture share the encoders and the DiT's widths"
+) -> dict:
     """`data_dims` of the run's sets: the first set's, text_len the longest prompt of all. A set built for another DiT
     recipe (encoders, latent channels, text or CLIP width, CLIP features or pixels) stops the run in one line naming
     the set and the field."""
@@ -169,12 +173,15 @@ def mixture_dims(indexes: Sequence[ShardIndex],
         own = data_dims(index)
         fields = [(k, dims.get(k), own.get(k)) for k in SHARED_DIMS]
         fields.append(("image_features", first.manifest.image_features, index.manifest.image_features))
-        fields += [(name, first.manifest.encoders.get(k, {}).get("sha256"), index.manifest.encoders.get(k, {}).get(
-            "sha256")) for k, name in SHARED_ENCODERS.items()]
+        fields += [
+            (name, first.manifest.encoders.get(k, {}).get("sha256"), index.manifest.encoders.get(k, {}).get("sha256"))
+            for k, name in SHARED_ENCODERS.items()
+        ]
         for field, want, got in fields:
             if want != got:
-                raise UsageError(f"{index.root}: built for another DiT recipe than {first.root}: {field} {got} vs "
-                                 f"{want}; {rule}")
+                raise UsageError(
+                    f"{index.root}: built for another DiT recipe than {first.root}: {field} {got} vs {want}; {rule}"
+                )
         dims["text_len"] = max(dims["text_len"], own["text_len"])
     return dims
 
@@ -208,8 +215,9 @@ class SampleReader(ShardReader):
         meta, t = self.raw_row(row)
         prompt_ids = meta["prompt_ids"]
         if column and column not in prompt_ids:
-            raise ShardFormatError(f"{self.index.shards[shard]}: sample {key} has no prompt column {column!r} "
-                           f"(has {sorted(prompt_ids)})")
+            raise ShardFormatError(
+                f"{self.index.shards[shard]}: sample {key} has no prompt column {column!r} (has {sorted(prompt_ids)})"
+            )
         columns = sorted(prompt_ids)
         column = column or columns[rng.integers(len(columns))]
         m = self.model
@@ -218,9 +226,11 @@ class SampleReader(ShardReader):
         for name, width in ((STATE, m.max_state_dim), (ACTION, m.action_dim)):
             x = torch.from_numpy(np.asarray(t[name], np.float32))
             if x.shape[-1] != self.index.q01[name].size:
-                raise ShardFormatError(f"{self.index.shards[shard]}: sample {key}: {name} has {x.shape[-1]} dims, the "
-                                       f"statistics of {self.index.manifest.embodiment} have "
-                                       f"{self.index.q01[name].size}")
+                raise ShardFormatError(
+                    f"{self.index.shards[shard]}: sample {key}: {name} has {x.shape[-1]} dims, the "
+                    f"statistics of {self.index.manifest.embodiment} have "
+                    f"{self.index.q01[name].size}"
+                )
             x, mask = pad_with_mask(normalize_q99(x, self.index.q01[name], self.index.q99[name]), width)
             out["actions" if name == ACTION else name] = x
             if name == ACTION:
@@ -257,8 +267,16 @@ class BatchStream(IterableDataset):
 
     A corrupt or unreadable sample ends the stream with {"error": message} in place of its batch."""
 
-    def __init__(self, indexes: Sequence[ShardIndex], probs: np.ndarray, model: DiTConfig, cfg: DataConfig,
-                 rank: int, world_size: int, start: int):
+    def __init__(
+        self,
+        indexes: Sequence[ShardIndex],
+        probs: np.ndarray,
+        model: DiTConfig,
+        cfg: DataConfig,
+        rank: int,
+        world_size: int,
+        start: int,
+    ):
         self.indexes, self.probs, self.model, self.cfg = indexes, probs, model, cfg
         self.rank, self.world_size, self.start = rank, world_size, start
 
@@ -285,9 +303,15 @@ class BatchStream(IterableDataset):
                 windows = orders[s][1][positions]
                 try:
                     # one window per int (Windows returns a list only for a slice)
-                    samples = [readers[s].sample(cast(Window, self.indexes[s].windows[w]),
-                                                 np.random.default_rng(_seed(cfg.seed, epoch, int(p), 1, s)),
-                                                 cfg.variant, cfg.text_column) for w, p in zip(windows, positions)]
+                    samples = [
+                        readers[s].sample(
+                            cast(Window, self.indexes[s].windows[w]),
+                            np.random.default_rng(_seed(cfg.seed, epoch, int(p), 1, s)),
+                            cfg.variant,
+                            cfg.text_column,
+                        )
+                        for w, p in zip(windows, positions)
+                    ]
                 except ShardFormatError as err:
                     yield {"error": str(err)}  # the trainer stops with this one line when the batch is due
                     return
@@ -310,8 +334,15 @@ class ShardLoader:
     Iterating yields batches from the saved position on; `wait_s` accumulates the time spent blocked on data.
     """
 
-    def __init__(self, cfg: DataConfig, model: DiTConfig, rank: int, world_size: int, device: torch.device,
-                 index: ShardIndex | Sequence[ShardIndex] | None = None):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        model: DiTConfig,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        index: ShardIndex | Sequence[ShardIndex] | None = None,
+    ):
         """`index`: the index of each set (`open_sets`) when the caller has opened them already (reading every shard
         JSON once per rank, not twice); else they are opened here from cfg."""
         if cfg.shards is None and not cfg.mixture:
@@ -325,12 +356,16 @@ class ShardLoader:
         self.epoch_length = sum(self.epoch_lengths)
         for s, index, length in zip(self.sets, self.indexes, self.epoch_lengths):
             if batches_per_epoch(length, world_size, cfg.micro_batch_size) == 0:
-                raise UsageError(f"{s.shards}: {length} window visits per epoch cannot fill one micro-batch of "
-                                 f"{cfg.micro_batch_size} on each of {world_size} ranks")
+                raise UsageError(
+                    f"{s.shards}: {length} window visits per epoch cannot fill one micro-batch of "
+                    f"{cfg.micro_batch_size} on each of {world_size} ranks"
+                )
             for name, width in ((STATE, model.max_state_dim), (ACTION, model.action_dim)):
                 if index.q01[name].size > width:
-                    raise UsageError(f"{s.shards}: {name} has {index.q01[name].size} dims, more than the model's "
-                                     f"{width} ({'max_state_dim' if name == 'state' else 'action_dim'})")
+                    raise UsageError(
+                        f"{s.shards}: {name} has {index.q01[name].size} dims, more than the model's "
+                        f"{width} ({'max_state_dim' if name == 'state' else 'action_dim'})"
+                    )
         self.probs = set_probabilities(self.sets, self.epoch_lengths, cfg.mixture_weighting)
         self.draws = SetDraws(self.probs, cfg.seed, rank)  # the main process's, for samples_seen
         self.batches_per_epoch = batches_per_epoch(self.epoch_length, world_size, cfg.micro_batch_size)
@@ -349,29 +384,45 @@ class ShardLoader:
         """[shards, weight, windows, visits per epoch] of each set, with the weighting; None without --data.mixture."""
         if not self.cfg.mixture:
             return None
-        return [[str(s.shards), s.weight, len(index), length]
-                for s, index, length in zip(self.sets, self.indexes, self.epoch_lengths)] + [self.cfg.mixture_weighting]
+        return [
+            [str(s.shards), s.weight, len(index), length]
+            for s, index, length in zip(self.sets, self.indexes, self.epoch_lengths)
+        ] + [self.cfg.mixture_weighting]
 
     def state_dict(self) -> dict:
-        return {"next_batch": self.next_batch, "world_size": self.world_size, "seed": self.cfg.seed,
-                "micro_batch_size": self.cfg.micro_batch_size, "num_windows": self.num_windows,
-                "sampling": self.cfg.sampling, "epoch_length": self.epoch_length, "mixture": self.mixture(),
-                "builds": [index.store.build for index in self.indexes]}
+        return {
+            "next_batch": self.next_batch,
+            "world_size": self.world_size,
+            "seed": self.cfg.seed,
+            "micro_batch_size": self.cfg.micro_batch_size,
+            "num_windows": self.num_windows,
+            "sampling": self.cfg.sampling,
+            "epoch_length": self.epoch_length,
+            "mixture": self.mixture(),
+            "builds": [index.store.build for index in self.indexes],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         # states saved before weighted sampling existed were uniform: one visit per window and epoch
         state = {"sampling": "uniform", "epoch_length": state["num_windows"], "mixture": None, **state}
         mine = self.state_dict()
-        changed = [f"{s.shards} (manifest {old} -> {new})" for s, old, new in
-                   zip(self.sets, state.get("builds") or mine["builds"], mine["builds"]) if old != new]
+        changed = [
+            f"{s.shards} (manifest {old} -> {new})"
+            for s, old, new in zip(self.sets, state.get("builds") or mine["builds"], mine["builds"])
+            if old != new
+        ]
         if changed and state["mixture"] == mine["mixture"] and not self.cfg.mixture_changed:
-            raise UsageError(f"checkpoint data was read from other builds of {', '.join(changed)}: the shards were "
-                             f"rebuilt since; pass --data.mixture-changed to continue with them")
+            raise UsageError(
+                f"checkpoint data was read from other builds of {', '.join(changed)}: the shards were "
+                f"rebuilt since; pass --data.mixture-changed to continue with them"
+            )
         if state["mixture"] != mine["mixture"]:
             if not self.cfg.mixture_changed:
-                raise UsageError(f"checkpoint data ({_describe_mixture(state['mixture'])}) differs from this run's "
-                                 f"({_describe_mixture(mine['mixture'])}); pass --data.mixture-changed to continue "
-                                 f"with this run's data")
+                raise UsageError(
+                    f"checkpoint data ({_describe_mixture(state['mixture'])}) differs from this run's "
+                    f"({_describe_mixture(mine['mixture'])}); pass --data.mixture-changed to continue "
+                    f"with this run's data"
+                )
             state = {**state, "num_windows": mine["num_windows"], "epoch_length": mine["epoch_length"]}
         layout = ("world_size", "micro_batch_size", "num_windows", "seed", "sampling", "epoch_length")
         if {k: state[k] for k in layout} == {k: mine[k] for k in layout}:
@@ -380,9 +431,11 @@ class ShardLoader:
         if not self.cfg.reshuffle_on_resize:
             raise UsageError(
                 f"checkpoint data state ({_describe(state)}) differs from this run ({_describe(mine)}); pass "
-                f"--data.reshuffle-on-resize to continue at the next epoch")
-        old_epoch = state["next_batch"] // batches_per_epoch(state["epoch_length"], state["world_size"],
-                                                             state["micro_batch_size"])
+                f"--data.reshuffle-on-resize to continue at the next epoch"
+            )
+        old_epoch = state["next_batch"] // batches_per_epoch(
+            state["epoch_length"], state["world_size"], state["micro_batch_size"]
+        )
         self.next_batch = (old_epoch + 1) * self.batches_per_epoch
 
     def _loader(self) -> DataLoader:
@@ -397,8 +450,10 @@ class ShardLoader:
             return batch
         with torch.cuda.stream(stream):
             # bookkeeping ("batch", "window", "set") stays on the host: reading it must not sync the GPU
-            return {k: v if k in ("batch", "window", "set") else v.to(self.device, non_blocking=True)
-                    for k, v in batch.items()}
+            return {
+                k: v if k in ("batch", "window", "set") else v.to(self.device, non_blocking=True)
+                for k, v in batch.items()
+            }
 
     def __iter__(self):
         source = iter(self._loader())
@@ -429,13 +484,16 @@ class ShardLoader:
 
 
 def _describe(state: dict) -> str:
-    return (f"world size {state['world_size']}, micro-batch {state['micro_batch_size']}, {state['num_windows']} "
-            f"windows, seed {state['seed']}, {state['sampling']} sampling of {state['epoch_length']} visits")
+    return (
+        f"world size {state['world_size']}, micro-batch {state['micro_batch_size']}, {state['num_windows']} "
+        f"windows, seed {state['seed']}, {state['sampling']} sampling of {state['epoch_length']} visits"
+    )
 
 
 def _describe_mixture(mixture: list | None) -> str:
     if mixture is None:
         return "one set, --data.shards"
     *sets, weighting = mixture
-    return f"mixture by {weighting} of " + ", ".join(f"{shards}={weight:g} ({windows} windows)"
-                                                      for shards, weight, windows, _ in sets)
+    return f"mixture by {weighting} of " + ", ".join(
+        f"{shards}={weight:g} ({windows} windows)" for shards, weight, windows, _ in sets
+    )

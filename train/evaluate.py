@@ -20,9 +20,11 @@ def main(argv: list[str] | None = None) -> None:
     args = cli(Args, args=argv, prog="python -m train.evaluate", description=__doc__)
     with entry_point():  # a bad flag or file: its one line, no traceback
         report = evaluate(args)
-    print(f"{report['samples']} samples: action MSE {report['chunk']['mean']:.6g} (normalised), "
-          f"{report['chunk_raw']['mean']:.6g} (raw); first action {report['first']['mean']:.6g} / "
-          f"{report['first_raw']['mean']:.6g}; wrote {args.out / 'open_loop.json'}")
+    print(
+        f"{report['samples']} samples: action MSE {report['chunk']['mean']:.6g} (normalised), "
+        f"{report['chunk_raw']['mean']:.6g} (raw); first action {report['first']['mean']:.6g} / "
+        f"{report['first_raw']['mean']:.6g}; wrote {args.out / 'open_loop.json'}"
+    )
 
 
 if __name__ == "__main__":

@@ -16,16 +16,28 @@ import os
 import sys
 
 # Options that place the run on nodes; without any, the launch is --standalone.
-RENDEZVOUS = ("--standalone", "--nnodes", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
-              "--master-addr", "--master_addr")
+RENDEZVOUS = (
+    "--standalone",
+    "--nnodes",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--master-addr",
+    "--master_addr",
+)
 
 
 def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
     """(torchrun's arguments, the trainer's): torchrun takes its own options and their values, the trainer the rest."""
     from torch.distributed.run import get_args_parser
 
-    takes_value = {option: action.nargs != 0 for action in get_args_parser()._actions
-                   for option in action.option_strings if option not in ("-h", "--help")}
+    takes_value = {
+        option: action.nargs != 0
+        for action in get_args_parser()._actions
+        for option in action.option_strings
+        if option not in ("-h", "--help")
+    }
     launcher, trainer = [], []
     args = iter(argv)
     for arg in args:

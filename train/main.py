@@ -78,8 +78,9 @@ def train(cfg: Config) -> dict:
                 state.step += 1
                 per_set = [(int(batch["set"]), terms) for batch, terms in micro_batches]
                 # each a tensor: sum starts at 0 but adds the terms' tensors to it
-                mean = {k: cast(torch.Tensor, sum(terms[k] for _, terms in per_set)) / plan.accum
-                        for k in per_set[0][1]}
+                mean = {
+                    k: cast(torch.Tensor, sum(terms[k] for _, terms in per_set)) / plan.accum for k in per_set[0][1]
+                }
                 # the host's share of an offloaded step: the gradient norm, the step's checks and AdamW (with several
                 # ranks the norm's and the checks' collectives also wait for the slowest rank)
                 if cfg.parallel.cpu_offload:
@@ -124,15 +125,25 @@ def finish(cfg: Config, run: Run, start: int, preempted: bool, samples_per_step:
     from wampipe.train.dit.export import export_run
 
     rank, step, loader = run.state.rank, run.state.step, run.loader
-    summary = {"rank": rank, "steps": step - start, "last_step": step, "next_batch": loader.next_batch,
-               "epoch": loader.epoch, "samples": (step - start) * samples_per_step, "skipped": run.state.skipped,
-               "preempted": preempted}
+    summary = {
+        "rank": rank,
+        "steps": step - start,
+        "last_step": step,
+        "next_batch": loader.next_batch,
+        "epoch": loader.epoch,
+        "samples": (step - start) * samples_per_step,
+        "skipped": run.state.skipped,
+        "preempted": preempted,
+    }
     (Path(cfg.checkpoint.dir) / f"summary-rank{rank:05d}.json").write_text(json.dumps(summary) + "\n")
     if step == cfg.steps and cfg.checkpoint.export and not preempted:  # after a SIGTERM, the next run exports
         checkpoint.require_finite(run.model, "export")
-        path = export_run(cfg.checkpoint, run.model, metadata={"step": step, "preset": cfg.preset,
-                                                               "model": cfg.model.name},
-                          shards=[s.shards for s in cfg.data.sets()])
+        path = export_run(
+            cfg.checkpoint,
+            run.model,
+            metadata={"step": step, "preset": cfg.preset, "model": cfg.model.name},
+            shards=[s.shards for s in cfg.data.sets()],
+        )
         if rank == 0:
             print(f"exported {path}", flush=True)
     return summary

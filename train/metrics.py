@@ -60,8 +60,13 @@ def start_wandb(cfg: MetricsConfig, run_dir: Path, config: dict | None):
     directory."""
     import wandb
 
-    return wandb.init(project=cfg.wandb_project, name=run_dir.resolve().name, mode=cfg.wandb_mode,
-                      dir=os.environ.get("WANDB_DIR", run_dir), config=json.loads(json.dumps(config, default=str)))
+    return wandb.init(
+        project=cfg.wandb_project,
+        name=run_dir.resolve().name,
+        mode=cfg.wandb_mode,
+        dir=os.environ.get("WANDB_DIR", run_dir),
+        config=json.loads(json.dumps(config, default=str)),
+    )
 
 
 class MetricsLogger:
@@ -72,9 +77,20 @@ class MetricsLogger:
     run's `config` goes to TensorBoard as text and to W&B as the run's config. `sets`: the names of a mixture's sets,
     whose terms are logged each."""
 
-    def __init__(self, cfg: MetricsConfig, run_dir: Path, rank: int, device: torch.device, total_steps: int,
-                 start_step: int, flops_per_sample: float, peak_flops: float | None, world_size: int,
-                 config: dict | None = None, sets: Sequence[str] | None = None):
+    def __init__(
+        self,
+        cfg: MetricsConfig,
+        run_dir: Path,
+        rank: int,
+        device: torch.device,
+        total_steps: int,
+        start_step: int,
+        flops_per_sample: float,
+        peak_flops: float | None,
+        world_size: int,
+        config: dict | None = None,
+        sets: Sequence[str] | None = None,
+    ):
         self.cfg, self.rank, self.device, self.world_size = cfg, rank, device, world_size
         self.flops_per_sample, self.peak_flops = flops_per_sample, peak_flops
         self.sets = list(sets or [])
@@ -93,26 +109,33 @@ class MetricsLogger:
             if cfg.tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
+
                     self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
                 except ImportError:  # an optional dependency (the plot extra)
-                    print("tensorboard not installed: metrics go to metrics.jsonl and the console only "
-                          "(pip install 'wampipe[plot]')")
+                    print(
+                        "tensorboard not installed: metrics go to metrics.jsonl and the console only "
+                        "(pip install 'wampipe[plot]')"
+                    )
                 if self.tb is not None and config is not None:
-                    self.tb.add_text("config", "```json\n" + json.dumps(config, indent=1, default=str) + "\n```",
-                                     start_step)
+                    self.tb.add_text(
+                        "config", "```json\n" + json.dumps(config, indent=1, default=str) + "\n```", start_step
+                    )
             if cfg.wandb_project is not None:
                 self.wandb = start_wandb(cfg, run_dir, config)
             if cfg.progress:
                 from tqdm import tqdm
+
                 self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
-    def step(self, terms: dict[str, torch.Tensor], samples: int,
-             per_set: Sequence[tuple[int, dict[str, torch.Tensor]]] = ()) -> None:
+    def step(
+        self, terms: dict[str, torch.Tensor], samples: int, per_set: Sequence[tuple[int, dict[str, torch.Tensor]]] = ()
+    ) -> None:
         """Per optimizer step: detached scalar terms (device tensors, no sync), this rank's sample count and, in a
         mixture, (set, loss terms) of each micro-batch."""
         for s, micro in per_set if self.sets else ():
-            self.set_sums[s] += torch.stack([*(micro[k].detach().float() for k in SET_TERMS),
-                                             torch.ones((), device=self.device)]).to(self.device)
+            self.set_sums[s] += torch.stack(
+                [*(micro[k].detach().float() for k in SET_TERMS), torch.ones((), device=self.device)]
+            ).to(self.device)
         for k, v in terms.items():
             v = v.detach().float()
             self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
@@ -121,8 +144,14 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.update(1)
 
-    def log(self, step: int, lr: float, data_wait_s: float, samples_seen: np.ndarray | None = None,
-            extra: dict | None = None) -> dict:
+    def log(
+        self,
+        step: int,
+        lr: float,
+        data_wait_s: float,
+        samples_seen: np.ndarray | None = None,
+        extra: dict | None = None,
+    ) -> dict:
         """Collective. `samples_seen`: this rank's samples of each set of a mixture since the run began; `extra`:
         more fields of this step (the validation loss, train/validate.py)."""
         names = sorted(self.sums)
@@ -133,8 +162,16 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self.t0
         wait = data_wait_s - self.wait0
         per_gpu = self.samples / elapsed
-        record = {"step": step, **dict(zip(names, vec)), "lr": lr, "samples_per_s_per_gpu": per_gpu,
-                  "data_wait_pct": 100 * wait / elapsed, **per_set, **(extra or {}), "time": time.time()}
+        record = {
+            "step": step,
+            **dict(zip(names, vec)),
+            "lr": lr,
+            "samples_per_s_per_gpu": per_gpu,
+            "data_wait_pct": 100 * wait / elapsed,
+            **per_set,
+            **(extra or {}),
+            "time": time.time(),
+        }
         if self.peak_flops:
             record["mfu_pct"] = 100 * per_gpu * self.flops_per_sample / self.peak_flops
         if self.device.type == "cuda":
@@ -174,14 +211,16 @@ class MetricsLogger:
             for k, v in row.items():
                 if self.tb is not None and k != "step" and v is not None:
                     self.tb.add_scalar(k, v, row["step"])
-            print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-                  flush=True)
+            print(
+                " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True
+            )
 
     def _per_set(self, samples_seen: np.ndarray | None) -> dict:
         """Collective: each set's loss terms averaged over its micro-batches on all ranks since the last log (absent
         for a set none drew), and its samples on all ranks since the run began."""
-        seen = torch.as_tensor(np.zeros(len(self.sets)) if samples_seen is None else samples_seen,
-                               dtype=torch.float64).to(self.device)
+        seen = torch.as_tensor(
+            np.zeros(len(self.sets)) if samples_seen is None else samples_seen, dtype=torch.float64
+        ).to(self.device)
         sums = self.set_sums.clone()
         dist.all_reduce(sums)
         dist.all_reduce(seen)
@@ -217,8 +256,13 @@ def drop_rows_after(path: Path, step: int) -> None:
 
 
 def format_line(r: dict) -> str:
-    parts = [f"step {r['step']}", f"loss {r['loss']:.4f} (dyn {r['loss_dynamics']:.4f} act {r['loss_action']:.4f})",
-             f"gnorm {r['grad_norm']:.3g}", f"lr {r['lr']:.2e}", f"{r['samples_per_s_per_gpu']:.2f} samples/s/GPU"]
+    parts = [
+        f"step {r['step']}",
+        f"loss {r['loss']:.4f} (dyn {r['loss_dynamics']:.4f} act {r['loss_action']:.4f})",
+        f"gnorm {r['grad_norm']:.3g}",
+        f"lr {r['lr']:.2e}",
+        f"{r['samples_per_s_per_gpu']:.2f} samples/s/GPU",
+    ]
     if "mfu_pct" in r:
         parts.append(f"MFU {r['mfu_pct']:.1f}%")
     parts.append(f"data {r['data_wait_pct']:.1f}%")
@@ -251,6 +295,7 @@ class StepProfiler:
             return
         if step == cfg.profile_start and self.prof is None:
             from torch.profiler import ProfilerActivity, profile
+
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self.prof = profile(activities=activities)
             self.prof.__enter__()
@@ -297,25 +342,42 @@ def device_idle(events: list[dict], top: int = 8) -> dict:
     longest = []
     for us, at, before in sorted(gaps, reverse=True)[:top]:
         lo, hi = at, at + us
-        overlap = [(min(hi, e["ts"] + e["dur"]) - max(lo, e["ts"]), e) for e in host
-                   if e["ts"] < hi and e["ts"] + e["dur"] > lo]
+        overlap = [
+            (min(hi, e["ts"] + e["dur"]) - max(lo, e["ts"]), e)
+            for e in host
+            if e["ts"] < hi and e["ts"] + e["dur"] > lo
+        ]
         covering = [e for o, e in overlap if o >= us / 2 and e.get("cat") in ("cpu_op", "user_annotation")]
         op = min(covering, key=lambda e: e["dur"])["name"] if covering else None
-        runtime = [f"{e['name']} {e['dur'] / 1e3:.1f} ms" for _, e in overlap
-                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["dur"] > 1000]
-        longest.append({"ms": us / 1e3, "at_ms": (at - start) / 1e3, "before": before, "host_op": op,
-                        "runtime": runtime})
+        runtime = [
+            f"{e['name']} {e['dur'] / 1e3:.1f} ms"
+            for _, e in overlap
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["dur"] > 1000
+        ]
+        longest.append(
+            {"ms": us / 1e3, "at_ms": (at - start) / 1e3, "before": before, "host_op": op, "runtime": runtime}
+        )
     idle = sum(g[0] for g in gaps)
-    return {"span_ms": (end - start) / 1e3, "busy_ms": (end - start - idle) / 1e3, "idle_ms": idle / 1e3,
-            "gaps": len(gaps), "idle_ms_by_gap": buckets, "longest": longest}
+    return {
+        "span_ms": (end - start) / 1e3,
+        "busy_ms": (end - start - idle) / 1e3,
+        "idle_ms": idle / 1e3,
+        "gaps": len(gaps),
+        "idle_ms_by_gap": buckets,
+        "longest": longest,
+    }
 
 
 def format_device_idle(r: dict) -> str:
     if not r:
         return "device idle: no device events in the trace"
-    lines = [f"device idle: busy {r['busy_ms']:.1f} of {r['span_ms']:.1f} ms, idle {r['idle_ms']:.1f} ms in "
-             f"{r['gaps']} gaps (" + ", ".join(f"{k}: {v:.1f} ms" for k, v in r["idle_ms_by_gap"].items()) + ")"]
+    lines = [
+        f"device idle: busy {r['busy_ms']:.1f} of {r['span_ms']:.1f} ms, idle {r['idle_ms']:.1f} ms in "
+        f"{r['gaps']} gaps (" + ", ".join(f"{k}: {v:.1f} ms" for k, v in r["idle_ms_by_gap"].items()) + ")"
+    ]
     for g in r["longest"]:
-        lines.append(f"  {g['ms']:8.2f} ms at {g['at_ms']:.1f} ms, before {g['before'][:50]!r}; host: {g['host_op']}"
-                     + (f" ({'; '.join(g['runtime'])})" if g["runtime"] else ""))
+        lines.append(
+            f"  {g['ms']:8.2f} ms at {g['at_ms']:.1f} ms, before {g['before'][:50]!r}; host: {g['host_op']}"
+            + (f" ({'; '.join(g['runtime'])})" if g["runtime"] else "")
+        )
     return "\n".join(lines)

@@ -15,18 +15,21 @@ from wampipe.train.config import OptimConfig
 from wampipe.train.parallel import local_tensor
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
-                    offloaded: bool = False, seed: int = 0) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device: torch.device, offloaded: bool = False, seed: int = 0
+) -> torch.optim.Optimizer:
     """AdamW on every trainable parameter with the same weight decay (as RLinf; the official trainer exempts biases
     and LayerNorms). `offloaded`: the state lives in host memory (--parallel.cpu-offload). `seed` seeds the
     stochastic rounding of bf16 moments (--optim.moments auto, where the auto settings did not resolve it, is fp32)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.moments == "bf16":
-        return AdamWBf16Moments(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                seed=seed)
+        return AdamWBf16Moments(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, seed=seed
+        )
     fused = (device.type == "cuda" or offloaded) if cfg.fused is None else cfg.fused
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             fused=fused)
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused
+    )
 
 
 def round_stochastic(value: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -44,8 +47,7 @@ class AdamWBf16Moments(torch.optim.Optimizer):
     bf16's resolution and would be lost. The rounding bits come from a generator seeded by (seed, step, rank), so a
     resumed run continues exactly as an uninterrupted one."""
 
-    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 seed: int = 0):
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.seed = seed
 
@@ -95,8 +97,9 @@ def lr_factor(step: int, warmup: int, steps: int, min_ratio: float = 0.0) -> flo
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, steps: int, start: int = 0,
-                    warmup: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, steps: int, start: int = 0, warmup: int | None = None
+) -> torch.optim.lr_scheduler.LambdaLR:
     """The lr of optimizer step `start` + i is a pure function of the step, so nothing of it is checkpointed. A
     resumed run passes its step and the warmup it started with: a longer --steps continues the cosine over the new
     total from the current step (the lr rises to the new curve's value there), without warming up again."""
@@ -117,8 +120,12 @@ HOST_NORM_CHUNK = 1 << 24  # elements per task of the host gradient norm
 def host_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of host tensors, in chunks over torch's intra-op threads. Why: torch's norm kernels reduce a host
     tensor on one core (2.75 s for the 5B's 22 GB of fp32 gradients in host memory, longer than the GPU's step)."""
-    chunks = [flat[i:i + HOST_NORM_CHUNK] for t in tensors for flat in (t.detach().reshape(-1),)
-              for i in range(0, flat.numel(), HOST_NORM_CHUNK)]
+    chunks = [
+        flat[i : i + HOST_NORM_CHUNK]
+        for t in tensors
+        for flat in (t.detach().reshape(-1),)
+        for i in range(0, flat.numel(), HOST_NORM_CHUNK)
+    ]
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # torch releases the GIL inside each norm
         norms = list(pool.map(lambda c: torch.linalg.vector_norm(c, dtype=torch.float32), chunks))
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())

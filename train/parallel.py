@@ -139,8 +139,9 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh=None) -> None:
 
     --parallel.cpu-offload: the fp32 shards and their gradients live in host memory (pinned where a GPU computes);
     each gather copies the shard to the GPU first, each reduce-scatter copies the result back."""
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[reduce_dtype(cfg)],
-                              cast_forward_inputs=False)
+    mp = MixedPrecisionPolicy(
+        param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[reduce_dtype(cfg)], cast_forward_inputs=False
+    )
     # pinned host memory: asynchronous copies to and from a computing GPU
     offload = CPUOffloadPolicy(pin_memory=computes_on_cuda(cfg)) if cfg.cpu_offload else OffloadPolicy()
     blocks = list(cast(nn.ModuleList, model.blocks))  # the DiT's (train/dit/model.py)
@@ -189,8 +190,10 @@ def host_memory_available() -> int | None:
             found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except OSError:
         pass
-    for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, then v1
-                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit, used in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, then v1
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         limit_bytes, used_bytes = _read_int(limit), _read_int(used)
         if limit_bytes is not None and used_bytes is not None and limit_bytes < 2**60:  # v1's "no limit" is ~2**63
             found.append(max(0, limit_bytes - used_bytes))
@@ -203,10 +206,12 @@ def check_host_memory(per_rank: int, local_ranks: int, available: int | None) ->
     `available`: the least any rank found (all ranks decide alike)."""
     need = (per_rank + PROCESS_HOST_BYTES) * local_ranks
     if available is not None and need > available:
-        raise UsageError(f"--parallel.cpu-offload: this node's {local_ranks} rank(s) need ~{need / 1e9:.0f} GB of host "
-                         f"memory ({per_rank / 1e9:.1f} GB each of fp32 shards, gradients and AdamW moments, "
-                         f"{PROCESS_HOST_BYTES / 1e9:.0f} GB for the process), {available / 1e9:.0f} GB is available; "
-                         f"use more nodes, or train LoRA adapters (--lora.rank)")
+        raise UsageError(
+            f"--parallel.cpu-offload: this node's {local_ranks} rank(s) need ~{need / 1e9:.0f} GB of host "
+            f"memory ({per_rank / 1e9:.1f} GB each of fp32 shards, gradients and AdamW moments, "
+            f"{PROCESS_HOST_BYTES / 1e9:.0f} GB for the process), {available / 1e9:.0f} GB is available; "
+            f"use more nodes, or train LoRA adapters (--lora.rank)"
+        )
 
 
 def prepare_micro_batch(model: nn.Module, cfg: ParallelConfig, index: int, count: int) -> None:
@@ -266,8 +271,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def float8_filter(module: nn.Module, fqn: str) -> bool:
     """The linears float8 training converts: those inside the DiT blocks whose widths are multiples of 16 (float8
     matmul kernels need them); the embeddings, head and action/state encoders stay in bf16."""
-    return (fqn.startswith("blocks.") and isinstance(module, nn.Linear)
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    return (
+        fqn.startswith("blocks.")
+        and isinstance(module, nn.Linear)
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
+    )
 
 
 def check_float8(mode: str, capability: tuple[int, int] | None) -> None:
@@ -281,8 +290,9 @@ def check_float8(mode: str, capability: tuple[int, int] | None) -> None:
         raise UsageError(f"--parallel.float8 {mode} needs torchao: pip install 'wampipe[fp8]'") from None
     if capability is None or tuple(capability) < (8, 9):
         found = "no CUDA device" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
-        raise UsageError(f"--parallel.float8 {mode} needs a CUDA GPU of compute capability >= 8.9 (float8 matmuls), "
-                         f"found {found}")
+        raise UsageError(
+            f"--parallel.float8 {mode} needs a CUDA GPU of compute capability >= 8.9 (float8 matmuls), found {found}"
+        )
 
 
 def apply_float8(model: nn.Module, mode: str) -> int:
@@ -296,8 +306,11 @@ def apply_float8(model: nn.Module, mode: str) -> int:
 
     # pad_inner_dim: the weight gradient's matmul reduces over tokens (micro-batch x sequence, e.g. 4 x 257 CLIP rows),
     # which float8 kernels need in multiples of 16; zero rows are exact
-    config = replace(Float8LinearConfig.from_recipe_name(mode), enable_fsdp_float8_all_gather=mode == "tensorwise",
-                     pad_inner_dim=True)
+    config = replace(
+        Float8LinearConfig.from_recipe_name(mode),
+        enable_fsdp_float8_all_gather=mode == "tensorwise",
+        pad_inner_dim=True,
+    )
     if mode == "rowwise":  # compiled float8 casts then round as eager ones do (torchtitan sets it too)
         import torch._inductor.config
 

@@ -148,20 +148,30 @@ def step_flags(losses: list[torch.Tensor], grad_norm: torch.Tensor, preempted: b
     return nonfinite > 0, stop > 0
 
 
-def drop_step(cfg: Config, state: TrainState, micro_batches: list[tuple[dict, dict]],
-              grad_norm: torch.Tensor, indexes: list[ShardIndex]) -> None:
+def drop_step(
+    cfg: Config,
+    state: TrainState,
+    micro_batches: list[tuple[dict, dict]],
+    grad_norm: torch.Tensor,
+    indexes: list[ShardIndex],
+) -> None:
     """Collective, for a step with a non-finite loss or gradient norm: its batches dropped with a warning naming
     them, or the run stopped (nothing saved) beyond --optim.skip-nonfinite such steps."""
     state.skipped += 1
     report = nonfinite_report(state.step + 1, micro_batches, grad_norm, indexes)
     if state.skipped > cfg.optim.skip_nonfinite:
         last = checkpoint.complete_checkpoints(Path(cfg.checkpoint.dir))
-        raise RunError(f"{report}: stopped, nothing saved (last checkpoint: "
-                                  f"{last[-1][1] if last else 'none'}); --optim.skip-nonfinite N skips up to N such "
-                                  f"steps")
+        raise RunError(
+            f"{report}: stopped, nothing saved (last checkpoint: "
+            f"{last[-1][1] if last else 'none'}); --optim.skip-nonfinite N skips up to N such "
+            f"steps"
+        )
     if dist.get_rank() == 0:
-        print(f"{report}: its batches dropped, the step runs again on the next ones ({state.skipped} of "
-              f"--optim.skip-nonfinite {cfg.optim.skip_nonfinite})", flush=True)
+        print(
+            f"{report}: its batches dropped, the step runs again on the next ones ({state.skipped} of "
+            f"--optim.skip-nonfinite {cfg.optim.skip_nonfinite})",
+            flush=True,
+        )
 
 
 def describe_samples(batch: dict, indexes: list[ShardIndex]) -> list[str]:
@@ -172,18 +182,26 @@ def describe_samples(batch: dict, indexes: list[ShardIndex]) -> list[str]:
     for j, w in enumerate(batch["window"].tolist()):
         window = cast("Window", index.windows[w])  # one window per int (Windows returns a list only for a slice)
         shards = ", ".join(sorted({str(index.shards[index.table.shard(r)]) for r in window.rows}))
-        bad = [k for k in MODEL_INPUTS
-               if k in batch and batch[k].is_floating_point() and not torch.isfinite(batch[k][j]).all()]
+        bad = [
+            k
+            for k in MODEL_INPUTS
+            if k in batch and batch[k].is_floating_point() and not torch.isfinite(batch[k][j]).all()
+        ]
         described.append((bad, f"{window.name} in {shards}" + (f" (non-finite {', '.join(bad)})" if bad else "")))
     return [d for bad, d in described if bad] or [d for _, d in described]
 
 
-def nonfinite_report(step: int, micro_batches: list[tuple[dict, dict]], grad_norm: torch.Tensor,
-                     indexes: list[ShardIndex]) -> str:
+def nonfinite_report(
+    step: int, micro_batches: list[tuple[dict, dict]], grad_norm: torch.Tensor, indexes: list[ShardIndex]
+) -> str:
     """Collective (the error path only): one line naming the step and, over all ranks, the samples whose loss went
     non-finite; `micro_batches`: the step's (batch, loss terms)."""
-    mine = [d for batch, terms in micro_batches if not torch.isfinite(terms["loss"])
-            for d in describe_samples(batch, indexes)]
+    mine = [
+        d
+        for batch, terms in micro_batches
+        if not torch.isfinite(terms["loss"])
+        for d in describe_samples(batch, indexes)
+    ]
     gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
     samples = [d for part in gathered for d in part]

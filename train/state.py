@@ -28,8 +28,13 @@ class TrainState:
         return self.loader.samples_seen()
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "skipped": self.skipped, "warmup": self.warmup, "data": self.loader.state_dict(),
-                "rng": self.noise.get_state()}
+        return {
+            "step": self.step,
+            "skipped": self.skipped,
+            "warmup": self.warmup,
+            "data": self.loader.state_dict(),
+            "rng": self.noise.get_state(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """`state` as train/checkpoint.py `load` returns it. From a run of another world size it is rank 0's

@@ -22,7 +22,6 @@ class UsageError(WampipeError):
     build's directory): the message names it and says what to give instead."""
 
 
-
 class RunError(WampipeError):
     """A training run's own refusal, which every rank raises alike once the process group is up (a checkpoint of
     another model, non-finite weights, a run directory in use, a failed save or export): the trainer's entry points

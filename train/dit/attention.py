@@ -67,11 +67,22 @@ class TokenLayout:
         frame = torch.arange(self.num_frames).repeat_interleave(fs)
         video_block = torch.where(frame == 0, -1, torch.div(frame - 1, nfpb, rounding_mode="floor"))
         n_act, n_state = k * self.num_action_per_block, k * self.num_state_per_block
-        stream = torch.cat([torch.full((self.video_len,), CLEAN), torch.full((self.video_len,), NOISY),
-                            torch.full((n_act,), ACTION), torch.full((n_state,), STATE)])
-        block = torch.cat([video_block, video_block,
-                           torch.arange(n_act) // self.num_action_per_block,
-                           torch.arange(n_state) // self.num_state_per_block])
+        stream = torch.cat(
+            [
+                torch.full((self.video_len,), CLEAN),
+                torch.full((self.video_len,), NOISY),
+                torch.full((n_act,), ACTION),
+                torch.full((n_state,), STATE),
+            ]
+        )
+        block = torch.cat(
+            [
+                video_block,
+                video_block,
+                torch.arange(n_act) // self.num_action_per_block,
+                torch.arange(n_state) // self.num_state_per_block,
+            ]
+        )
         frames = torch.cat([frame, frame, torch.full((n_act + n_state,), -1)])
         stream, block, frames = (t.to(device=device, dtype=torch.int32) for t in (stream, block, frames))
         return stream, block, frames
@@ -83,13 +94,15 @@ def allowed(sq, bq, fq, sk, bk, fk, nfpb: int, window: int, state_sees_block: bo
     # clean stream: frame 0 sees itself; block β sees frame 0 and clean blocks ≤ β inside the window
     clean_end = 1 + (bq + 1) * nfpb
     lo = torch.clamp(clean_end - window, min=1) if window > 0 else torch.ones_like(clean_end)
-    clean_q = (sq == CLEAN) & (sk == CLEAN) & (
-        (bk == -1) | ((bq >= 0) & (bk >= 0) & (bk <= bq) & (fk >= lo)))
+    clean_q = (sq == CLEAN) & (sk == CLEAN) & ((bk == -1) | ((bq >= 0) & (bk >= 0) & (bk <= bq) & (fk >= lo)))
     # noisy frame 0: only itself
     noisy0_q = (sq == NOISY) & (bq == -1) & (sk == NOISY) & (bk == -1)
     # noisy block / action chunk β: clean context of earlier blocks + its own N, A, S
-    denoise_q = ((sq == NOISY) | (sq == ACTION) | ((sq == STATE) & state_sees_block)) & (bq >= 0) & (
-        ((sk == CLEAN) & (bk < bq)) | ((sk != CLEAN) & (bk == bq)))
+    denoise_q = (
+        ((sq == NOISY) | (sq == ACTION) | ((sq == STATE) & state_sees_block))
+        & (bq >= 0)
+        & (((sk == CLEAN) & (bk < bq)) | ((sk != CLEAN) & (bk == bq)))
+    )
     state_q = (sq == STATE) & (sk == STATE) & (bk == bq)
     return clean_q | noisy0_q | denoise_q | state_q
 
@@ -97,8 +110,17 @@ def allowed(sq, bq, fq, sk, bk, fk, nfpb: int, window: int, state_sees_block: bo
 def dense_mask(layout: TokenLayout, device=None) -> torch.Tensor:
     """Bool [L, L], True where query row may attend to key column."""
     s, b, f = layout.token_attributes(device)
-    return allowed(s[:, None], b[:, None], f[:, None], s[None], b[None], f[None],
-                   layout.num_frame_per_block, layout.local_attn_size, layout.state_sees_block)
+    return allowed(
+        s[:, None],
+        b[:, None],
+        f[:, None],
+        s[None],
+        b[None],
+        f[None],
+        layout.num_frame_per_block,
+        layout.local_attn_size,
+        layout.state_sees_block,
+    )
 
 
 def count_allowed_pairs(layout: TokenLayout) -> int:
@@ -111,13 +133,23 @@ def count_allowed_pairs(layout: TokenLayout) -> int:
     key = torch.stack([s, b, f], 1)
     units, sizes = torch.unique_consecutive(key, dim=0, return_counts=True)
     us, ub, uf = units.unbind(1)
-    m = allowed(us[:, None], ub[:, None], uf[:, None], us[None], ub[None], uf[None],
-                layout.num_frame_per_block, layout.local_attn_size, layout.state_sees_block)
+    m = allowed(
+        us[:, None],
+        ub[:, None],
+        uf[:, None],
+        us[None],
+        ub[None],
+        uf[None],
+        layout.num_frame_per_block,
+        layout.local_attn_size,
+        layout.state_sees_block,
+    )
     return int((m.long() * sizes[:, None] * sizes[None]).sum())
 
 
-def flex_block_mask(layout: TokenLayout, device, compile: bool | None = None, lookup: bool = True,
-                    block_size: int = 128):
+def flex_block_mask(
+    layout: TokenLayout, device, compile: bool | None = None, lookup: bool = True, block_size: int = 128
+):
     """FlexAttention BlockMask for `layout` (B and H broadcast).
 
     The kernel evaluates the mask_mod inside partially masked tiles: with `lookup` (default) one load from a
@@ -131,6 +163,7 @@ def flex_block_mask(layout: TokenLayout, device, compile: bool | None = None, lo
     device = torch.device(device)
     compile = device.type == "cuda" and not lookup if compile is None else compile
     from torch.nn.attention.flex_attention import create_block_mask
+
     if lookup:
         dense = dense_mask(layout, device)
 
@@ -141,12 +174,22 @@ def flex_block_mask(layout: TokenLayout, device, compile: bool | None = None, lo
         nfpb, window, state = layout.num_frame_per_block, layout.local_attn_size, layout.state_sees_block
 
         def mask_mod(batch, head, q_idx, kv_idx) -> torch.Tensor:
-            return allowed(attrs[0, q_idx], attrs[1, q_idx], attrs[2, q_idx],
-                           attrs[0, kv_idx], attrs[1, kv_idx], attrs[2, kv_idx], nfpb, window, state)
+            return allowed(
+                attrs[0, q_idx],
+                attrs[1, q_idx],
+                attrs[2, q_idx],
+                attrs[0, kv_idx],
+                attrs[1, kv_idx],
+                attrs[2, kv_idx],
+                nfpb,
+                window,
+                state,
+            )
 
     L = layout.seq_len
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=L, device=device, BLOCK_SIZE=block_size,
-                             _compile=compile)
+    return create_block_mask(
+        mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=L, device=device, BLOCK_SIZE=block_size, _compile=compile
+    )
 
 
 def make_attention_mask(layout: TokenLayout, device, backend: str = "auto", **flex_options):
@@ -165,6 +208,7 @@ def _compiled_flex():
     global _COMPILED_FLEX
     if _COMPILED_FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
+
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
     return _COMPILED_FLEX
 
@@ -177,6 +221,7 @@ def masked_attention(q, k, v, mask, compile_flex: bool | None = None):
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     from torch.nn.attention.flex_attention import flex_attention
+
     if torch.compiler.is_compiling():  # inside a compiled block: dynamo lowers flex_attention itself
         # plain 4D buffers: inductor's CPU flex template reads the rank of the producer's buffer
         return flex_attention(q.contiguous(), k.contiguous(), v.contiguous(), block_mask=mask)

@@ -51,12 +51,26 @@ from wampipe.errors import RunError
 from wampipe.shardformat.files import free_space
 from wampipe.train.config import CheckpointConfig, LoRAConfig
 from wampipe.train.dit.lora import PEFT_PREFIX, lora_only_tensors, merged_tensors
-from wampipe.train.dit.weights import (DREAMZERO_PREFIX, WeightsError, allowed_absent, model_tensors,
-                                       shard_file_names, shard_groups, write_index)
+from wampipe.train.dit.weights import (
+    DREAMZERO_PREFIX,
+    WeightsError,
+    allowed_absent,
+    model_tensors,
+    shard_file_names,
+    shard_groups,
+    write_index,
+)
 
 # every name an export folder can hold: replacing a folder with any other file in it is refused, not done
-EXPORT_FILES = ("model.safetensors", "model-?????-of-?????.safetensors", "model.safetensors.index.json", "config.json",
-                "experiment_cfg", "experiment_cfg/conf.yaml", "experiment_cfg/metadata.json")
+EXPORT_FILES = (
+    "model.safetensors",
+    "model-?????-of-?????.safetensors",
+    "model.safetensors.index.json",
+    "config.json",
+    "experiment_cfg",
+    "experiment_cfg/conf.yaml",
+    "experiment_cfg/metadata.json",
+)
 
 
 def foreign_files(out: Path) -> list[str]:
@@ -73,12 +87,34 @@ log = logging.getLogger(__name__)
 # DiTConfig fields that are also constructor arguments of the official CausalWanModel (diffusion_model_cfg): every
 # width it builds a tensor from, so an absent one is not silently the official default (action_dim 32, max_state_dim
 # 64, hidden_size 1024, text_dim 4096) while the trained tensors have another
-DIT_FIELDS = ("model_type", "dim", "in_dim", "ffn_dim", "out_dim", "freq_dim", "eps", "num_heads", "num_layers",
-              "frame_seqlen", "max_chunk_size", "num_frame_per_block", "num_action_per_block", "num_state_per_block",
-              "text_len", "text_dim", "action_dim", "max_state_dim", "hidden_size")
+DIT_FIELDS = (
+    "model_type",
+    "dim",
+    "in_dim",
+    "ffn_dim",
+    "out_dim",
+    "freq_dim",
+    "eps",
+    "num_heads",
+    "num_layers",
+    "frame_seqlen",
+    "max_chunk_size",
+    "num_frame_per_block",
+    "num_action_per_block",
+    "num_state_per_block",
+    "text_len",
+    "text_dim",
+    "action_dim",
+    "max_state_dim",
+    "hidden_size",
+)
 # action-head config fields fixed by the DiT -> the DiTConfig field they equal
-HEAD_FIELDS = {"action_dim": "action_dim", "max_action_dim": "action_dim", "max_state_dim": "max_state_dim",
-               "num_frame_per_block": "num_frame_per_block"}
+HEAD_FIELDS = {
+    "action_dim": "action_dim",
+    "max_action_dim": "action_dim",
+    "max_state_dim": "max_state_dim",
+    "num_frame_per_block": "num_frame_per_block",
+}
 # the official CausalWanModel projects CLIP features from this width whatever its config says
 OFFICIAL_CLIP_DIM = 1280
 # the DiT comes from the checkpoint, fully fine-tuned (no PEFT wrapping, no base Wan weights read first)
@@ -127,9 +163,11 @@ def mixture_statistics(shards: str | Path | list) -> dict:
         path, tag = shard_statistics(one)
         entry = json.loads(path.read_text())[tag]
         if tag in merged and merged[tag] != entry:
-            raise WeightsError(f"{one}: embodiment {tag} with other statistics than {source[tag]}: the eval-ready "
-                               f"metadata.json holds one entry per embodiment (merge their statistics when building, "
-                               f"python -m preprocess stats)")
+            raise WeightsError(
+                f"{one}: embodiment {tag} with other statistics than {source[tag]}: the eval-ready "
+                f"metadata.json holds one entry per embodiment (merge their statistics when building, "
+                f"python -m preprocess stats)"
+            )
         merged[tag], source[tag] = entry, one
     return merged
 
@@ -170,8 +208,9 @@ def _weight_files(root: Path) -> tuple[list[tuple[str, list[str]]], dict | None,
     else:
         stray = sorted(p.name for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
         if stray:
-            raise WeightsError(f"{root}: weights {stray[:5]} but neither model.safetensors nor its index "
-                               "(not the official layout)")
+            raise WeightsError(
+                f"{root}: weights {stray[:5]} but neither model.safetensors nor its index (not the official layout)"
+            )
         return [], None, {}, {}
     files, shapes, dtypes = [], {}, {}
     for name in names:
@@ -201,14 +240,17 @@ def check_base(base: str | Path, model: nn.Module, tag: str | list[str]) -> Base
     if files:
         peft = [k for k in shapes if "base_layer" in k or "lora_" in k or ".base_model." in k]
         if peft:
-            raise WeightsError(f"{root}: {len(peft)} PEFT/LoRA keys, e.g. {peft[:3]}: merge the LoRA into the base "
-                               "first")
-        dit = {k[len(DREAMZERO_PREFIX):]: k for k in shapes if k.startswith(DREAMZERO_PREFIX)}
+            raise WeightsError(
+                f"{root}: {len(peft)} PEFT/LoRA keys, e.g. {peft[:3]}: merge the LoRA into the base first"
+            )
+        dit = {k[len(DREAMZERO_PREFIX) :]: k for k in shapes if k.startswith(DREAMZERO_PREFIX)}
         missing, unexpected = sorted(set(expected) - set(dit)), sorted(set(dit) - set(expected))
         if missing or unexpected:
-            raise WeightsError(f"{root}: the base's {DREAMZERO_PREFIX}* keys differ from the model's: "
-                               f"{len(missing)} model keys absent from the base, e.g. {missing[:5]}; "
-                               f"{len(unexpected)} base keys the model does not have, e.g. {unexpected[:5]}")
+            raise WeightsError(
+                f"{root}: the base's {DREAMZERO_PREFIX}* keys differ from the model's: "
+                f"{len(missing)} model keys absent from the base, e.g. {missing[:5]}; "
+                f"{len(unexpected)} base keys the model does not have, e.g. {unexpected[:5]}"
+            )
         for k, raw in dit.items():
             if shapes[raw] != expected[k]:
                 raise WeightsError(f"{root}: {raw} has shape {shapes[raw]} in the base, the model's is {expected[k]}")
@@ -218,8 +260,9 @@ def check_base(base: str | Path, model: nn.Module, tag: str | list[str]) -> Base
     targets = _targets(config)
     odd = [t for t in targets if not t.startswith("groot.")]
     if odd:
-        log.warning("%s/config.json: _target_ %s outside groot.*: the official loader must be able to import it",
-                    root, odd[:3])
+        log.warning(
+            "%s/config.json: _target_ %s outside groot.*: the official loader must be able to import it", root, odd[:3]
+        )
     return Base(root, config, files, index, dit_dtypes)
 
 
@@ -258,8 +301,12 @@ def eval_config(config: dict, cfg, tags: Sequence[str] = ()) -> dict:
     head.update(window_fields(list(tags)) | FULL_WEIGHTS)
     out.update({k: head[k] for k in ("action_dim", "action_horizon") if k in head})
     if cfg.model_type != "t2v" and cfg.image_dim != OFFICIAL_CLIP_DIM:
-        log.warning("DiT image_dim %d: the official CausalWanModel projects CLIP features from %d, so the official "
-                    "loader stops at img_emb.* of this model (docs/EVALUATION.md)", cfg.image_dim, OFFICIAL_CLIP_DIM)
+        log.warning(
+            "DiT image_dim %d: the official CausalWanModel projects CLIP features from %d, so the official "
+            "loader stops at img_emb.* of this model (docs/EVALUATION.md)",
+            cfg.image_dim,
+            OFFICIAL_CLIP_DIM,
+        )
     return out
 
 
@@ -278,8 +325,9 @@ def _nbytes(sd: dict[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in sd.values())
 
 
-def _write_plain(tensors: dict, stage: "_Staging", prefix: str, dtype: torch.dtype, metadata: dict,
-                 max_shard_bytes: int) -> None:
+def _write_plain(
+    tensors: dict, stage: "_Staging", prefix: str, dtype: torch.dtype, metadata: dict, max_shard_bytes: int
+) -> None:
     """Collective: every model tensor as `prefix + key`, cut into transformers-named shard files (rank 0 writes)."""
     from safetensors.torch import save_file
 
@@ -288,8 +336,9 @@ def _write_plain(tensors: dict, stage: "_Staging", prefix: str, dtype: torch.dty
     weight_map, total = {}, 0
     for name, group in zip(names, groups):
         got = _gather(tensors, [(k, dtype) for k in group], stage.folder is not None)
-        stage.write(lambda folder: save_file({prefix + k: v for k, v in got.items()}, str(folder / name),
-                                             metadata=metadata))
+        stage.write(
+            lambda folder: save_file({prefix + k: v for k, v in got.items()}, str(folder / name), metadata=metadata)
+        )
         weight_map.update({prefix + k: name for k in group})
         total += _nbytes(got)
     if len(groups) > 1:
@@ -306,14 +355,19 @@ def _write_from_base(tensors: dict, stage: "_Staging", base: Base, metadata: dic
     def replaced(folder: Path, name: str, keys: list[str], trained: dict) -> None:
         nonlocal total
         handle = safe_open(str(base.root / name), framework="pt")
-        sd = {k: trained[k[len(DREAMZERO_PREFIX):]] if k.startswith(DREAMZERO_PREFIX) else handle.get_tensor(k)
-              for k in keys}
+        sd = {
+            k: trained[k[len(DREAMZERO_PREFIX) :]] if k.startswith(DREAMZERO_PREFIX) else handle.get_tensor(k)
+            for k in keys
+        }
         save_file(sd, str(folder / name), metadata={**(handle.metadata() or {}), **metadata, "format": "pt"})
         total += _nbytes(sd)
 
     for name, keys in base.files:
-        dit = [(k[len(DREAMZERO_PREFIX):], base.dit_dtypes[k[len(DREAMZERO_PREFIX):]]) for k in keys
-               if k.startswith(DREAMZERO_PREFIX)]
+        dit = [
+            (k[len(DREAMZERO_PREFIX) :], base.dit_dtypes[k[len(DREAMZERO_PREFIX) :]])
+            for k in keys
+            if k.startswith(DREAMZERO_PREFIX)
+        ]
         trained = _gather(tensors, dit, stage.folder is not None)
         stage.write(replaced, name, keys, trained)
     if (index := base.index) is not None:
@@ -361,8 +415,10 @@ class _Staging:
         if dist.is_initialized():
             dist.broadcast_object_list(error, src=0)
         if error[0] is not None:
-            raise RunError(f"{self.out}: export failed ({error[0]}; {free_space(self.out.parent)}); the previous "
-                           f"export there is as it was")
+            raise RunError(
+                f"{self.out}: export failed ({error[0]}; {free_space(self.out.parent)}); the previous "
+                f"export there is as it was"
+            )
         return self.out
 
 
@@ -391,8 +447,14 @@ def _is_rank0() -> bool:
 
 
 @torch.no_grad()
-def export_weights(model: nn.Module, out: str | Path, prefix: str = "", dtype: torch.dtype = torch.bfloat16,
-                   metadata: dict | None = None, max_shard_bytes: int = 5 << 30) -> Path:
+def export_weights(
+    model: nn.Module,
+    out: str | Path,
+    prefix: str = "",
+    dtype: torch.dtype = torch.bfloat16,
+    metadata: dict | None = None,
+    max_shard_bytes: int = 5 << 30,
+) -> Path:
     """Collective: the plain DiT (keys `prefix + name`) as `out/model.safetensors`, or shards + index."""
     stage = _Staging(Path(out))
     meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
@@ -401,9 +463,15 @@ def export_weights(model: nn.Module, out: str | Path, prefix: str = "", dtype: t
 
 
 @torch.no_grad()
-def export_official(model: nn.Module, out: str | Path, base: str | Path, shards: str | Path | list[str],
-                    dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None,
-                    max_shard_bytes: int = 5 << 30) -> Path:
+def export_official(
+    model: nn.Module,
+    out: str | Path,
+    base: str | Path,
+    shards: str | Path | list[str],
+    dtype: torch.dtype = torch.bfloat16,
+    metadata: dict | None = None,
+    max_shard_bytes: int = 5 << 30,
+) -> Path:
     """Collective: the eval-ready folder (module docstring). `dtype` and `max_shard_bytes` apply only to a base
     without weights; otherwise the base's dtypes and files are kept."""
     out = Path(out)
@@ -427,8 +495,14 @@ def export_official(model: nn.Module, out: str | Path, base: str | Path, shards:
     stage.write(eval_files)
     stage.finish()
     if _is_rank0():
-        log.info("%s: eval-ready export (%s, base %s)", out, "DiT replaced in the base's weights" if layout.files
-                 else "DiT only; encoders from the config's *_pretrained_path files", layout.root)
+        log.info(
+            "%s: eval-ready export (%s, base %s)",
+            out,
+            "DiT replaced in the base's weights"
+            if layout.files
+            else "DiT only; encoders from the config's *_pretrained_path files",
+            layout.root,
+        )
     return out
 
 
@@ -446,15 +520,26 @@ def lora_config(config: dict, model: nn.Module) -> dict:
     out = eval_config(config, model.cfg)
     lora = cast(LoRAConfig, model.lora)  # set by apply_lora, as on every model with adapters
     out["action_head_cfg"]["config"].update(
-        skip_component_loading=False, defer_lora_injection=False, train_architecture="lora", lora_rank=lora.rank,
-        lora_alpha=lora.alpha, lora_target_modules=",".join(lora.suffixes()), init_lora_weights="kaiming")
+        skip_component_loading=False,
+        defer_lora_injection=False,
+        train_architecture="lora",
+        lora_rank=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_target_modules=",".join(lora.suffixes()),
+        init_lora_weights="kaiming",
+    )
     return out
 
 
 @torch.no_grad()
-def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None = None,
-                     shards: str | Path | list[str] | None = None, dtype: torch.dtype = torch.bfloat16,
-                     metadata: dict | None = None) -> Path:
+def export_lora_only(
+    model: nn.Module,
+    out: str | Path,
+    base: str | Path | None = None,
+    shards: str | Path | list[str] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    metadata: dict | None = None,
+) -> Path:
     """Collective: a LoRA run's trained tensors as an official save_lora_only checkpoint holds them, PEFT names
     (`PEFT_PREFIX` + name, adapters as `.lora_A.default.weight` / `.lora_B.default.weight`) in `out/model.safetensors`:
     the adapters, the action/state encoder and decoder, and the frozen tensors a Wan base lacks (for ti2v the CLIP
@@ -488,8 +573,13 @@ def export_lora_only(model: nn.Module, out: str | Path, base: str | Path | None 
     return stage.finish()
 
 
-def export_run(cfg: CheckpointConfig, model: nn.Module, out: Path | None = None, metadata: dict | None = None,
-               shards: str | Path | list[str] | None = None) -> Path:
+def export_run(
+    cfg: CheckpointConfig,
+    model: nn.Module,
+    out: Path | None = None,
+    metadata: dict | None = None,
+    shards: str | Path | list[str] | None = None,
+) -> Path:
     """Collective: the final weights in `out` (default <dir>/export): with `cfg.export_base`, an eval-ready DreamZero
     checkpoint folder carrying the statistics of `shards`; else plain safetensors, official key names. A LoRA model
     exports merged weights, or with `cfg.export_lora` lora-only its trained tensors under PEFT names."""

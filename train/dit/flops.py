@@ -69,12 +69,18 @@ def dit_flops(cfg: DiTConfig, latent_shape: tuple[int, int, int], text_rows: int
     time_embedding = 2 * L * (cfg.freq_dim * d + d * d + 6 * d * d)
     other = (
         2 * text_rows * (cfg.text_dim * d + d * d)
-        + (2 * cfg.image_len * (cfg.image_dim ** 2 + cfg.image_dim * d) if has_img else 0)
+        + (2 * cfg.image_len * (cfg.image_dim**2 + cfg.image_dim * d) if has_img else 0)
         + 2 * 2 * n_video * cfg.in_dim * 4 * d  # patch conv, clean + noisy copy
         + 2 * n_video * d * 4 * cfg.out_dim  # head on the noisy copy
         + 2 * n_act * (cfg.action_dim * d + 2 * d * d + d * d)  # action encoder
         + 2 * n_state * (cfg.max_state_dim * cfg.hidden_size + cfg.hidden_size * d)  # state encoder
         + 2 * n_act * (d * cfg.hidden_size + cfg.hidden_size * cfg.action_dim)  # action decoder
     )
-    return DiTFlops(float(token_linears), float(context_kv), float(self_attention), float(cross_attention),
-                    float(time_embedding), float(other))
+    return DiTFlops(
+        float(token_linears),
+        float(context_kv),
+        float(self_attention),
+        float(cross_attention),
+        float(time_embedding),
+        float(other),
+    )

@@ -56,8 +56,9 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> int:
     `init_lora` once the weights are in place). Returns the number of adapted layers (0 with rank 0: untouched)."""
     if cfg.rank == 0:
         return 0
-    targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is nn.Linear and is_target(name, cfg.suffixes())]
+    targets = [
+        (name, m) for name, m in model.named_modules() if type(m) is nn.Linear and is_target(name, cfg.suffixes())
+    ]
     if not targets:
         raise UsageError(f"--lora.targets {cfg.targets}: no nn.Linear of the model has a name ending in one")
     model.requires_grad_(False)
@@ -85,7 +86,7 @@ def init_lora(model: nn.Module, seed: int) -> None:
 
 
 def _copy_rows(t: torch.Tensor, full: torch.Tensor) -> None:
-    fill_rows(t, lambda rows: full if rows is None else full[rows[0]:rows[1]])
+    fill_rows(t, lambda rows: full if rows is None else full[rows[0] : rows[1]])
 
 
 def lora_fields(model: nn.Module) -> dict:
@@ -122,8 +123,10 @@ class Folded:
 def merged_tensors(model: nn.Module) -> dict[str, tuple]:
     """`model_tensors` with every LoRALinear weight replaced by its `Folded` merge: the official keys of plain
     weights (identical to model_tensors for a model without LoRA)."""
-    return {k: (Folded(owner), owner) if isinstance(owner, LoRALinear) and k.endswith(".weight") else (t, owner)
-            for k, (t, owner) in model_tensors(model).items()}
+    return {
+        k: (Folded(owner), owner) if isinstance(owner, LoRALinear) and k.endswith(".weight") else (t, owner)
+        for k, (t, owner) in model_tensors(model).items()
+    }
 
 
 def peft_name(name: str) -> str:
@@ -141,5 +144,5 @@ def lora_only_tensors(model: nn.Module, also: tuple[str, ...] = ()) -> dict[str,
         for leaf, p in mod.named_parameters(recurse=False):
             name = official_name(f"{mod_name}.{leaf}" if mod_name else leaf)
             if p.requires_grad or name in also:
-                out[peft_name(name)[len(PEFT_PREFIX):]] = (p, mod)
+                out[peft_name(name)[len(PEFT_PREFIX) :]] = (p, mod)
     return out

@@ -18,8 +18,9 @@ from wampipe.train.dit.model import CausalWanModel, DiTBatch
 class FlowMatchScheduler:
     """FlowMatchScheduler(shift, sigma_min=0, extra_one_step=True).set_timesteps(steps, training=True)."""
 
-    def __init__(self, num_train_timesteps: int = 1000, shift: float = 5.0, sigma_max: float = 1.0,
-                 sigma_min: float = 0.0):
+    def __init__(
+        self, num_train_timesteps: int = 1000, shift: float = 5.0, sigma_max: float = 1.0, sigma_min: float = 0.0
+    ):
         n = num_train_timesteps
         s = torch.linspace(sigma_max, sigma_min, n + 1, dtype=torch.float32)[:-1]  # extra_one_step; fp32 as upstream
         self.sigmas = shift * s / (1 + (shift - 1) * s)
@@ -34,8 +35,15 @@ class FlowMatchScheduler:
         return self
 
 
-def sample_timestep_ids(batch: int, num_frames: int, num_frame_per_block: int,
-                        generator: torch.Generator | None = None, device=None, *, num_timesteps: int) -> torch.Tensor:
+def sample_timestep_ids(
+    batch: int,
+    num_frames: int,
+    num_frame_per_block: int,
+    generator: torch.Generator | None = None,
+    device=None,
+    *,
+    num_timesteps: int,
+) -> torch.Tensor:
     """ids [B, F] ~ U{0..num_timesteps - 1}, `num_timesteps` being the scheduler's (`--loss.num-train-timesteps`);
     frames of a block share the id of its first frame, frame 0 keeps its own."""
     ids = torch.randint(0, num_timesteps, (batch, num_frames), generator=generator, device=device)
@@ -49,17 +57,23 @@ def action_ids(frame_ids: torch.Tensor, num_frame_per_block: int, num_action_per
     return frame_ids[:, 1::num_frame_per_block].repeat_interleave(num_action_per_block, dim=1)
 
 
-def flow_matching_loss(model: CausalWanModel, batch: DiTBatch, scheduler: FlowMatchScheduler,
-                       cfg: LossConfig = LossConfig(), generator: torch.Generator | None = None,
-                       frame_ids: torch.Tensor | None = None):
+def flow_matching_loss(
+    model: CausalWanModel,
+    batch: DiTBatch,
+    scheduler: FlowMatchScheduler,
+    cfg: LossConfig = LossConfig(),
+    generator: torch.Generator | None = None,
+    frame_ids: torch.Tensor | None = None,
+):
     """One training loss (timesteps, noise, forward, weighted MSE). Returns (loss, dict of detached terms)."""
     mcfg = model.cfg
     z, a = batch.latents, batch.actions
     B, nf = z.shape[0], z.shape[2]
     dev = z.device
     if frame_ids is None:
-        frame_ids = sample_timestep_ids(B, nf, mcfg.num_frame_per_block, generator, dev,
-                                        num_timesteps=scheduler.num_train_timesteps)
+        frame_ids = sample_timestep_ids(
+            B, nf, mcfg.num_frame_per_block, generator, dev, num_timesteps=scheduler.num_train_timesteps
+        )
     blocks = (nf - 1) // mcfg.num_frame_per_block
     a_ids = action_ids(frame_ids, mcfg.num_frame_per_block, max(1, a.shape[1] // max(1, blocks)))  # the batch's horizon
     if a_ids.shape[1] != a.shape[1]:
@@ -75,8 +89,9 @@ def flow_matching_loss(model: CausalWanModel, batch: DiTBatch, scheduler: FlowMa
 
     t_frames = scheduler.timesteps.to(dev)[frame_ids]
     t_actions = scheduler.timesteps.to(dev)[a_ids]
-    video_pred, action_pred = model(z_t, t_frames, z, a_t, t_actions, batch.state, batch.text, batch.clip, batch.y,
-                                    batch.text_lengths)
+    video_pred, action_pred = model(
+        z_t, t_frames, z, a_t, t_actions, batch.state, batch.text, batch.clip, batch.y, batch.text_lengths
+    )
 
     # odd latent height/width: the patch conv floors, so the target is cropped (as the official action head)
     target = target[..., : video_pred.shape[-2], : video_pred.shape[-1]]

@@ -99,11 +99,17 @@ class DiTConfig:
     def local_attn_size(self) -> int:
         return -1 if self.max_chunk_size == -1 else self.max_chunk_size * self.num_frame_per_block + 1
 
-    def layout(self, num_frames: int, frame_seqlen: int | None = None,
-               num_action_per_block: int | None = None) -> TokenLayout:
-        return TokenLayout(num_frames, frame_seqlen or self.frame_seqlen, self.num_frame_per_block,
-                           num_action_per_block or self.num_action_per_block, self.num_state_per_block,
-                           self.local_attn_size)
+    def layout(
+        self, num_frames: int, frame_seqlen: int | None = None, num_action_per_block: int | None = None
+    ) -> TokenLayout:
+        return TokenLayout(
+            num_frames,
+            frame_seqlen or self.frame_seqlen,
+            self.num_frame_per_block,
+            num_action_per_block or self.num_action_per_block,
+            self.num_state_per_block,
+            self.local_attn_size,
+        )
 
 
 @functools.cache
@@ -136,8 +142,9 @@ class DiTBatch:
 MODEL_INPUTS = [f.name for f in fields(DiTBatch)]  # what a micro-batch brings the model
 
 
-def text_key_log_weight(lengths: torch.Tensor, rows: int, text_len: int,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def text_key_log_weight(
+    lengths: torch.Tensor, rows: int, text_len: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """[B, rows]: 0 on a sample's real rows, log((text_len - n) / (rows - n)) on its zero rows, so the
     rows - n zero keys kept stand for the text_len - n of the full layout. fp32 unless the model runs in fp64."""
     n = lengths.to(dtype)[:, None]
@@ -147,6 +154,7 @@ def text_key_log_weight(lengths: torch.Tensor, rows: int, text_len: int,
 
 
 # ---------------------------------------------------------------- embeddings
+
 
 def sinusoidal_embedding(dim: int, t: torch.Tensor) -> torch.Tensor:
     """Wan timestep embedding [cos, sin], computed in float64 as the reference does."""
@@ -170,8 +178,9 @@ def rope_angles(positions: torch.Tensor, dim: int) -> torch.Tensor:
     return positions.to(torch.float64)[:, None] * inv
 
 
-def rope_tables(layout: TokenLayout, grid_hw: tuple[int, int], head_dim: int, device,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    layout: TokenLayout, grid_hw: tuple[int, int], head_dim: int, device, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [L, head_dim/2] for the whole sequence, angles in float64, tables in `dtype`
     (docs/REFERENCE.md#7-dit-token-layout-rope-and-timesteps).
 
@@ -181,11 +190,16 @@ def rope_tables(layout: TokenLayout, grid_hw: tuple[int, int], head_dim: int, de
     h, w = grid_hw
     d_t = head_dim - 4 * (head_dim // 6)
     d_s = 2 * (head_dim // 6)
-    f_idx, y_idx, x_idx = torch.meshgrid(torch.arange(layout.num_frames, device=device),
-                                         torch.arange(h, device=device), torch.arange(w, device=device),
-                                         indexing="ij")
-    video = torch.cat([rope_angles(f_idx.flatten(), d_t), rope_angles(y_idx.flatten(), d_s),
-                       rope_angles(x_idx.flatten(), d_s)], dim=-1)
+    f_idx, y_idx, x_idx = torch.meshgrid(
+        torch.arange(layout.num_frames, device=device),
+        torch.arange(h, device=device),
+        torch.arange(w, device=device),
+        indexing="ij",
+    )
+    video = torch.cat(
+        [rope_angles(f_idx.flatten(), d_t), rope_angles(y_idx.flatten(), d_s), rope_angles(x_idx.flatten(), d_s)],
+        dim=-1,
+    )
     k = layout.num_blocks
     actions = rope_angles(torch.arange(k * layout.num_action_per_block, device=device), head_dim)
     states = rope_angles(torch.arange(k * layout.num_state_per_block, device=device), head_dim)
@@ -202,6 +216,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------- layers
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -261,17 +276,21 @@ class CrossAttention(nn.Module):
 
     def forward(self, x, context, text_log_weight=None):
         """text_log_weight [B, T] fp32 (compact text): per-key log multiplicity of the text rows."""
-        text = context[:, self.image_len:] if self.has_image else context
+        text = context[:, self.image_len :] if self.has_image else context
         v = self._heads(self.v(text))
         q = self._heads(self.norm_q(self.q(x))).to(v.dtype)
         k = self._heads(self.norm_k(self.k(text))).to(v.dtype)
-        out = (F.scaled_dot_product_attention(q, k, v) if text_log_weight is None
-               else weighted_key_attention(q, k, v, text_log_weight))
+        out = (
+            F.scaled_dot_product_attention(q, k, v)
+            if text_log_weight is None
+            else weighted_key_attention(q, k, v, text_log_weight)
+        )
         if self.has_image:
-            img = context[:, :self.image_len]
+            img = context[:, : self.image_len]
             v_img = self._heads(self.v_img(img))
             out = out + F.scaled_dot_product_attention(
-                q, self._heads(self.norm_k_img(self.k_img(img))).to(v_img.dtype), v_img)
+                q, self._heads(self.norm_k_img(self.k_img(img))).to(v_img.dtype), v_img
+            )
         return self.o(out.transpose(1, 2).flatten(2))
 
 
@@ -350,14 +369,16 @@ class ImageProjection(nn.Module):
 
     def __init__(self, n_in: int, d: int):
         super().__init__()
-        self.proj = nn.Sequential(nn.LayerNorm(n_in), nn.Linear(n_in, n_in), nn.GELU(), nn.Linear(n_in, d),
-                                  nn.LayerNorm(d))
+        self.proj = nn.Sequential(
+            nn.LayerNorm(n_in), nn.Linear(n_in, n_in), nn.GELU(), nn.Linear(n_in, d), nn.LayerNorm(d)
+        )
 
     def forward(self, x):
         return self.proj(x)
 
 
 # ---------------------------------------------------------------- model
+
 
 class CausalWanModel(nn.Module):
     def __init__(self, cfg: DiTConfig):
@@ -420,8 +441,20 @@ class CausalWanModel(nn.Module):
         x = self.patch_embedding(latents.to(self.patch_embedding.weight.dtype))
         return x.flatten(2).transpose(1, 2), tuple(x.shape[2:])
 
-    def forward(self, noisy_latents, t_frames, clean_latents, noisy_actions, t_actions, state, text, clip, y=None,
-                text_lengths=None, state_sees_block: bool = False):
+    def forward(
+        self,
+        noisy_latents,
+        t_frames,
+        clean_latents,
+        noisy_actions,
+        t_actions,
+        state,
+        text,
+        clip,
+        y=None,
+        text_lengths=None,
+        state_sees_block: bool = False,
+    ):
         """Teacher-forcing forward (docs/REFERENCE.md#7-dit-token-layout-rope-and-timesteps).
         Returns (video_pred [B, C_out, F, 2⌊h/2⌋, 2⌊w/2⌋], action_pred).
 
@@ -432,32 +465,39 @@ class CausalWanModel(nn.Module):
         full_text = text_lengths is None and text.shape[1] == cfg.text_len
         compact = text_lengths is not None and text.shape[1] <= cfg.text_len
         if not (full_text or compact) or clip.shape[1] != cfg.image_len:
-            raise ValueError(f"context must be text [B,{cfg.text_len},·] (or at most {cfg.text_len} rows with "
-                             f"text_lengths) and clip [B,{cfg.image_len},·], got {tuple(text.shape)} and "
-                             f"{tuple(clip.shape)}")
+            raise ValueError(
+                f"context must be text [B,{cfg.text_len},·] (or at most {cfg.text_len} rows with "
+                f"text_lengths) and clip [B,{cfg.image_len},·], got {tuple(text.shape)} and "
+                f"{tuple(clip.shape)}"
+            )
         xn, grid = self._patchify(noisy_latents, y)
         text_log_weight = None
         if compact:
             assert text_lengths is not None  # compact only with them
-            text_log_weight = text_key_log_weight(text_lengths, text.shape[1], cfg.text_len,
-                                                  torch.float64 if xn.dtype == torch.float64 else torch.float32)
+            text_log_weight = text_key_log_weight(
+                text_lengths, text.shape[1], cfg.text_len, torch.float64 if xn.dtype == torch.float64 else torch.float32
+            )
         xc, _ = self._patchify(clean_latents, y)
         k = cfg.layout(nf).num_blocks
         # the horizon comes with the batch, as the latent grid does: each embodiment of a mixture keeps its own
-        layout = replace(cfg.layout(nf, grid[1] * grid[2], max(1, noisy_actions.shape[1] // k)),
-                         state_sees_block=state_sees_block)
+        layout = replace(
+            cfg.layout(nf, grid[1] * grid[2], max(1, noisy_actions.shape[1] // k)), state_sees_block=state_sees_block
+        )
         if noisy_actions.shape[1] % k or state.shape[1] != k * cfg.num_state_per_block:
-            raise ValueError(f"{nf} latent frames = {k} blocks need a multiple of {k} actions and "
-                             f"{k * cfg.num_state_per_block} states, got {noisy_actions.shape[1]} and {state.shape[1]}")
+            raise ValueError(
+                f"{nf} latent frames = {k} blocks need a multiple of {k} actions and "
+                f"{k * cfg.num_state_per_block} states, got {noisy_actions.shape[1]} and {state.shape[1]}"
+            )
         dtype = xn.dtype
-        register = torch.cat([self.action_encoder(noisy_actions.to(dtype), t_actions),
-                              self.state_encoder(state.to(dtype))], dim=1)
+        register = torch.cat(
+            [self.action_encoder(noisy_actions.to(dtype), t_actions), self.state_encoder(state.to(dtype))], dim=1
+        )
         x = torch.cat([xc, xn, register], dim=1)
 
         # per-token timesteps: clean 0, noisy = its frame's, actions their own, state k = its block's action t
         fs = layout.frame_seqlen
         t_noisy = t_frames.repeat_interleave(fs, dim=1)
-        t_state = t_actions[:, ::layout.num_action_per_block // cfg.num_state_per_block]
+        t_state = t_actions[:, :: layout.num_action_per_block // cfg.num_state_per_block]
         t_tok = torch.cat([torch.zeros_like(t_noisy), t_noisy, t_actions, t_state], dim=1)
         e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t_tok).to(dtype))  # [B, L, d]
         e0 = self.time_projection(e).unflatten(2, (6, cfg.dim))
@@ -466,8 +506,9 @@ class CausalWanModel(nn.Module):
         if cfg.model_type != "t2v":
             context = torch.cat([self.img_emb(clip.to(dtype)), context], dim=1)
 
-        rope = rope_tables(layout, grid[1:], cfg.head_dim, x.device,
-                           torch.float64 if x.dtype == torch.float64 else torch.float32)
+        rope = rope_tables(
+            layout, grid[1:], cfg.head_dim, x.device, torch.float64 if x.dtype == torch.float64 else torch.float32
+        )
         mask = self.attention_mask(layout, x.device)
         for block in self.blocks:
             x = block(x, e0, context, rope, mask, text_log_weight)
@@ -475,7 +516,7 @@ class CausalWanModel(nn.Module):
         n_video = layout.video_len
         noisy = slice(n_video, 2 * n_video)
         out = self.head(x[:, noisy], e[:, noisy])
-        action_pred = self.action_decoder(x[:, 2 * n_video: 2 * n_video + noisy_actions.shape[1]])
+        action_pred = self.action_decoder(x[:, 2 * n_video : 2 * n_video + noisy_actions.shape[1]])
         return self.unpatchify(out, grid), action_pred
 
     def unpatchify(self, x, grid):
@@ -491,8 +532,15 @@ def build_model(name_or_cfg: str | DiTConfig, **overrides) -> CausalWanModel:
     return CausalWanModel(cfg)
 
 
-def random_batch(cfg: DiTConfig, batch: int, latent_shape: tuple[int, int, int], device=None,
-                 dtype=torch.float32, generator: torch.Generator | None = None, real_action_dims: int = 7) -> DiTBatch:
+def random_batch(
+    cfg: DiTConfig,
+    batch: int,
+    latent_shape: tuple[int, int, int],
+    device=None,
+    dtype=torch.float32,
+    generator: torch.Generator | None = None,
+    real_action_dims: int = 7,
+) -> DiTBatch:
     """A DiTBatch of random tensors obeying the input contract (tests, GPU checks, benchmarks)."""
     nf, h, w = latent_shape
     k = (nf - 1) // cfg.num_frame_per_block
@@ -505,14 +553,21 @@ def random_batch(cfg: DiTConfig, batch: int, latent_shape: tuple[int, int, int],
     action_mask[..., :real_action_dims] = True
     actions = (rnd(batch, n_act, cfg.action_dim).clamp(-1, 1) * action_mask).to(dtype)
     lengths = torch.randint(1, cfg.text_len + 1, (batch,), generator=generator, device=device)
-    text = rnd(batch, cfg.text_len, cfg.text_dim) * (torch.arange(cfg.text_len, device=device)[None, :, None]
-                                                     < lengths[:, None, None])
+    text = rnd(batch, cfg.text_len, cfg.text_dim) * (
+        torch.arange(cfg.text_len, device=device)[None, :, None] < lengths[:, None, None]
+    )
     y = None
     if cfg.model_type == "i2v":
         y = torch.zeros(batch, cfg.in_dim - cfg.out_dim, nf, h, w, device=device, dtype=dtype)
         y[:, :4, 0] = 1
         y[:, 4:] = rnd(batch, cfg.in_dim - cfg.out_dim - 4, nf, h, w)
-    return DiTBatch(latents=rnd(batch, cfg.out_dim, nf, h, w), clip=rnd(batch, cfg.image_len, cfg.image_dim),
-                    text=text.to(dtype), state=rnd(batch, k * cfg.num_state_per_block, cfg.max_state_dim),
-                    actions=actions, action_mask=action_mask,
-                    has_real_action=torch.ones(batch, dtype=torch.bool, device=device), y=y)
+    return DiTBatch(
+        latents=rnd(batch, cfg.out_dim, nf, h, w),
+        clip=rnd(batch, cfg.image_len, cfg.image_dim),
+        text=text.to(dtype),
+        state=rnd(batch, k * cfg.num_state_per_block, cfg.max_state_dim),
+        actions=actions,
+        action_mask=action_mask,
+        has_real_action=torch.ones(batch, dtype=torch.bool, device=device),
+        y=y,
+    )

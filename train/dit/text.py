@@ -10,16 +10,21 @@ from typing import Literal
 import torch
 
 
-def kept_text_rows(embeddings: list[torch.Tensor], text_len: int = 512,
-                   mode: Literal["per_sample", "batch_min"] = "per_sample") -> list[int]:
+def kept_text_rows(
+    embeddings: list[torch.Tensor], text_len: int = 512, mode: Literal["per_sample", "batch_min"] = "per_sample"
+) -> list[int]:
     """umT5 rows each sample keeps: its own length ('per_sample') or the batch's shortest ('batch_min'), at most
     text_len."""
     lengths = [min(e.shape[0], text_len) for e in embeddings]
     return [min(lengths)] * len(lengths) if mode == "batch_min" else lengths
 
 
-def pad_text(embeddings: list[torch.Tensor], text_len: int = 512,
-             mode: Literal["per_sample", "batch_min"] = "per_sample", out: torch.Tensor | None = None) -> torch.Tensor:
+def pad_text(
+    embeddings: list[torch.Tensor],
+    text_len: int = 512,
+    mode: Literal["per_sample", "batch_min"] = "per_sample",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Zero-pad per-prompt umT5 outputs [L_i, 4096] to [B, text_len, 4096] (into `out` when given, e.g. a
     loader worker's shared memory).
 
@@ -42,9 +47,14 @@ def compact_text_rows(longest: int, text_len: int = 512, bucket: int = 64) -> in
     return min(text_len, -(-(longest + 1) // bucket) * bucket)
 
 
-def compact_text(embeddings: list[torch.Tensor], text_len: int = 512,
-                 mode: Literal["per_sample", "batch_min"] = "per_sample", bucket: int = 64,
-                 rows: int | None = None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_text(
+    embeddings: list[torch.Tensor],
+    text_len: int = 512,
+    mode: Literal["per_sample", "batch_min"] = "per_sample",
+    bucket: int = 64,
+    rows: int | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`pad_text` without most of its zero rows: ([B, T, 4096], lengths [B]) with T = `rows`, by default
     `compact_text_rows` of this batch (a trainer passes the dataset's, so every batch has one shape).
 
@@ -56,8 +66,9 @@ def compact_text(embeddings: list[torch.Tensor], text_len: int = 512,
     need = compact_text_rows(max(keep), text_len, bucket=1)
     rows = compact_text_rows(max(keep), text_len, bucket) if rows is None else rows
     if not need <= rows <= text_len:
-        raise ValueError(f"compact text of {rows} rows cannot hold a {max(keep)}-row prompt plus a zero row "
-                         f"(text_len {text_len})")
+        raise ValueError(
+            f"compact text of {rows} rows cannot hold a {max(keep)}-row prompt plus a zero row (text_len {text_len})"
+        )
     # every kept row is below `rows`, so padding to `rows` keeps the same rows as padding to text_len would
     # (without allocating and zero-filling the text_len rows: a third of the loader's time at the 5B shape)
     return pad_text(embeddings, rows, mode, out), torch.tensor(keep, dtype=torch.int64)

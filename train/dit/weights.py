@@ -77,8 +77,9 @@ def _resolve(path: Path) -> list[Path]:
             return _resolve(indexes[0])
         files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".pt", ".pth", ".bin"))
         if len(indexes) > 1 or len(files) != 1:
-            raise WeightsError(f"{path}: expected one weight file or one *.index.json, found "
-                               f"{[p.name for p in indexes + files]}")
+            raise WeightsError(
+                f"{path}: expected one weight file or one *.index.json, found {[p.name for p in indexes + files]}"
+            )
         return files
     if not path.exists():
         raise WeightsError(f"{path}: no such file")
@@ -98,6 +99,7 @@ def _open(path: Path) -> safe_open | dict:
     """A safetensors handle (header read, data memory-mapped) or a memory-mapped torch.save dict."""
     if path.suffix == ".safetensors":
         from safetensors import safe_open
+
         return safe_open(str(path), framework="pt")
     return _torch_load(path)
 
@@ -117,8 +119,9 @@ class Checkpoint:
                     raise WeightsError(f"{f}: key {key} appears in more than one shard")
                 self.file_of[key] = f
                 # a dict exactly where the file is no .safetensors (`_open`)
-                self.shapes[key] = (tuple(handle[key].shape) if isinstance(handle, dict)
-                                    else tuple(handle.get_slice(key).get_shape()))
+                self.shapes[key] = (
+                    tuple(handle[key].shape) if isinstance(handle, dict) else tuple(handle.get_slice(key).get_shape())
+                )
         self._current: tuple[Path, safe_open | dict] | None = None
 
     def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
@@ -128,8 +131,8 @@ class Checkpoint:
             self._current = (f, _open(f))
         handle = self._current[1]
         if not isinstance(handle, dict):  # a .safetensors file
-            return handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0]:rows[1]]
-        return handle[key] if rows is None else handle[key][rows[0]:rows[1]]
+            return handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0] : rows[1]]
+        return handle[key] if rows is None else handle[key][rows[0] : rows[1]]
 
     def close(self) -> None:
         self._current = None
@@ -159,15 +162,19 @@ def local_rows(t: torch.Tensor) -> tuple[int, int] | None:
     if not isinstance(t, DTensor) or all(isinstance(p, Replicate) for p in t.placements):
         return None
     if t.device_mesh.ndim != 1 or t.placements[0] != Shard(0):
-        raise WeightsError(f"cannot load into placement {t.placements} on a {t.device_mesh.ndim}-D mesh "
-                           "(only FSDP's Shard(0) over one mesh dimension)")
+        raise WeightsError(
+            f"cannot load into placement {t.placements} on a {t.device_mesh.ndim}-D mesh "
+            "(only FSDP's Shard(0) over one mesh dimension)"
+        )
     n, world, rank = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
     chunk = -(-n // world)  # torch.chunk, as FSDP2 shards
     start = min(rank * chunk, n)
     stop = min(start + chunk, n)
     if t.to_local().shape[0] != stop - start:
-        raise WeightsError(f"local shard of {tuple(t.shape)} has {t.to_local().shape[0]} rows, expected "
-                           f"{stop - start} (rank {rank} of {world})")
+        raise WeightsError(
+            f"local shard of {tuple(t.shape)} has {t.to_local().shape[0]} rows, expected "
+            f"{stop - start} (rank {rank} of {world})"
+        )
     return start, stop
 
 
@@ -207,7 +214,7 @@ def match_keys(model: nn.Module, ckpt: Checkpoint, source: str = "auto") -> tupl
     if source not in ("auto", "dreamzero", "wan", "export"):
         raise ValueError(f"source must be auto, dreamzero, wan or export, got {source!r}")
     if source == "dreamzero" or (source == "auto" and any(k.startswith(DREAMZERO_PREFIX) for k in ckpt.shapes)):
-        names = {k[len(DREAMZERO_PREFIX):]: k for k in ckpt.shapes if k.startswith(DREAMZERO_PREFIX)}
+        names = {k[len(DREAMZERO_PREFIX) :]: k for k in ckpt.shapes if k.startswith(DREAMZERO_PREFIX)}
         source = "dreamzero"
     else:
         names = {k: k for k in ckpt.shapes}
@@ -252,12 +259,17 @@ def load_weights(model: nn.Module, path: str | Path, source: str = "auto", seed:
         t, owner = tensors[key]
         gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (1 << 63))
         full = reference_init(owner, key.rsplit(".", 1)[1], torch.empty(t.shape), gen)
-        fill_rows(t, lambda rows, full=full: full if rows is None else full[rows[0]:rows[1]])
+        fill_rows(t, lambda rows, full=full: full if rows is None else full[rows[0] : rows[1]])
     if missing:
         groups = sorted({re.sub(r"\.\d+\.", ".*.", k).rsplit(".", 1)[0] for k in missing})
         n = sum(tensors[k][0].numel() for k in missing)
-        log.info("%s: cold start from a Wan base, %d tensors (%d params) absent and initialised as the "
-                 "reference does: %s", path, len(missing), n, ", ".join(groups))
+        log.info(
+            "%s: cold start from a Wan base, %d tensors (%d params) absent and initialised as the reference does: %s",
+            path,
+            len(missing),
+            n,
+            ", ".join(groups),
+        )
     log.info("%s: read %d tensors (%s)", path, len(names), source)
     return LoadReport(str(path), source, loaded=len(names), initialised=missing)
 
@@ -282,15 +294,23 @@ def shard_file_names(n: int) -> list[str]:
 
 def write_index(out: Path, weight_map: dict[str, str], total_size: int, metadata: dict | None = None) -> Path:
     index = out / "model.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {**(metadata or {}), "total_size": total_size},
-                                 "weight_map": weight_map}, indent=1) + "\n")
+    index.write_text(
+        json.dumps({"metadata": {**(metadata or {}), "total_size": total_size}, "weight_map": weight_map}, indent=1)
+        + "\n"
+    )
     return index
 
 
-def save_weights(model_or_sd: nn.Module | dict, out_dir: str | Path, max_shard_bytes: int = 5 << 30,
-                 dtype: torch.dtype | None = None, metadata: dict | None = None) -> Path:
+def save_weights(
+    model_or_sd: nn.Module | dict,
+    out_dir: str | Path,
+    max_shard_bytes: int = 5 << 30,
+    dtype: torch.dtype | None = None,
+    metadata: dict | None = None,
+) -> Path:
     """Write an unsharded model's (or a state dict's) keys as `model.safetensors` or shards + index."""
     from safetensors.torch import save_file
+
     sd = model_or_sd.state_dict() if isinstance(model_or_sd, nn.Module) else model_or_sd
     sd = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous() for k, v in sd.items()}
     out = Path(out_dir)
@@ -302,5 +322,8 @@ def save_weights(model_or_sd: nn.Module | dict, out_dir: str | Path, max_shard_b
         save_file({k: sd[k] for k in keys}, str(out / name), metadata=meta)
     if len(groups) == 1:
         return out / names[0]
-    return write_index(out, {k: name for name, keys in zip(names, groups) for k in keys},
-                       sum(v.numel() * v.element_size() for v in sd.values()))
+    return write_index(
+        out,
+        {k: name for name, keys in zip(names, groups) for k in keys},
+        sum(v.numel() * v.element_size() for v in sd.values()),
+    )

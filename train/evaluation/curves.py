@@ -17,9 +17,12 @@ PANELS = (  # (title, metrics.jsonl fields, y scale)
 )
 # per set, by field prefix: a mixture's loss and samples seen, every run's open-loop action error
 # (train/evaluation/sample.py)
-SET_PANELS = (("loss per set", ("loss/", "val_loss/"), "log"), ("samples seen per set", ("samples_seen/",), "linear"),
-              ("open-loop action MSE (normalised)", ("action_mse/",), "log"),
-              ("open-loop action MSE (raw units)", ("action_mse_raw/",), "log"))
+SET_PANELS = (
+    ("loss per set", ("loss/", "val_loss/"), "log"),
+    ("samples seen per set", ("samples_seen/",), "linear"),
+    ("open-loop action MSE (normalised)", ("action_mse/",), "log"),
+    ("open-loop action MSE (raw units)", ("action_mse_raw/",), "log"),
+)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -39,8 +42,10 @@ def read_metrics(path: Path) -> list[dict]:
 
 def panels_of(rows: list[dict]) -> tuple:
     """(title, fields, y scale) of each panel: PANELS, then those of SET_PANELS with fields logged."""
-    per_set = [(name, tuple(sorted({f for r in rows for f in r if f.startswith(prefixes)})), scale)
-               for name, prefixes, scale in SET_PANELS]
+    per_set = [
+        (name, tuple(sorted({f for r in rows for f in r if f.startswith(prefixes)})), scale)
+        for name, prefixes, scale in SET_PANELS
+    ]
     return PANELS + tuple(panel for panel in per_set if panel[1])
 
 
@@ -55,7 +60,7 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     panels = panels_of(rows)
     rows_of_panels = (len(panels) + 1) // 2
     fig, axes = plt.subplots(rows_of_panels, 2, figsize=(11, 3.5 * rows_of_panels), sharex=True, squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, (name, fields, scale) in zip(axes.flat, panels):
         for field in fields:

@@ -65,13 +65,17 @@ def load_checkpoint(run: Path, step: int | None, dims: dict, shards: str) -> tup
     found = dict(complete_checkpoints(run))
     if not found or (step is not None and step not in found):
         have = f"complete steps {sorted(found)}" if found else "no complete checkpoint"
-        raise UsageError(f"{run}: {'no checkpoint of step ' + str(step) if step is not None else 'nothing to load'} "
-                         f"({have}); pass a run directory with a saved step, or its export folder")
+        raise UsageError(
+            f"{run}: {'no checkpoint of step ' + str(step) if step is not None else 'nothing to load'} "
+            f"({have}); pass a run directory with a saved step, or its export folder"
+        )
     path = found[step if step is not None else max(found)]
     recorded = json.loads((path / "rank-00000.json").read_text())["model"]
     if recorded.get("lora"):
-        raise UsageError(f"{path}: a LoRA checkpoint holds the adapters only; evaluate the run's export folder "
-                         f"(merged weights) instead")
+        raise UsageError(
+            f"{path}: a LoRA checkpoint holds the adapters only; evaluate the run's export folder "
+            f"(merged weights) instead"
+        )
     model = CausalWanModel(_dit_config(recorded, str(path / "rank-00000.json")))
     check_fits(model.cfg, dims, str(path), shards)
     state = {"model": model.state_dict()}
@@ -89,8 +93,10 @@ def load_export(folder: Path, dims: dict, shards: str) -> tuple[CausalWanModel, 
 
     config = folder / "config.json"
     if not config.is_file():
-        raise UsageError(f"{folder}: no config.json, so no DiT configuration; evaluate the run directory, or export "
-                         f"with --checkpoint.export-base")
+        raise UsageError(
+            f"{folder}: no config.json, so no DiT configuration; evaluate the run directory, or export "
+            f"with --checkpoint.export-base"
+        )
     try:
         dit = json.loads(config.read_text())["action_head_cfg"]["config"]["diffusion_model_cfg"]
     except (KeyError, TypeError, json.JSONDecodeError) as err:
@@ -114,8 +120,11 @@ def load(source: Path, dims: dict, shards: str, step: int | None = None) -> tupl
 
 def check_fits(model_cfg: DiTConfig, dims: dict, source: str, shards: str) -> None:
     """Stop in one line when the shards were built for another DiT (widths, latent grid, longest prompt)."""
-    wrong = [f"{k}: model {getattr(model_cfg, k)}, shards {v}" for k, v in dims.items()
-             if k not in ("text_len", "num_action_per_block") and getattr(model_cfg, k) != v]
+    wrong = [
+        f"{k}: model {getattr(model_cfg, k)}, shards {v}"
+        for k, v in dims.items()
+        if k not in ("text_len", "num_action_per_block") and getattr(model_cfg, k) != v
+    ]
     if dims["text_len"] > model_cfg.text_len:
         wrong.append(f"longest prompt {dims['text_len']} tokens > text_len {model_cfg.text_len}")
     if wrong:
@@ -126,6 +135,7 @@ def plot(pred: np.ndarray, target: np.ndarray, out: Path) -> None:
     """Predicted (solid) and recorded (dashed) raw actions of a few samples, one panel per action dim."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -139,7 +149,7 @@ def plot(pred: np.ndarray, target: np.ndarray, out: Path) -> None:
             ax.set_visible(False)
             continue
         for s in range(n):
-            line, = ax.plot(pred[s, :, d], lw=1)
+            (line,) = ax.plot(pred[s, :, d], lw=1)
             ax.plot(target[s, :, d], "--", lw=1, color=line.get_color())
         ax.set_title(f"action dim {d}", fontsize=9)
         ax.set_xlabel("action step", fontsize=7)
@@ -161,15 +171,18 @@ def read_negative_text(path: Path, model_cfg: DiTConfig) -> torch.Tensor:
         raise UsageError(f"--negative-text {path}: not readable as safetensors ({err})") from None
     shape = tuple(tensors[0].shape) if len(tensors) == 1 else None
     if shape is None or len(shape) != 2 or shape[1] != model_cfg.text_dim or shape[0] > model_cfg.text_len:
-        raise UsageError(f"--negative-text {path}: needs one [tokens <= {model_cfg.text_len}, {model_cfg.text_dim}] "
-                         f"tensor (the umT5 output of the negative prompt), has {[tuple(t.shape) for t in tensors]}")
+        raise UsageError(
+            f"--negative-text {path}: needs one [tokens <= {model_cfg.text_len}, {model_cfg.text_dim}] "
+            f"tensor (the umT5 output of the negative prompt), has {[tuple(t.shape) for t in tensors]}"
+        )
     return pad_text([tensors[0].float()], model_cfg.text_len)
 
 
 def check_args(args: Args) -> None:
     """Refuse a bad flag in one line before a checkpoint or a shard is opened."""
-    check_at_least(("--samples", args.samples, 1), ("--batch-size", args.batch_size, 1),
-                   ("--plot-samples", args.plot_samples, 0))
+    check_at_least(
+        ("--samples", args.samples, 1), ("--batch-size", args.batch_size, 1), ("--plot-samples", args.plot_samples, 0)
+    )
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out} is a file; give a directory for open_loop.json and open_loop.png")
     try:
@@ -188,8 +201,10 @@ def evaluate(args: Args) -> dict:
         raise UsageError(str(err)) from None
     index = open_index(args.shards)  # a ShardFormatError names the file
     if index.manifest.image_features != "encoded":
-        raise UsageError(f"{args.shards}: holds CLIP's input pixels, not its features; evaluate on shards built "
-                         f"with --image-features encoded")
+        raise UsageError(
+            f"{args.shards}: holds CLIP's input pixels, not its features; evaluate on shards built "
+            f"with --image-features encoded"
+        )
     dims = data_dims(index)
     model, source = load(args.source, dims, args.shards, args.step)
     device = torch.device(args.device)
@@ -205,14 +220,23 @@ def evaluate(args: Args) -> dict:
     batches = eval_batches(index, model.cfg, args.samples, args.batch_size, device)
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         errors = action_error(model, batches, q01, q99, args.sampler, negative, on_sample=keep)
-    report = {"source": source, "shards": str(args.shards), "embodiment": index.manifest.embodiment,
-              "samples": int(errors.counts[1].max()), "action_dims": len(q01), "sampler": asdict(args.sampler),
-              "guided": negative is not None and args.sampler.cfg_scale != 1.0,
-              **errors.report()}
+    report = {
+        "source": source,
+        "shards": str(args.shards),
+        "embodiment": index.manifest.embodiment,
+        "samples": int(errors.counts[1].max()),
+        "action_dims": len(q01),
+        "sampler": asdict(args.sampler),
+        "guided": negative is not None and args.sampler.cfg_scale != 1.0,
+        **errors.report(),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "open_loop.json").write_text(json.dumps(report, indent=1) + "\n")
     if args.plot_samples and shown:
-        pred, target = (torch.cat(t)[:args.plot_samples, :, :len(q01)].double() for t in zip(*shown))
-        plot(unnormalize_q99(pred, q01, q99).numpy(), unnormalize_q99(target, q01, q99).numpy(),
-             args.out / "open_loop.png")
+        pred, target = (torch.cat(t)[: args.plot_samples, :, : len(q01)].double() for t in zip(*shown))
+        plot(
+            unnormalize_q99(pred, q01, q99).numpy(),
+            unnormalize_q99(target, q01, q99).numpy(),
+            args.out / "open_loop.png",
+        )
     return report

@@ -28,7 +28,11 @@ from wampipe.train.dit.model import CausalWanModel, DiTBatch, DiTConfig
 
 # The reference's DiT step masks by NUM_DIT_STEPS (its default 8): at a False step the last prediction is reused.
 DIT_STEP_MASKS = {
-    5: "TTTFFFFTFFFFTFFF", 6: "TTFFFTFFFFTFFFTT", 7: "TTTFFFTFFFTFFFTT", 8: "TTTFFFTFFFTFFTTT", 16: "T" * 16,
+    5: "TTTFFFFTFFFFTFFF",
+    6: "TTFFFTFFFFTFFFTT",
+    7: "TTTFFFTFFFTFFFTT",
+    8: "TTTFFFTFFFTFFTTT",
+    16: "T" * 16,
 }
 
 
@@ -56,8 +60,10 @@ class SamplerConfig:
         if self.dit_steps == self.steps:
             return [True] * self.steps
         if self.steps != 16 or self.dit_steps not in DIT_STEP_MASKS:
-            raise ValueError(f"--sampler.dit-steps {self.dit_steps}: with {self.steps} steps choose {self.steps}"
-                             + (f" or one of {sorted(DIT_STEP_MASKS)}" if self.steps == 16 else ""))
+            raise ValueError(
+                f"--sampler.dit-steps {self.dit_steps}: with {self.steps} steps choose {self.steps}"
+                + (f" or one of {sorted(DIT_STEP_MASKS)}" if self.steps == 16 else "")
+            )
         return [c == "T" for c in DIT_STEP_MASKS[self.dit_steps]]
 
 
@@ -121,8 +127,9 @@ def _corrector_weights(rk: torch.Tensor, hh: torch.Tensor, hphi: torch.Tensor) -
     one = torch.ones_like(rk)
     phi2 = hphi / hh - 1
     phi3 = phi2 / hh - 0.5
-    return torch.linalg.solve(torch.stack([torch.stack([one, one]), torch.stack([rk, one])]),
-                              torch.stack([phi2 / hphi, 2 * phi3 / hphi]))
+    return torch.linalg.solve(
+        torch.stack([torch.stack([one, one]), torch.stack([rk, one])]), torch.stack([phi2 / hphi, 2 * phi3 / hphi])
+    )
 
 
 def first_block(batch: DiTBatch, nfpb: int, num_state_per_block: int) -> tuple[DiTBatch, int]:
@@ -133,10 +140,17 @@ def first_block(batch: DiTBatch, nfpb: int, num_state_per_block: int) -> tuple[D
     h, w = (n - n % 2 for n in batch.latents.shape[-2:])
     frames = slice(0, 1 + nfpb)
     y = None if batch.y is None else batch.y[:, :, frames, :h, :w]
-    return DiTBatch(latents=batch.latents[:, :, frames, :h, :w], clip=batch.clip, text=batch.text,
-                    state=batch.state[:, :num_state_per_block], actions=batch.actions[:, :horizon],
-                    action_mask=batch.action_mask[:, :horizon], has_real_action=batch.has_real_action, y=y,
-                    text_lengths=batch.text_lengths), horizon
+    return DiTBatch(
+        latents=batch.latents[:, :, frames, :h, :w],
+        clip=batch.clip,
+        text=batch.text,
+        state=batch.state[:, :num_state_per_block],
+        actions=batch.actions[:, :horizon],
+        action_mask=batch.action_mask[:, :horizon],
+        has_real_action=batch.has_real_action,
+        y=y,
+        text_lengths=batch.text_lengths,
+    ), horizon
 
 
 def initial_noise(shape: tuple[int, ...], seed: int, device) -> torch.Tensor:
@@ -145,8 +159,13 @@ def initial_noise(shape: tuple[int, ...], seed: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_actions(model: CausalWanModel, batch: DiTBatch, cfg: SamplerConfig = SamplerConfig(),
-                   negative_text: torch.Tensor | None = None, trace: list | None = None) -> torch.Tensor:
+def sample_actions(
+    model: CausalWanModel,
+    batch: DiTBatch,
+    cfg: SamplerConfig = SamplerConfig(),
+    negative_text: torch.Tensor | None = None,
+    trace: list | None = None,
+) -> torch.Tensor:
     """The first chunk's q99-normalised actions [B, A, action_dim] sampled for each observation of `batch` (latent
     frame 0, CLIP features, prompt, first state). `negative_text` [B or 1, text_len, text_dim] turns guidance on.
     `trace`, when a list, receives (video, actions) after every step."""
@@ -171,8 +190,19 @@ def sample_actions(model: CausalWanModel, batch: DiTBatch, cfg: SamplerConfig = 
     def predict(t: float, text, text_lengths):
         t_frames = torch.cat([zero, torch.full((B, nfpb), t, device=dev, dtype=dtype)], dim=1)
         t_actions = torch.full((B, horizon), t, device=dev, dtype=dtype)
-        v, a = model(torch.cat([context, video], dim=2), t_frames, clean, actions, t_actions, first.state, text,
-                     first.clip, first.y, text_lengths, state_sees_block=cfg.state_sees_block)
+        v, a = model(
+            torch.cat([context, video], dim=2),
+            t_frames,
+            clean,
+            actions,
+            t_actions,
+            first.state,
+            text,
+            first.clip,
+            first.y,
+            text_lengths,
+            state_sees_block=cfg.state_sees_block,
+        )
         return v[:, :, 1:].to(dtype), a.to(dtype)
 
     for i, (t, run) in enumerate(zip(timesteps.tolist(), cfg.step_mask())):
@@ -203,8 +233,8 @@ class ActionErrors:
 
     def add(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, q01, q99) -> None:
         """pred, target: normalised [B, A, ≥dims]; mask: bool, the entries that count."""
-        pred, target = pred[..., :self.dims].double().cpu(), target[..., :self.dims].double().cpu()
-        mask = mask[..., :self.dims].double().cpu()
+        pred, target = pred[..., : self.dims].double().cpu(), target[..., : self.dims].double().cpu()
+        mask = mask[..., : self.dims].double().cpu()
         raw = (unnormalize_q99(pred, q01, q99) - unnormalize_q99(target, q01, q99)).pow(2)
         norm = (pred - target).pow(2)
         for k, sl in enumerate((slice(None), slice(0, 1))):
@@ -226,8 +256,10 @@ class ActionErrors:
             for j, unit in enumerate(("", "_raw")):
                 mse = self.sums[2 * k + j] / self.counts[k]
                 valid = self.counts[k] > 0
-                out[f"{part}{unit}"] = {"per_dim": [float(v) if ok else None for v, ok in zip(mse, valid)],
-                                        "mean": float(mse[valid].mean()) if valid.any() else None}
+                out[f"{part}{unit}"] = {
+                    "per_dim": [float(v) if ok else None for v, ok in zip(mse, valid)],
+                    "mean": float(mse[valid].mean()) if valid.any() else None,
+                }
         return out
 
 
@@ -235,8 +267,15 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def action_error(model: CausalWanModel, batches, q01, q99, cfg: SamplerConfig = SamplerConfig(),
-                 negative_text: torch.Tensor | None = None, on_sample=None) -> ActionErrors:
+def action_error(
+    model: CausalWanModel,
+    batches,
+    q01,
+    q99,
+    cfg: SamplerConfig = SamplerConfig(),
+    negative_text: torch.Tensor | None = None,
+    on_sample=None,
+) -> ActionErrors:
     """Sampled first chunks of `batches` (dicts of model inputs; an optional bool `weight` [B] leaves samples out)
     against their recorded actions. Collective when a process group is up: the sums are all-reduced.
     `on_sample(pred, target, mask)` sees each batch's normalised chunks."""
@@ -247,7 +286,7 @@ def action_error(model: CausalWanModel, batches, q01, q99, cfg: SamplerConfig = 
         for batch in batches:
             inputs = DiTBatch(**{f.name: batch[f.name] for f in fields(DiTBatch) if f.name in batch})
             pred = sample_actions(model, inputs, cfg, negative_text)
-            target, mask = inputs.actions[:, :pred.shape[1]], inputs.action_mask[:, :pred.shape[1]]
+            target, mask = inputs.actions[:, : pred.shape[1]], inputs.action_mask[:, : pred.shape[1]]
             if "weight" in batch:
                 mask = mask & batch["weight"].to(mask.device)[:, None, None]
             errors.add(pred, target, mask, q01, q99)
@@ -259,8 +298,16 @@ def action_error(model: CausalWanModel, batches, q01, q99, cfg: SamplerConfig = 
     return errors
 
 
-def eval_batches(index, model_cfg: DiTConfig, samples: int, batch_size: int, device, start: int = 0,
-                 stride: int = 1, count: int | None = None):
+def eval_batches(
+    index,
+    model_cfg: DiTConfig,
+    samples: int,
+    batch_size: int,
+    device,
+    start: int = 0,
+    stride: int = 1,
+    count: int | None = None,
+):
     """Batches of the windows start, start + stride, ... (the first variant, a prompt column from a fixed seed),
     `count` of them taken cyclically from the first `samples` (default: each once); a `weight` per sample is False
     on the repeats, so every rank can make the same number of calls."""
@@ -269,9 +316,10 @@ def eval_batches(index, model_cfg: DiTConfig, samples: int, batch_size: int, dev
     reader, rng = SampleReader(index, model_cfg), np.random.default_rng(0)
     try:
         for i in range(0, len(picks), batch_size):
-            chunk = picks[i:i + batch_size]
-            batch = collate([reader.sample(index.windows[j % samples], rng, variant=0) for j in chunk],
-                            model_cfg.text_len)
+            chunk = picks[i : i + batch_size]
+            batch = collate(
+                [reader.sample(index.windows[j % samples], rng, variant=0) for j in chunk], model_cfg.text_len
+            )
             batch["weight"] = torch.tensor([j < samples for j in chunk])
             yield {k: v.to(device) for k, v in batch.items()}
     finally:
@@ -282,8 +330,19 @@ class ActionProbe:
     """The trainer's periodic open-loop action error (--metrics.action-interval): the first `samples` windows of each
     probed shard directory, split over the ranks, sampled with the model being trained. Collective."""
 
-    def __init__(self, dirs: list[str], model_cfg: DiTConfig, samples: int, rank: int, world: int, device,
-                 image_encoder=None, batch_size: int = 4, cache_dir: str | None = None, run_indexes=None):
+    def __init__(
+        self,
+        dirs: list[str],
+        model_cfg: DiTConfig,
+        samples: int,
+        rank: int,
+        world: int,
+        device,
+        image_encoder=None,
+        batch_size: int = 4,
+        cache_dir: str | None = None,
+        run_indexes=None,
+    ):
         """`run_indexes`: the training sets' indexes, which each probed directory must be built like (checked
         here, at start)."""
         from wampipe.train.config import ShardSet
@@ -306,13 +365,30 @@ class ActionProbe:
             return None
         sets = [str(s.shards) for s in cfg.data.sets()]
         dirs = list(m.action_shards) or [val_dir(s, index) or s for s, index in zip(sets, indexes)]
-        return cls(dirs, model_cfg, m.action_samples, rank, world, device, image_encoder, run_indexes=indexes,
-                   cache_dir=cfg.data.cache_dir)
+        return cls(
+            dirs,
+            model_cfg,
+            m.action_samples,
+            rank,
+            world,
+            device,
+            image_encoder,
+            run_indexes=indexes,
+            cache_dir=cfg.data.cache_dir,
+        )
 
     def _batches(self, index):
         per_rank = math.ceil(min(self.samples, len(index.windows)) / self.world)
-        for batch in eval_batches(index, self.model_cfg, self.samples, self.batch_size, self.device, start=self.rank,
-                                  stride=self.world, count=per_rank):
+        for batch in eval_batches(
+            index,
+            self.model_cfg,
+            self.samples,
+            self.batch_size,
+            self.device,
+            start=self.rank,
+            stride=self.world,
+            count=per_rank,
+        ):
             if self.image_encoder is not None:  # shards of CLIP's input pixels, as the training step encodes them
                 batch["clip"] = self.image_encoder.encode_pixels(batch.pop("clip_pixels")).to(torch.bfloat16)
             yield batch

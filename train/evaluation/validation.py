@@ -70,8 +70,15 @@ class Validation:
     """The validation loss of a run (module docstring). Sets without a validation split are left out; with none at
     all, or --metrics.val-interval 0, `after_step` never runs anything."""
 
-    def __init__(self, cfg: Config, model: CausalWanModel, indexes: list[ShardIndex], fm: FlowMatchScheduler,
-                 device: torch.device, image_encoder=None):
+    def __init__(
+        self,
+        cfg: Config,
+        model: CausalWanModel,
+        indexes: list[ShardIndex],
+        fm: FlowMatchScheduler,
+        device: torch.device,
+        image_encoder=None,
+    ):
         self.cfg, self.model, self.fm, self.device, self.image_encoder = cfg, model, fm, device, image_encoder
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.names, self.splits = [], []
@@ -86,13 +93,19 @@ class Validation:
                 self.splits.append(open_index(where, cfg.data.cache_dir))
                 check_alongside(self.splits[-1], indexes, "a validation split")
         if cfg.metrics.val_interval and not self.splits and self.rank == 0:
-            print(f"no validation split in {', '.join(str(s.shards) for s in sets)} (preprocess shards "
-                  f"--val-episodes): no validation loss", flush=True)
+            print(
+                f"no validation split in {', '.join(str(s.shards) for s in sets)} (preprocess shards "
+                f"--val-episodes): no validation loss",
+                flush=True,
+            )
         size = cfg.metrics.val_batch or cfg.data.micro_batch_size
         # (set, [(window, key, variant), ...]) of every batch, in one order on every rank
-        self.batches = [(s, picked[i : i + size]) for s, split in enumerate(self.splits)
-                        for picked in [val_samples(split, cfg.metrics.val_samples)]
-                        for i in range(0, len(picked), size)]
+        self.batches = [
+            (s, picked[i : i + size])
+            for s, split in enumerate(self.splits)
+            for picked in [val_samples(split, cfg.metrics.val_samples)]
+            for i in range(0, len(picked), size)
+        ]
         longest = max([ix.longest_prompt for ix in indexes] + [ix.longest_prompt for ix in self.splits])
         self.text_rows = compact_text_rows(longest, model.cfg.text_len) if cfg.data.compact_text else None
         self.cache: dict[int, dict] = {}  # this rank's batches, read once
@@ -159,8 +172,10 @@ class Validation:
         split = self.splits[s]
         reader = SampleReader(split, self.model.cfg)
         try:  # a corrupt sample: a ShardFormatError naming it
-            samples = [reader.sample(split.windows[w], np.random.default_rng(key_seed(key)), v,
-                                     self.cfg.data.text_column) for w, key, v in picked]
+            samples = [
+                reader.sample(split.windows[w], np.random.default_rng(key_seed(key)), v, self.cfg.data.text_column)
+                for w, key, v in picked
+            ]
         finally:
             reader.close()
         return collate(samples, self.model.cfg.text_len, self.text_rows)

@@ -41,8 +41,10 @@ class Throughput:
         once = ", parameters gathered once per step" if self.gather_once else ""
         moments = ", bf16 AdamW moments" if self.moments == "bf16" else ""
         bf16_reduce = ", gradients reduce-scattered in bf16" if self.reduce_dtype == "bfloat16" else ""
-        return (f"{recompute}, micro-batch {self.micro}, {'' if self.reshard else 'no '}reshard after forward"
-                f"{reduce}{once}{moments}{bf16_reduce}")
+        return (
+            f"{recompute}, micro-batch {self.micro}, {'' if self.reshard else 'no '}reshard after forward"
+            f"{reduce}{once}{moments}{bf16_reduce}"
+        )
 
 
 @dataclass(frozen=True)
@@ -61,12 +63,26 @@ class Measured:
 
 
 def _measured(name: str, entry: dict) -> Measured:
-    setting = Throughput(entry["ac"], entry["micro"], entry["reshard"], entry.get("ac_blocks", -1),
-                         entry.get("ac_others", "none"), entry.get("reduce_every", False),
-                         entry.get("gather_once", False), entry.get("moments", "fp32"),
-                         entry.get("reduce_dtype", "float32"))
-    return Measured(name, entry["min_gpus"], entry["min_gib"], setting, entry["evidence"], entry.get("float8", "none"),
-                    entry.get("cpu_offload", False))
+    setting = Throughput(
+        entry["ac"],
+        entry["micro"],
+        entry["reshard"],
+        entry.get("ac_blocks", -1),
+        entry.get("ac_others", "none"),
+        entry.get("reduce_every", False),
+        entry.get("gather_once", False),
+        entry.get("moments", "fp32"),
+        entry.get("reduce_dtype", "float32"),
+    )
+    return Measured(
+        name,
+        entry["min_gpus"],
+        entry["min_gib"],
+        setting,
+        entry["evidence"],
+        entry.get("float8", "none"),
+        entry.get("cpu_offload", False),
+    )
 
 
 @functools.cache
@@ -98,23 +114,42 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     chosen and why (None when nothing was auto). With --parallel.cpu-offload the gradients are reduced every
     micro-batch unless that is given."""
     p, d = cfg.parallel, cfg.data
-    auto = {"ac": p.activation_checkpoint == "auto", "micro": d.micro_batch_size == AUTO_MICRO,
-            "reshard": p.reshard_after_forward is None, "reduce": p.reduce_every_micro_batch is None,
-            "once": p.gather_once_per_step is None}
+    auto = {
+        "ac": p.activation_checkpoint == "auto",
+        "micro": d.micro_batch_size == AUTO_MICRO,
+        "reshard": p.reshard_after_forward is None,
+        "reduce": p.reduce_every_micro_batch is None,
+        "once": p.gather_once_per_step is None,
+    }
     moments = cfg.optim.moments
     if not any(auto.values()):
         return cfg, None  # --optim.moments auto stays fp32
     measured, recipes = throughput_table()
     # a setting measured with fp32 moments fits bf16 ones too; one measured with bf16 moments needs them
-    on_gpus = [m for m in measured if m.preset == cfg.preset and gpu_mem_gib is not None
-               and world_size >= m.min_gpus and gpu_mem_gib >= m.min_gib and m.float8 in (p.float8, "none")
-               and moments in ("auto", m.setting.moments, "bf16" if m.setting.moments == "fp32" else "")]
+    on_gpus = [
+        m
+        for m in measured
+        if m.preset == cfg.preset
+        and gpu_mem_gib is not None
+        and world_size >= m.min_gpus
+        and gpu_mem_gib >= m.min_gib
+        and m.float8 in (p.float8, "none")
+        and moments in ("auto", m.setting.moments, "bf16" if m.setting.moments == "fp32" else "")
+    ]
     # an offloaded setting fits only offloaded runs; an offloaded run fits any, its own kind first
     size = functools.cache(lambda: memory.run_size(cfg))  # a meta-device build of the DiT: once, and only if needed
     # on_gpus is empty without a GPU size, so the first test drops nothing: it tells the type checker
-    fits = [m for m in on_gpus if gpu_mem_gib is not None and m.cpu_offload == p.cpu_offload
-            and (m.setting.moments == "fp32" or moments == "bf16"
-                 or not memory.fits_fp32_moments(size(), cfg, m.setting, gpu_mem_gib, world_size))]
+    fits = [
+        m
+        for m in on_gpus
+        if gpu_mem_gib is not None
+        and m.cpu_offload == p.cpu_offload
+        and (
+            m.setting.moments == "fp32"
+            or moments == "bf16"
+            or not memory.fits_fp32_moments(size(), cfg, m.setting, gpu_mem_gib, world_size)
+        )
+    ]
     # an offloaded run takes only settings measured offloaded: the others' small micro-batches each copy every
     # gradient to host memory (32 a step for libero-5b's one-H200 entry: no step within 8 minutes); without one,
     # the memory model sizes it (largest micro-batch first)
@@ -122,8 +157,13 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     chosen = fits[0].setting if fits else recipes[cfg.preset]
     gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
     where = "CPU" if gpu_mem_gib is None else f"{gpus} of {gpu_mem_gib:.0f} GiB"
-    why = (f"measured {fits[0].evidence}" if fits else
-           "the preset's recipe" if gpu_mem_gib is None else "nothing measured fits these GPUs: the preset's recipe")
+    why = (
+        f"measured {fits[0].evidence}"
+        if fits
+        else "the preset's recipe"
+        if gpu_mem_gib is None
+        else "nothing measured fits these GPUs: the preset's recipe"
+    )
     if not fits and gpu_mem_gib is not None and (run_size := size()) is not None:
         # sized by the memory model instead: a setting estimated to fit, or a refusal now
         chosen, estimated = memory.fitting_setting(cfg, run_size, chosen, auto, gpu_mem_gib, world_size)
@@ -152,15 +192,33 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     if p.reduce_dtype == "auto":
         out.parallel.reduce_dtype = chosen.reduce_dtype
     # only described; the three switches are bools by now (resolved above or given), as bool() tells the checker
-    result = Throughput(out.parallel.activation_checkpoint, out.data.micro_batch_size,
-                        bool(out.parallel.reshard_after_forward), out.parallel.ac_blocks, out.parallel.ac_others,
-                        bool(out.parallel.reduce_every_micro_batch), bool(out.parallel.gather_once_per_step),
-                        out.optim.moments, out.parallel.reduce_dtype)
-    given = [{"ac": "recompute", "micro": "micro-batch", "reshard": "resharding", "reduce": "gradient reduction",
-              "once": "gathering"}[k] for k, a in auto.items() if not a]
+    result = Throughput(
+        out.parallel.activation_checkpoint,
+        out.data.micro_batch_size,
+        bool(out.parallel.reshard_after_forward),
+        out.parallel.ac_blocks,
+        out.parallel.ac_others,
+        bool(out.parallel.reduce_every_micro_batch),
+        bool(out.parallel.gather_once_per_step),
+        out.optim.moments,
+        out.parallel.reduce_dtype,
+    )
+    given = [
+        {
+            "ac": "recompute",
+            "micro": "micro-batch",
+            "reshard": "resharding",
+            "reduce": "gradient reduction",
+            "once": "gathering",
+        }[k]
+        for k, a in auto.items()
+        if not a
+    ]
     batch = f", global batch {p.global_batch_size}" if p.global_batch_size else ""
-    return out, (f"auto settings for {cfg.preset} on {where}: {result.describe()}{batch} ({why})"
-                 + (f"; given: {', '.join(given)}" if given else ""))
+    return out, (
+        f"auto settings for {cfg.preset} on {where}: {result.describe()}{batch} ({why})"
+        + (f"; given: {', '.join(given)}" if given else "")
+    )
 
 
 def device_memory_gib(device: torch.device) -> float | None:

@@ -100,8 +100,14 @@ def model_size(dit: DiTConfig, latents: tuple[int, int, int], lora: LoRAConfig |
     count = lambda ps: sum(p.numel() for p in ps)  # noqa: E731
     frames, h, w = latents
     tokens = dit.layout(frames, (h // 2) * (w // 2)).seq_len
-    return ModelSize(count(model.parameters()), count(p for p in model.parameters() if p.requires_grad),
-                     count(model.blocks[0].parameters()), len(model.blocks), tokens, dit.dim)
+    return ModelSize(
+        count(model.parameters()),
+        count(p for p in model.parameters() if p.requires_grad),
+        count(model.blocks[0].parameters()),
+        len(model.blocks),
+        tokens,
+        dit.dim,
+    )
 
 
 def recipe_size(name: str, lora: LoRAConfig | None = None, num_layers: int = 0) -> ModelSize | None:
@@ -151,9 +157,18 @@ def fits(size: ModelSize, plan: Plan, gpu_gib: float) -> bool:
 
 def _plan(setting, cfg, world: int, offload: bool) -> Plan:
     global_batch = cfg.parallel.global_batch_size or setting.micro * world
-    return Plan(setting.ac, setting.micro, setting.reshard, setting.reduce_every or offload,
-                max(1, global_batch // (setting.micro * world)), world, offload, setting.ac_blocks, setting.ac_others,
-                MOMENT_BYTES[setting.moments])
+    return Plan(
+        setting.ac,
+        setting.micro,
+        setting.reshard,
+        setting.reduce_every or offload,
+        max(1, global_batch // (setting.micro * world)),
+        world,
+        offload,
+        setting.ac_blocks,
+        setting.ac_others,
+        MOMENT_BYTES[setting.moments],
+    )
 
 
 def fits_fp32_moments(size: ModelSize | None, cfg, setting, gpu_gib: float, world: int) -> bool:
@@ -192,15 +207,20 @@ def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, w
     """The first of `_candidates` estimated to fit `world` GPUs of `gpu_gib`, with a line saying so; else
     UsageError with one line naming what would fit (LoRA, the host offload, more GPUs of this size)."""
     p = cfg.parallel
-    given = {"ac": None if auto["ac"] else p.activation_checkpoint,
-             "micro": None if auto["micro"] else cfg.data.micro_batch_size,
-             "reshard": None if auto["reshard"] else p.reshard_after_forward,
-             "reduce_every": None if auto["reduce"] else p.reduce_every_micro_batch}
+    given = {
+        "ac": None if auto["ac"] else p.activation_checkpoint,
+        "micro": None if auto["micro"] else cfg.data.micro_batch_size,
+        "reshard": None if auto["reshard"] else p.reshard_after_forward,
+        "reduce_every": None if auto["reduce"] else p.reduce_every_micro_batch,
+    }
     setting = replace(setting, **{k: v for k, v in given.items() if v is not None})
     # with --optim.moments auto: bf16 moments only where nothing fits with fp32 ones
     moments = ["fp32", "bf16"] if cfg.optim.moments == "auto" else [cfg.optim.moments]
-    for candidate in (c for m in moments for c in _candidates(replace(setting, moments=m), auto,
-                                                            p.global_batch_size, world, p.cpu_offload)):
+    for candidate in (
+        c
+        for m in moments
+        for c in _candidates(replace(setting, moments=m), auto, p.global_batch_size, world, p.cpu_offload)
+    ):
         plan = _plan(candidate, cfg, world, p.cpu_offload)
         if fits(size, plan, gpu_gib):
             return candidate, f"estimated to fit, {_gib(size, plan)} of {gpu_gib:.0f} (train/planning/memory.py)"
@@ -217,14 +237,27 @@ def fitting_setting(cfg, size: ModelSize, setting, auto: dict, gpu_gib: float, w
         options.append(f"--optim.moments bf16 ({_gib(size, bf16)})")
     offloaded = _plan(setting, cfg, world, True)
     if not p.cpu_offload and p.float8 == "none" and fits(size, offloaded, gpu_gib):
-        options.append(f"--parallel.cpu-offload ({_gib(size, offloaded)} per GPU, the fp32 state's "
-                       f"{16 * size.params / 1e9:.0f} GB and more in host memory)")
-    more = next((n for n in (2, 4, 8, 16, 32, 64)
-                 if n > world and fits(size, _plan(candidate, cfg, n, p.cpu_offload), gpu_gib)), None)
+        options.append(
+            f"--parallel.cpu-offload ({_gib(size, offloaded)} per GPU, the fp32 state's "
+            f"{16 * size.params / 1e9:.0f} GB and more in host memory)"
+        )
+    more = next(
+        (
+            n
+            for n in (2, 4, 8, 16, 32, 64)
+            if n > world and fits(size, _plan(candidate, cfg, n, p.cpu_offload), gpu_gib)
+        ),
+        None,
+    )
     if more:
         options.append(f"{more} GPUs of this size")
     gpus = f"{world} GPU{'s' if world > 1 else ''} of {gpu_gib:.0f} GiB"
-    raise UsageError(f"{cfg.preset} does not fit {gpus}: even {candidate.describe()} needs ~{need.gib:.0f} GiB per "
-                     f"GPU ({(need.state + need.gradients) / GIB:.0f} GiB of weights, moments and gradients); "
-                     + (f"would fit: {', '.join(options)}" if options
-                        else "neither LoRA, the host offload nor up to 64 such GPUs would fit it"))
+    raise UsageError(
+        f"{cfg.preset} does not fit {gpus}: even {candidate.describe()} needs ~{need.gib:.0f} GiB per "
+        f"GPU ({(need.state + need.gradients) / GIB:.0f} GiB of weights, moments and gradients); "
+        + (
+            f"would fit: {', '.join(options)}"
+            if options
+            else "neither LoRA, the host offload nor up to 64 such GPUs would fit it"
+        )
+    )
