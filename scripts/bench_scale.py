@@ -260,8 +260,8 @@ def metadata_only(out: Path, n: int, template: Path, samples_per_shard: int) -> 
 
 # the open alone, after the imports every trainer process makes anyway
 OPEN = (
-    "import sys, time; from wampipe.train.data import open_index; t = time.perf_counter(); "
-    "i = open_index(sys.argv[1]); print('OPEN', time.perf_counter() - t, len(i))"
+    "import sys, time; from wampipe.shardformat.index import ShardIndex; t = time.perf_counter(); "
+    "i = ShardIndex(sys.argv[1]); print('OPEN', time.perf_counter() - t, len(i))"
 )
 
 

@@ -414,10 +414,11 @@ def _check_official_fields(config: dict, cfg, tag: str, conf: dict, latent_frame
 def test_config_json_carries_every_field_the_official_constructors_read(
     small_shards, official_base, small_dit, tmp_path
 ):
-    from wampipe.train.data import SampleReader, open_index
+    from wampipe.shardformat.index import ShardIndex
+    from wampipe.train.data import SampleReader
     from wampipe.train.dit.export import eval_config, export_official
 
-    index = open_index(small_shards)
+    index = ShardIndex(small_shards)
     reader = SampleReader(index, None)  # pyright: ignore[reportArgumentType]  # raw() decodes no model input
     latent_frames = reader.raw(*cast(Window, index.windows[0]).variants[0])[1]["latents"].shape[1]
     reader.close()

@@ -1,5 +1,5 @@
 """Shard directories crafted to attack their reader: each file is sealed again with the project's own sealing, as
-anyone who edits a directory can do. The trainer's data entry (`open_index`, what train/main.py calls), the
+anyone who edits a directory can do. The trainer's data entry (`ShardIndex`, what train/main.py calls), the
 webdataset decoder and `preprocess check` must refuse each in one line naming the file and field, before anything
 is read from outside the directory, written outside the cache, allocated from a crafted size or trained on."""
 
@@ -25,7 +25,7 @@ from wampipe.shardformat.members import MAX_MEMBER_BYTES, checksum
 from wampipe.shardformat.shard import ShardRecord
 from wampipe.shardformat.storage import ShardStore, sync_up
 from wampipe.train.config import DataConfig
-from wampipe.train.data import SampleReader, ShardIndex, ShardLoader, open_index
+from wampipe.train.data import SampleReader, ShardIndex, ShardLoader
 from wampipe.train.dit.export import shard_statistics
 from wampipe.train.dit.model import preset
 from wampipe.train.dit.weights import WeightsError
@@ -52,7 +52,7 @@ def reseal(path: Path, edit) -> None:
 def refused(root, cache_dir=None) -> str:
     """The one line the trainer's data entry stops with."""
     with pytest.raises(ShardFormatError) as stop:
-        open_index(root, cache_dir)
+        ShardIndex(root, cache_dir)
     message = str(stop.value)
     assert "\n" not in message
     return message
@@ -279,7 +279,7 @@ def test_the_store_refuses_a_path_out_of_its_directory(copy):
 
 def test_a_prompt_id_the_text_table_lacks_is_named_in_one_line(copy):
     """A sample's meta.json (checked by CRC-32 only, which its author records) may name any prompt id."""
-    index = open_index(copy)
+    index = ShardIndex(copy)
     with pytest.raises(
         ShardFormatError,
         match=re.escape(f"{copy / 'text/embeddings.safetensors'}: prompt id 'nope': File does not contain tensor nope"),
@@ -324,8 +324,8 @@ def test_a_pipe_or_a_device_in_the_directory_never_blocks_a_reader(copy, name, k
         target.symlink_to("/dev/zero")
     code = (
         "import sys\nfrom wampipe.preprocess.check import check\nfrom wampipe.shardformat.manifest import "
-        "ShardFormatError\nfrom wampipe.train.data import open_index\n"
-        "try:\n    open_index(sys.argv[1])\n    print('opened')\nexcept ShardFormatError as e:\n    print(e)\n"
+        "ShardFormatError\nfrom wampipe.shardformat.index import ShardIndex\n"
+        "try:\n    ShardIndex(sys.argv[1])\n    print('opened')\nexcept ShardFormatError as e:\n    print(e)\n"
         "for p in check(sys.argv[1], shard_jsons=True):\n    print(p)\n"
     )
     done = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, timeout=120)

@@ -16,7 +16,7 @@ from wampipe.shardformat.manifest import Manifest, ShardFormatError
 from wampipe.shardformat.samples import index_rows
 from wampipe.shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
 from wampipe.shardformat.storage import sync_up
-from wampipe.train.data import SampleReader, ShardIndex, open_index
+from wampipe.train.data import SampleReader, ShardIndex
 from wampipe.train.dit.model import preset
 from tests.conftest import edit_index
 from tests.test_hostile_shards import refused, reseal
@@ -74,7 +74,7 @@ def test_an_index_sealed_again_over_a_wrong_crc_is_refused_at_the_read(copy):
     """Sealed again, the CRC-32 is a number like any other: the read of that sample stops in one line naming the
     tar, sample and member, and so does `check` (which verifies the index against the tars)."""
     edit_index(copy, lambda rows: rows["crc32"].__setitem__((0, 0), rows["crc32"][0, 0] ^ 1))
-    index = open_index(copy)
+    index = ShardIndex(copy)
     key, name = index.table.key(0), index.table.record(0).members[0].name
     tar = copy / index.manifest.shards[index.table.shard(0)].shard
     with pytest.raises(
@@ -169,7 +169,7 @@ def test_the_trainer_and_check_read_no_shard_json_from_object_storage(tmp_path, 
         url = f"{s3_bucket}/s{shards}"
         sync_up(root, url)
         before = len(s3_server.requests())
-        assert len(open_index(url)) == 2 * shards
+        assert len(ShardIndex(url)) == 2 * shards
         got = [
             (m, p.split("/", 3)[-1] if m == "GET" and "." in p.rsplit("/", 1)[-1] else "")
             for m, p, _ in s3_server.requests()[before:]

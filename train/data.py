@@ -52,11 +52,6 @@ if TYPE_CHECKING:  # annotations only: the loader never builds the model
 BATCH_KEYS = ("latents", "clip", "text", "state", "actions", "action_mask", "has_real_action")
 
 
-def open_index(root: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> ShardIndex:
-    """ShardIndex, or a ShardFormatError naming the file when the directory cannot be read."""
-    return ShardIndex(root, cache_dir)
-
-
 def epoch_order(weights: np.ndarray, seed: int, epoch: int, stream: int = 0) -> np.ndarray:
     """Window at each position of `epoch`: window i `weights[i]` times, in a permutation seeded by (seed, epoch) and,
     for a mixture's set after the first, its position `stream`."""
@@ -139,7 +134,7 @@ SHARED_ENCODERS = {"vae": "VAE", "text_encoder": "text encoder", "image_encoder"
 
 def open_sets(cfg: DataConfig) -> list[ShardIndex]:
     """The index of every set of the run (`--data.shards` or `--data.mixture`), checked to share one DiT recipe."""
-    indexes = [open_index(s.shards, cfg.cache_dir) for s in cfg.sets()]
+    indexes = [ShardIndex(s.shards, cfg.cache_dir) for s in cfg.sets()]
     for s, index in zip(cfg.sets(), indexes):
         if not len(index):
             raise UsageError(f"{s.shards}: no windows (an empty shard set)")
@@ -191,7 +186,7 @@ def data_dims(source: str | os.PathLike | ShardIndex) -> dict:
     tokens per latent frame, actions per block, CLIP width: shardformat.schema.model_dims) and of its text table
     (width, longest prompt); no sample is decoded. The tiny preset takes them from the data; real presets are checked.
     Shards of CLIP's input pixels fix no CLIP width: the trainer's CLIP does (train/main.py)."""
-    index = source if isinstance(source, ShardIndex) else open_index(source)
+    index = source if isinstance(source, ShardIndex) else ShardIndex(source)
     return index.manifest.dims | {"text_dim": index.text.dim, "text_len": index.longest_prompt}
 
 

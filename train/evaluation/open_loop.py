@@ -15,8 +15,9 @@ import tyro
 
 from wampipe.configs.cli import check_at_least
 from wampipe.errors import UsageError
+from wampipe.shardformat.index import ShardIndex
 from wampipe.shardformat.stats import unnormalize_q99
-from wampipe.train.data import data_dims, open_index
+from wampipe.train.data import data_dims
 from wampipe.train.dit.model import CausalWanModel, DiTConfig
 from wampipe.train.evaluation.sample import SamplerConfig, action_error, eval_batches
 from wampipe.train.dit.text import pad_text
@@ -199,7 +200,7 @@ def evaluate(args: Args) -> dict:
         args.sampler.step_mask()
     except ValueError as err:
         raise UsageError(str(err)) from None
-    index = open_index(args.shards)  # a ShardFormatError names the file
+    index = ShardIndex(args.shards)  # a ShardFormatError names the file
     if index.manifest.image_features != "encoded":
         raise UsageError(
             f"{args.shards}: holds CLIP's input pixels, not its features; evaluate on shards built "

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from wampipe.shardformat.index import ShardIndex
 from wampipe.shardformat.stats import unnormalize_q99
-from wampipe.train.data import SampleReader, check_alongside, collate, open_index, set_names
+from wampipe.train.data import SampleReader, check_alongside, collate, set_names
 from wampipe.train.dit.model import CausalWanModel, DiTBatch, DiTConfig
 
 # The reference's DiT step masks by NUM_DIT_STEPS (its default 8): at a False step the last prediction is reused.
@@ -348,7 +349,7 @@ class ActionProbe:
         from wampipe.train.config import ShardSet
 
         self.names = set_names([ShardSet(d) for d in dirs])
-        self.indexes = [open_index(d, cache_dir) for d in dirs]
+        self.indexes = [ShardIndex(d, cache_dir) for d in dirs]
         for index in self.indexes:
             check_alongside(index, run_indexes or self.indexes, "an action-evaluation set")
         self.model_cfg, self.samples, self.batch_size = model_cfg, samples, batch_size

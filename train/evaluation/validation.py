@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from wampipe.shardformat.index import ShardIndex
 from wampipe.train.config import Config, ShardSet
-from wampipe.train.data import SampleReader, check_alongside, collate, open_index, set_names
+from wampipe.train.data import SampleReader, check_alongside, collate, set_names
 from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
 from wampipe.train.dit.model import CausalWanModel, DiTBatch
 from wampipe.train.dit.text import compact_text_rows
@@ -90,7 +90,7 @@ class Validation:
         for name, where in places:
             if where is not None and cfg.metrics.val_interval:
                 self.names.append(name)
-                self.splits.append(open_index(where, cfg.data.cache_dir))
+                self.splits.append(ShardIndex(where, cfg.data.cache_dir))
                 check_alongside(self.splits[-1], indexes, "a validation split")
         if cfg.metrics.val_interval and not self.splits and self.rank == 0:
             print(
