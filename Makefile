@@ -19,6 +19,10 @@ TINY := build/tiny_checkpoints
 TINY_WEIGHTS := --vae $(TINY)/wan2.2/Wan2.2_VAE.pth --text-encoder $(TINY)/umt5/models_t5_umt5-xxl-enc-bf16.pth \
   --tokenizer $(TINY)/umt5/tokenizer --image-encoder $(TINY)/clip/models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth
 PYTEST_ARGS ?=
+# one pytest process per core (pytest-xdist), at most 4; each test file runs whole in one of them, so a module's
+# fixtures are built once; TEST_PROCESSES=0 runs the suite in this process
+TEST_PROCESSES ?= auto
+PYTEST := $(PY) -m pytest -q -n $(TEST_PROCESSES) --maxprocesses 4 --dist loadfile
 PRESET ?= tiny
 NPROC ?= 2
 
@@ -41,8 +45,8 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)  ## the whole check, quickest first: lint, then the unit tests, then the end-to-end tests
 	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
+	$(PYTEST) -m "not e2e" $(PYTEST_ARGS)
+	$(PYTEST) -m e2e $(PYTEST_ARGS)
 
 lint: $(STAMP)  ## ruff (pyflakes' errors and pycodestyle's, lines of at most 120 characters; its formatter's style), then pyright's basic checks
 	$(VENV)/bin/ruff check --no-cache .
@@ -50,10 +54,10 @@ lint: $(STAMP)  ## ruff (pyflakes' errors and pycodestyle's, lines of at most 12
 	$(VENV)/bin/pyright
 
 test-unit: $(STAMP)  ## the unit tests alone: the code called in the test process, no process started (minutes)
-	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+	$(PYTEST) -m "not e2e" $(PYTEST_ARGS)
 
 test-e2e: $(STAMP)  ## the end-to-end tests alone: the tools in processes of their own (CLI, torchrun, builds, S3, Ray)
-	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
+	$(PYTEST) -m e2e $(PYTEST_ARGS)
 
 sample-data: $(STAMP)  ## write the three sample LeRobot datasets into $(SAMPLE)/
 	$(PY) scripts/make_sample_dataset.py --layout droid --out $(SAMPLE)/droid --episodes 4 --seed 0

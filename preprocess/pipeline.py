@@ -173,13 +173,18 @@ class Encoders:
         on_imported()
         with timed(self.start_seconds, "VAE weights"):
             self.vae = load_vae(spec.vae, variant=VAE_OF_MODEL[spec.model], device=spec.device, dtype=self.dtype)
+        self.compiled_graphs = ""  # how many of the compiled graphs the compile cache held (the "ready" line)
         if spec.vae_compile:
+            from torch._dynamo.utils import counters
+
             with timed(self.start_seconds, "compiling" + " and recording" * (self.device.type == "cuda")):
                 if spec.compile_cache:
                     use_compile_cache(spec.compile_cache)
                 self.vae.compile(spec.batch_size)
                 emb = get_embodiment(spec.embodiment)
                 self.vae.warm_up(emb.window.num_frames, *emb.preset(spec.model).target_hw)
+            cached, made = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+            self.compiled_graphs = f"{cached} of {cached + made} graphs from the compile cache"
         self.image_member = IMAGE_MEMBER[spec.image_features]
         with timed(self.start_seconds, "CLIP weights"):
             tower_device = spec.device if self.image_member == CLIP else "meta"  # pixels: no CLIP weight is needed

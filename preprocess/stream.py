@@ -186,6 +186,8 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
             replace(spec, device=device), on_imported=lambda: results.put(("imported", device))
         )  # the run starts its workers then
         split = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in encoders.start_seconds.items())
+        if encoders.compiled_graphs:
+            split += f"; {encoders.compiled_graphs}"
         results.put(
             (
                 "info",

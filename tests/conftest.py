@@ -1,6 +1,8 @@
 """Shared fixtures, each built once per test session (a fixture imported into several test modules would be built
 once per module): sample LeRobot datasets, tiny encoder checkpoints, the DROID shards the CLI builds from them,
-synthetic shards, and a local S3 server. Tests only read them; a test that changes one works on a copy.
+synthetic shards, and a local S3 server. Tests only read them; a test that changes one works on a copy. With
+pytest-xdist (`make test` runs one test process per core) the processes build the file fixtures once between them
+(`once`).
 
 Two kinds of test (README, Tests): end-to-end ones (marked `e2e` here) run the tools as a user does, in processes of
 their own (the CLI, torchrun, a shard build, the S3 server); unit tests call the code in this process and start no
@@ -8,12 +10,15 @@ process, which `unit_tests_start_no_process` checks, so the split stays true as 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import multiprocessing.process
 import subprocess
 import sys
 import tomllib
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +34,26 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # small, quick builds: few anchors, several units and shards
 # Builders import what they build with when called: spawned test workers import this module too.
 FAST = ["--anchor-stride", "16", "--samples-per-shard", "4", "--episodes-per-unit", "2", "--batch-size", "2"]
+
+
+def once(tmp_path_factory, name: str, make: Callable[[Path], Path]) -> Path:
+    """`make(folder)` run once per test run: under pytest-xdist the first test process to take the lock makes it in a
+    folder every process of the run sees, and the others wait for it and use it. A failed `make` leaves no mark, so the
+    next process tries again in a fresh folder."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each process has its own base; their parent is this run's
+        base = base.parent / "shared"
+        base.mkdir(exist_ok=True)
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = base / f"{name}.done"
+        if done.is_file():
+            return Path(done.read_text())
+        folder = base / f"{name}-{uuid.uuid4().hex[:8]}"
+        folder.mkdir()
+        made = make(folder)
+        done.write_text(str(made))
+        return made
 
 
 def shards_cmd(src: Path, out: Path | str, dataset: str, tiny: Path, *extra: str, model: str = "5b") -> list[str]:
@@ -120,7 +145,7 @@ def droid_root(tmp_path_factory) -> Path:
     """DROID layout (LeRobot v2.1, 3 H.264 cameras 180x320, 15 fps), 4 episodes of lengths 192, 62, 97, 133."""
     from devtools.sample_data import write_sample_dataset
 
-    return write_sample_dataset(tmp_path_factory.mktemp("data") / "droid", "droid")
+    return once(tmp_path_factory, "droid_root", lambda d: write_sample_dataset(d / "droid", "droid"))
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +153,7 @@ def libero_root(tmp_path_factory) -> Path:
     """LIBERO layout (LeRobot v2.0, 2 PNG cameras 256x256 in parquet, 10 fps), episodes of 168, 47, 73, 109 frames."""
     from devtools.sample_data import write_sample_dataset
 
-    return write_sample_dataset(tmp_path_factory.mktemp("data") / "libero", "libero")
+    return once(tmp_path_factory, "libero_root", lambda d: write_sample_dataset(d / "libero", "libero"))
 
 
 @pytest.fixture(scope="session")
@@ -136,7 +161,7 @@ def libero_v3_root(tmp_path_factory) -> Path:
     """The LIBERO content in the LeRobot v3.0 layout (multi-episode parquet and mp4 files)."""
     from devtools.sample_data import write_sample_dataset
 
-    return write_sample_dataset(tmp_path_factory.mktemp("data") / "libero_v3", "libero-v3")
+    return once(tmp_path_factory, "libero_v3_root", lambda d: write_sample_dataset(d / "libero_v3", "libero-v3"))
 
 
 @pytest.fixture(scope="session")
@@ -144,34 +169,44 @@ def tiny_checkpoints(tmp_path_factory) -> Path:
     """Every supported encoder format: Wan .pth files and Diffusers/transformers folders, a umT5-format tokenizer."""
     from devtools.tiny_checkpoints import write_tiny_checkpoints
 
-    return write_tiny_checkpoints(tmp_path_factory.mktemp("tiny") / "ckpt")
+    return once(tmp_path_factory, "tiny_checkpoints", lambda d: write_tiny_checkpoints(d / "ckpt"))
 
 
 @pytest.fixture(scope="session")
 def droid_shards(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
     """The sample DROID dataset built by the CLI (default executor) with the tiny checkpoints."""
-    out = tmp_path_factory.mktemp("shards") / "droid"
-    done = build(droid_root, out, "droid", tiny_checkpoints)
-    (out.parent / "build-stdout.txt").write_text(done.stdout)  # beside the shards, not in them
-    (out.parent / "build-stderr.txt").write_text(done.stderr)
-    return out
+
+    def make(folder: Path) -> Path:
+        done = build(droid_root, folder / "droid", "droid", tiny_checkpoints)
+        (folder / "build-stdout.txt").write_text(done.stdout)  # beside the shards, not in them
+        (folder / "build-stderr.txt").write_text(done.stderr)
+        return folder / "droid"
+
+    return once(tmp_path_factory, "droid_shards", make)
 
 
 @pytest.fixture(scope="session")
 def libero_shards(tmp_path_factory, libero_root, tiny_checkpoints) -> Path:
     """The sample LIBERO dataset built by the CLI with the same tiny checkpoints as `droid_shards`."""
-    out = tmp_path_factory.mktemp("shards") / "libero"
-    build(libero_root, out, "libero", tiny_checkpoints)
-    return out
+
+    def make(folder: Path) -> Path:
+        done = build(libero_root, folder / "libero", "libero", tiny_checkpoints)
+        (folder / "build-stderr.txt").write_text(done.stderr)  # beside the shards, not in them
+        return folder / "libero"
+
+    return once(tmp_path_factory, "libero_shards", make)
 
 
 @pytest.fixture(scope="session")
 def held_out_3(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
     """The sample DROID dataset (episodes 0-3; 1 is shorter than a window) with episode 3 held out; the tests that
     use it leave it as built."""
-    out = tmp_path_factory.mktemp("val") / "droid"
-    build(droid_root, out, "droid", tiny_checkpoints, "--val-episodes", "3")
-    return out
+
+    def make(folder: Path) -> Path:
+        build(droid_root, folder / "droid", "droid", tiny_checkpoints, "--val-episodes", "3")
+        return folder / "droid"
+
+    return once(tmp_path_factory, "held_out_3", make)
 
 
 @pytest.fixture(scope="session")
@@ -179,9 +214,11 @@ def tiny_shards(tmp_path_factory) -> Path:
     """Synthetic shards of the tiny recipe: 5 episodes x 5 windows, 7 samples per shard (4 shards, the last short)."""
     from devtools.synthetic import make_synthetic_shards
 
-    out = tmp_path_factory.mktemp("tiny_shards") / "shards"
-    make_synthetic_shards(out, "tiny", episodes=5, windows_per_episode=5, samples_per_shard=7, seed=1)
-    return out
+    def make(folder: Path) -> Path:
+        make_synthetic_shards(folder / "shards", "tiny", episodes=5, windows_per_episode=5, samples_per_shard=7, seed=1)
+        return folder / "shards"
+
+    return once(tmp_path_factory, "tiny_shards", make)
 
 
 @pytest.fixture(scope="session")
@@ -189,9 +226,11 @@ def small_shards(tmp_path_factory) -> Path:
     """Synthetic shards of the tiny recipe: 3 episodes x 3 windows, 4 samples per shard."""
     from devtools.synthetic import make_synthetic_shards
 
-    out = tmp_path_factory.mktemp("small_shards") / "shards"
-    make_synthetic_shards(out, "tiny", episodes=3, windows_per_episode=3, samples_per_shard=4, seed=1)
-    return out
+    def make(folder: Path) -> Path:
+        make_synthetic_shards(folder / "shards", "tiny", episodes=3, windows_per_episode=3, samples_per_shard=4, seed=1)
+        return folder / "shards"
+
+    return once(tmp_path_factory, "small_shards", make)
 
 
 @pytest.fixture(scope="session")
@@ -200,9 +239,10 @@ def official_base(tmp_path_factory, small_shards) -> Path:
     trainer builds for `small_shards`."""
     from devtools import tiny_base
 
-    return tiny_base.write_base(
-        tiny_base.Args(out=tmp_path_factory.mktemp("base") / "base", shards=small_shards, max_shard_mb=0.05, seed=5)
-    )
+    def make(folder: Path) -> Path:
+        return tiny_base.write_base(tiny_base.Args(out=folder / "base", shards=small_shards, max_shard_mb=0.05, seed=5))
+
+    return once(tmp_path_factory, "official_base", make)
 
 
 @pytest.fixture(scope="session")

@@ -51,25 +51,27 @@ def test_stream_gives_the_bytes_of_the_local_pool(droid_shards, droid_root, tiny
 
 
 def test_the_compiled_vae_gives_the_same_bytes_on_every_executor_and_batch_cut(droid_root, tiny_checkpoints, tmp_path):
-    """The compiled VAE (the default with a GPU, asked for here on a CPU): the stream, which cuts its batches from the
-    samples of two workers as they arrive, and the local pool, which cuts them unit by unit, give the same shards:
-    each compiled call is padded to --batch-size, so a clip's bits depend neither on its batch's company nor on the
-    executor. The second build finds the first one's kernels in the shared compile cache."""
+    """The compiled VAE (the default with a GPU, asked for here on a CPU): the local pool, which cuts its batches
+    unit by unit, and the stream, which cuts them from the samples of two workers as they arrive, give the same
+    shards: each compiled call is padded to --batch-size, so a clip's bits depend neither on its batch's company nor
+    on the executor. The local build compiles into an empty compile cache (private to the user: it holds code); the
+    stream's encoder then finds every graph there and gets the same bits from the cached kernels."""
     cache = tmp_path / "compile-cache"
     common = ("--vae-compile", "on", "--compile-cache", str(cache), "--threads-per-worker", "1")
     stream, local = tmp_path / "stream", tmp_path / "local"
-    said = build(droid_root, stream, "droid", tiny_checkpoints, *common, "--workers", "2").stdout
     build(droid_root, local, "droid", tiny_checkpoints, *common, "--executor", "local", "--workers", "1")
+    assert any(cache.iterdir()) and cache.stat().st_mode & 0o077 == 0
+    said = build(droid_root, stream, "droid", tiny_checkpoints, *common, "--workers", "2").stdout
     assert check(stream) == [] and check(local) == []
     assert manifest(stream)["shards"] == manifest(local)["shards"]
     assert json.loads((stream / "inputs.json").read_text())["vae_compile"] is True  # recorded like any byte-changer
-    assert re.search(
+    ready = re.search(
         r"^encoders on cpu: ready .*: diffusers import [\d.]+ s, VAE weights [\d.]+ s, "
-        r"compiling [\d.]+ s, CLIP weights",
+        r"compiling [\d.]+ s, CLIP weights [\d.]+ s; (\d+) of (\d+) graphs from the compile cache\)$",
         said,
         re.M,
-    ), said
-    assert any(cache.iterdir())
+    )
+    assert ready and int(ready[1]) == int(ready[2]) > 0, said
 
 
 def test_a_bad_episode_with_fail_fast_stops_the_stream_with_its_line(droid_root, tiny_checkpoints, tmp_path):

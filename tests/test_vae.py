@@ -136,51 +136,6 @@ def test_missing_unexpected_and_misshaped_keys(tiny_checkpoints, tmp_path):
     )
 
 
-COMPILED_RUN = """
-import json, sys, torch
-from scripts.bench_vae import build_vae
-from wampipe.encoders.vae import use_compile_cache
-from torch._dynamo.utils import counters
-use_compile_cache(sys.argv[1])
-torch.manual_seed(0)
-vae = build_vae("wan2.2", "cpu", True)
-vae.compile(4)
-clips = torch.rand(3, 3, 5, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
-together = vae.encode(clips)
-alone = torch.cat([vae.encode(clips[i:i + 1]) for i in range(3)])
-reordered = vae.encode(clips.flip(0)).flip(0)
-torch.save(together, sys.argv[2])
-same = torch.equal(together, alone) and torch.equal(together, reordered)
-cache = counters["inductor"]
-print(json.dumps({"same_in_any_company": same, "hits": cache["fxgraph_cache_hit"],
-                  "misses": cache["fxgraph_cache_miss"]}))
-"""
-
-
-@pytest.mark.e2e  # the compiler builds its kernels in processes of its own
-def test_compiled_encoder_bits_hold_across_batch_company_and_a_warm_compile_cache(tmp_path):
-    """The compiled encoder pads every call to its one compiled batch, so a clip's latents are the same bits alone,
-    with others, or at another position (what keeps the farm's executors and batch cuts byte-identical with
-    --vae-compile); a second process finds the first one's kernels in the compile cache (`use_compile_cache`, the
-    fast start) and gets the same bits from them. On CPU, with the product's compile settings."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    runs = []
-    for name in ("cold", "warm"):
-        command = [sys.executable, "-c", COMPILED_RUN, str(tmp_path / "cache"), str(tmp_path / f"{name}.pt")]
-        out = subprocess.run(command, cwd=root, capture_output=True, text=True, check=True).stdout
-        runs.append(json.loads(out.strip().splitlines()[-1]))
-    cold, warm = runs
-    assert cold["same_in_any_company"] and warm["same_in_any_company"]
-    assert cold["misses"] > 0 and cold["hits"] == 0 and warm["hits"] == cold["misses"] and warm["misses"] == 0
-    assert torch.equal(torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt"))
-    assert (tmp_path / "cache").stat().st_mode & 0o077 == 0  # the cache holds code: the user's alone
-
-
 def test_a_batch_cast_by_the_worker_encodes_as_one_cast_by_the_encoder(tiny_checkpoints):
     """The stream's workers send their clips already in the encoders' compute dtype (half the bytes in bf16) and
     frame 0 unrounded for CLIP: the encoders' outputs must be those of the uncast clips, cast where they run."""
