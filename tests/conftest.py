@@ -2,7 +2,7 @@
 once per module): sample LeRobot datasets, tiny encoder checkpoints, the DROID shards the CLI builds from them,
 synthetic shards, and a local S3 server. Tests only read them; a test that changes one works on a copy. With
 pytest-xdist (`make test` runs one test process per core) the processes build the file fixtures once between them
-(`once`).
+(`once`). What tests share besides fixtures is in tests/helpers.py; no test module imports another.
 
 Two kinds of test (README, Tests): end-to-end ones (marked `e2e` here) run the tools as a user does, in processes of
 their own (the CLI, torchrun, a shard build, the S3 server); unit tests call the code in this process and start no
@@ -10,134 +10,19 @@ process, which `unit_tests_start_no_process` checks, so the split stays true as 
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
 import multiprocessing.process
 import subprocess
-import sys
-import tomllib
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
-from wampipe.train.dit.model import CausalWanModel, DiTConfig, build_model
+from wampipe.train.dit.model import DiTConfig
+from tests.helpers import build, once
 
-ROOT = Path(__file__).resolve().parents[1]
 # what makes a test end-to-end besides its own mark (`e2e`, or `slow`: multi-process trainer runs): a fixture that
 # builds shards through the CLI or serves S3
 E2E_FIXTURES = {"droid_shards", "libero_shards", "held_out_3", "s3_server", "small_disk"}
-PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-# small, quick builds: few anchors, several units and shards
-# Builders import what they build with when called: spawned test workers import this module too.
-FAST = ["--anchor-stride", "16", "--samples-per-shard", "4", "--episodes-per-unit", "2", "--batch-size", "2"]
-
-
-def once(tmp_path_factory, name: str, make: Callable[[Path], Path]) -> Path:
-    """`make(folder)` run once per test run: under pytest-xdist the first test process to take the lock makes it in a
-    folder every process of the run sees, and the others wait for it and use it. A failed `make` leaves no mark, so the
-    next process tries again in a fresh folder."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # each process has its own base; their parent is this run's
-        base = base.parent / "shared"
-        base.mkdir(exist_ok=True)
-    with open(base / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = base / f"{name}.done"
-        if done.is_file():
-            return Path(done.read_text())
-        folder = base / f"{name}-{uuid.uuid4().hex[:8]}"
-        folder.mkdir()
-        made = make(folder)
-        done.write_text(str(made))
-        return made
-
-
-def shards_cmd(src: Path, out: Path | str, dataset: str, tiny: Path, *extra: str, model: str = "5b") -> list[str]:
-    """`python -m preprocess shards` of `src` with the tiny checkpoints and FAST settings."""
-    from devtools.tiny_checkpoints import tiny_checkpoint_paths
-    from wampipe.preprocess.pipeline import VAE_OF_MODEL
-
-    paths = tiny_checkpoint_paths(tiny, VAE_OF_MODEL[model])
-    weights = [a for name, p in paths.items() for a in (f"--{name.replace('_', '-')}", str(p))]
-    return [
-        sys.executable,
-        "-m",
-        "wampipe.preprocess",
-        "shards",
-        "--dataset",
-        dataset,
-        "--src",
-        str(src),
-        "--out",
-        str(out),
-        "--model",
-        model,
-        *weights,
-        *FAST,
-        *extra,
-    ]
-
-
-def console_script(name: str) -> str:
-    """Python that runs console script `name` as pip's generated wrapper does: import its target, call it."""
-    module, function = PROJECT["scripts"][name].split(":")
-    return f"import sys; sys.argv[0] = {name!r}; from {module} import {function}; sys.exit({function}())"
-
-
-def build(*args, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(shards_cmd(*args, **kwargs), cwd=ROOT, capture_output=True, text=True, check=True)
-
-
-def manifest(out: Path) -> dict:
-    return json.loads((out / "manifest.json").read_text())
-
-
-def reindex(root: Path) -> None:
-    """Write the sample index again from the shard JSONs and seal the manifest over it, as anyone who edits a shard
-    directory can."""
-    from wampipe.shardformat.manifest import Manifest
-    from wampipe.shardformat.samples import write_sample_index
-    from wampipe.shardformat.shard import ShardRecord, json_path
-
-    m = Manifest.read(root)
-    m.sample_index = write_sample_index(root, [ShardRecord.read(root / json_path(e.shard)).to_dict() for e in m.shards])
-    m.write(root)
-
-
-def edit_index(root: Path, edit) -> None:
-    """Apply `edit` to the rows of the sample index (a numpy structured array), write it and seal the manifest over
-    it again."""
-    import numpy as np
-
-    from wampipe.shardformat.manifest import Manifest
-    from wampipe.shardformat.samples import write_index
-
-    m = Manifest.read(root)
-    rows = np.load(root / m.sample_index["file"])
-    edit(rows)
-    m.sample_index = {**m.sample_index, **write_index(root / m.sample_index["file"], rows, m.sample_index["members"])}
-    m.write(root)
-
-
-def tiny_model(**overrides) -> CausalWanModel:
-    """The tiny DiT, seeded, with a random output head (the reference zero-inits it; gradients need a path)."""
-    torch.manual_seed(0)
-    model = build_model("tiny", **overrides)
-    with torch.no_grad():
-        model.head.head.weight.normal_(0, 0.02)
-    return model
-
-
-def shard_samples(tar: Path) -> list[tuple[str, dict[str, bytes]]]:
-    """(key, {suffix: bytes}) of every sample of a tar, as the integrity check reads them."""
-    from wampipe.preprocess.check import tar_samples
-
-    with open(tar, "rb") as f:
-        return list(tar_samples(f))
 
 
 @pytest.fixture(scope="session")
@@ -269,7 +154,6 @@ def s3_bucket(s3_server, monkeypatch, request) -> str:
     """A fresh bucket on the session's S3 server, with the AWS_* variables pointing at it for this test (and the
     processes it starts); returns its s3:// URL."""
     import re
-    import uuid
 
     from wampipe.shardformat.storage import ShardStore
 
@@ -294,18 +178,6 @@ def small_disk(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
     yield disk
     subprocess.run(["umount", str(disk)], check=True)
-
-
-def fill_disk(disk: Path, leave: int) -> Path:
-    """Allocate all of `disk` but `leave` bytes to one file."""
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        free = os.statvfs(disk)
-        os.posix_fallocate(fd, 0, free.f_bavail * free.f_frsize - leave)
-    finally:
-        os.close(fd)
-    return filler
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,7 +18,7 @@ import pytest
 from devtools.sample_data import write_sample_dataset
 from wampipe.preprocess.check import check
 from wampipe.preprocess.decode import encode_mp4
-from tests.conftest import ROOT, manifest, shards_cmd
+from tests.helpers import ROOT, manifest, shards_cmd
 
 STATE = "observation.state"
 pytestmark = pytest.mark.e2e  # builds and trains through the CLI

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.test_quiet import unexpected
+from tests.helpers import ROOT
+from tests.helpers import unexpected
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # the Makefile's thread setting
 

@@ -26,7 +26,8 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import start_processes
 
-from tests.test_init_load import ROOT, _rewrite
+from tests.helpers import rewrite_weights
+from tests.helpers import ROOT
 from devtools import tiny_base
 from wampipe.shardformat.index import Window
 from wampipe.train.config import CheckpointConfig, Config, DataConfig, ModelConfig
@@ -176,7 +177,7 @@ def _copy(base: Path, out: Path) -> Path:
 
 def _with_tensors(edit):
     def make(base, out):
-        folder = _rewrite(base, out, edit)
+        folder = rewrite_weights(base, out, edit)
         for rel in ("config.json", "experiment_cfg"):
             (shutil.copytree if (base / rel).is_dir() else shutil.copyfile)(base / rel, folder / rel)
         return folder

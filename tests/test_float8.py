@@ -25,7 +25,7 @@ from torchao.float8.float8_linear import Float8Linear  # torchao: a dev dependen
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from devtools import bench, synthetic
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 from wampipe.errors import UsageError
 from wampipe.train import checkpoint
 from wampipe.train.planning.auto import resolve_auto

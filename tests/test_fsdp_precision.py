@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import start_processes
 
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 from wampipe.train.config import ParallelConfig
 from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
 from wampipe.train.dit.model import DiTBatch, random_batch

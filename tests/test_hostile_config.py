@@ -20,7 +20,7 @@ from devtools.sample_data import write_sample_dataset
 from wampipe.preprocess.check import check
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.prompts import BadInstruction, instruction_text
-from tests.conftest import build, manifest, tiny_model
+from tests.helpers import build, manifest, tiny_model
 from wampipe.train.dit.loss import FlowMatchScheduler, LossConfig, flow_matching_loss, sample_timestep_ids
 from wampipe.train.dit.model import random_batch
 

@@ -20,7 +20,7 @@ import torch
 
 from wampipe.preprocess.check import check
 from wampipe.shardformat import webdataset_decoder
-from wampipe.shardformat.manifest import ShardFormatError, write_sealed_json
+from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.members import MAX_MEMBER_BYTES, checksum
 from wampipe.shardformat.shard import ShardRecord
 from wampipe.shardformat.storage import ShardStore, sync_up
@@ -29,7 +29,8 @@ from wampipe.train.data import SampleReader, ShardIndex, ShardLoader
 from wampipe.train.dit.export import shard_statistics
 from wampipe.train.dit.model import preset
 from wampipe.train.dit.weights import WeightsError
-from tests.conftest import edit_index, reindex
+from tests.helpers import edit_index, reindex
+from tests.helpers import refused, reseal
 
 ROOT = Path(__file__).resolve().parents[1]
 ESCAPE = "../../../../tmp/x"  # below <cache>/<bucket>/<prefix>/: <cache>/../../tmp/x
@@ -39,23 +40,6 @@ ESCAPE = "../../../../tmp/x"  # below <cache>/<bucket>/<prefix>/: <cache>/../../
 def copy(small_shards, tmp_path) -> Path:
     """A fresh copy of the session's small synthetic shards, at <tmp_path>/a/shards."""
     return Path(shutil.copytree(small_shards, tmp_path / "a" / "shards"))
-
-
-def reseal(path: Path, edit) -> None:
-    """Apply `edit` to a sealed JSON file's content and seal it again."""
-    obj = json.loads(path.read_text())
-    obj.pop("content_sha256")
-    edit(obj)
-    write_sealed_json(path, obj)
-
-
-def refused(root, cache_dir=None) -> str:
-    """The one line the trainer's data entry stops with."""
-    with pytest.raises(ShardFormatError) as stop:
-        ShardIndex(root, cache_dir)
-    message = str(stop.value)
-    assert "\n" not in message
-    return message
 
 
 def outside_path(manifest: Path | str, field: str, name: str) -> str:

@@ -26,7 +26,7 @@ from wampipe.preprocess import outdir
 from wampipe.preprocess.check import check
 from wampipe.shardformat.manifest import MANIFEST, read_sealed_json, write_sealed_json
 from wampipe.shardformat.members import decode_members
-from tests.conftest import ROOT, build, manifest, shard_samples
+from tests.helpers import ROOT, build, manifest, shard_samples
 from wampipe.train.builder import frozen_image_encoder, model_config
 from wampipe.train.config import parse_args
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 FORBIDDEN = {
     "train": ("preprocess", "devtools"),

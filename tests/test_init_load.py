@@ -15,8 +15,6 @@ from typing import cast
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import start_processes
 
@@ -24,21 +22,11 @@ from wampipe.train.config import ParallelConfig
 from wampipe.train.dit.model import DiTConfig, build_model
 from wampipe.train.parallel import parallelize
 from wampipe.train.dit.weights import DREAMZERO_PREFIX, WeightsError, allowed_absent, load_weights, save_weights
+from tests.helpers import rewrite_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
 SEED = 3
-
-
-def _rewrite(base: Path, out: Path, edit) -> Path:
-    """A copy of `base` whose tensors went through `edit(dict) -> dict`, as one file."""
-    out.mkdir()
-    sd = {}
-    for f in sorted(base.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            sd.update({k: h.get_tensor(k) for k in h.keys()})
-    save_file(edit(sd), str(out / "model.safetensors"))
-    return out
 
 
 def _worker(rank: int, tmp: str, cases: dict, dit: DiTConfig) -> None:
@@ -73,12 +61,12 @@ def test_sharded_load_equals_unsharded_and_refuses_bad_keys(official_base, small
     wan = {k: v.to(torch.bfloat16) for k, v in plain.state_dict().items() if not allowed_absent(plain, k)}
     torch.save(wan, tmp_path / "wan.pth")  # a Wan base: the DreamZero additions absent
     save_weights(build_model(small_dit), tmp_path / "export", max_shard_bytes=100_000)
-    missing = _rewrite(
+    missing = rewrite_weights(
         official_base,
         tmp_path / "missing",
         lambda sd: {k: v for k, v in sd.items() if k != DREAMZERO_PREFIX + "blocks.1.ffn.2.weight"},
     )
-    extra = _rewrite(
+    extra = rewrite_weights(
         official_base,
         tmp_path / "extra",
         lambda sd: {**sd, DREAMZERO_PREFIX + "blocks.9.ffn.0.weight": torch.zeros(2, 2)},
@@ -119,7 +107,7 @@ def test_sharded_load_equals_unsharded_and_refuses_bad_keys(official_base, small
 
 @pytest.mark.slow
 def test_trainer_refuses_a_checkpoint_with_a_missing_key_in_one_line(small_shards, official_base, tmp_path):
-    broken = _rewrite(
+    broken = rewrite_weights(
         official_base,
         tmp_path / "broken",
         lambda sd: {k: v for k, v in sd.items() if k != DREAMZERO_PREFIX + "head.head.bias"},

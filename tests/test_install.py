@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROJECT, ROOT, console_script, shards_cmd
-from tests.test_quiet import unexpected
+from tests.helpers import PROJECT, ROOT, console_script, shards_cmd
+from tests.helpers import unexpected
 from wampipe.train.launch import split_arguments
 
 

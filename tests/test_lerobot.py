@@ -14,7 +14,7 @@ import pytest
 
 from wampipe.preprocess.errors import DatasetError
 from wampipe.preprocess.lerobot import LeRobotDataset, ParquetImageFrames, VideoFrames
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 DROID_COLUMNS = ["observation.state", "action"]
 LIBERO_COLUMNS = ["state", "actions"]

@@ -7,7 +7,8 @@ import subprocess
 import pytest
 import torch
 
-from tests.test_train_main import ROOT, _command, _env
+from tests.helpers import trainer_command, trainer_env
+from tests.helpers import ROOT
 from wampipe.train.optim import AdamWBf16Moments, round_stochastic
 
 
@@ -68,7 +69,7 @@ def test_the_rounding_is_seeded_by_step_so_a_reloaded_optimizer_continues_exactl
 def test_two_ranks_with_bf16_moments_resume_exactly_and_stay_close_to_fp32(tiny_shards, tmp_path):
     def run(name, *extra):
         cmd = [
-            *_command(tiny_shards, tmp_path / name),
+            *trainer_command(tiny_shards, tmp_path / name),
             "--steps",
             "6",
             "--checkpoint.interval",
@@ -78,7 +79,7 @@ def test_two_ranks_with_bf16_moments_resume_exactly_and_stay_close_to_fp32(tiny_
             "gloo",
             *extra,
         ]
-        subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        subprocess.run(cmd, check=True, env=trainer_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
         return [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     bf16 = run("bf16", "--optim.moments", "bf16")

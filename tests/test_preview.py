@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from wampipe.encoders.vae import load_vae
 from wampipe.preprocess.preview import clip_input_image, first_samples, to_canvas_frames
 from wampipe.shardformat.members import decode_members
-from tests.conftest import ROOT, manifest, shard_samples
+from tests.helpers import ROOT, manifest, shard_samples
 
 REFERENCE = Path(__file__).parent / "assets" / "wan_vae_decode.safetensors"
 VAE_FILES = {"wan2.1": "wan2.1/Wan2.1_VAE.pth", "wan2.2": "wan2.2/Wan2.2_VAE.pth"}

@@ -2,67 +2,15 @@
 failures, deprecation warnings or import notices of libraries), in `--help` and in a real build; and `--help` gives
 every flag its help, flowing as sentences."""
 
-import os
-import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import PROJECT, ROOT, console_script
+from tests.helpers import PROJECT, ROOT, console_script
+from tests.helpers import HELP_ENV, check_help, unexpected
 
 pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
-
-# what a build may print on stderr: tqdm's progress bars (carriage-return redrawn lines; their names may hold a
-# dataset folder's, any character but a colon)
-PROGRESS = re.compile(r"^[^:]*:\s+\d+%\|")
-HELP_SUFFIX = re.compile(r"\s*\((default: .*|required|fixed to: .*)\)$")  # what tyro adds to a field's own help
-# below 130 columns tyro lays the help boxes out in one column, whose rows `flag_help` reads
-HELP_ENV = {**os.environ, "COLUMNS": "100"}
-
-
-def unexpected(stderr: str) -> list[str]:
-    lines = [part.strip() for line in stderr.splitlines() for part in line.split("\r")]
-    return [line for line in lines if line and not PROGRESS.match(line)]
-
-
-def flag_help(stdout: str) -> dict[str, list[tuple[str, int]]]:
-    """Each flag row of tyro's help boxes -> its help lines, each with the room its box had for it."""
-    flags, current = {}, None
-    for line in stdout.splitlines():
-        if not (line.startswith("│") and line.endswith("│")):
-            current = None
-            continue
-        inner = line[2:-2]  # inside the border and its one-space padding
-        text = inner.rstrip()
-        indent = len(text) - len(text.lstrip())
-        if indent == 0:  # a flag row (its help beside it or on the lines below), a positional or a group's text
-            row = re.match(r"(-\S.*?)(?:\s{2,}(\S.*))?$", text)
-            current = flags.setdefault(row.group(1), []) if row else None
-            if row and row.group(2):
-                assert current is not None  # the row's entry, set just above
-                current.append((row.group(2), len(inner) - row.start(2)))
-        elif current is not None:
-            current.append((text.lstrip(), len(inner) - indent))
-    return flags
-
-
-def help_problems(stdout: str) -> list[str]:
-    """Flags without help of their own, and help lines broken where the next word would have fit (a source line's
-    end kept in the help: a sentence cut in two)."""
-    found = []
-    for flag, lines in flag_help(stdout).items():
-        if not HELP_SUFFIX.sub("", " ".join(text for text, _ in lines)).strip():
-            found.append(f"{flag}: no help")
-        for (text, room), (following, _) in zip(lines, lines[1:]):
-            if following and len(text) + 1 + len(following.split()[0]) < room:
-                found.append(f"{flag}: a line break after {text[-30:]!r}")
-    return found
-
-
-def check_help(done: subprocess.CompletedProcess) -> None:
-    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-2000:]
-    assert "--help" in done.stdout and help_problems(done.stdout) == []
 
 
 @pytest.mark.parametrize(

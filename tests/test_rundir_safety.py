@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train_main import ROOT, _command, _descendants, _env, _rows
-from tests.conftest import fill_disk
+from tests.helpers import trainer_command, descendants, trainer_env, metric_rows
+from tests.helpers import ROOT
+from tests.helpers import fill_disk
 from wampipe.train.checkpoint import LOCK, MARKER, complete_checkpoints, run_identity, step_dir
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ STEPS = 8
 
 def _cmd(shards: Path, run_dir: Path, *extra: str) -> list[str]:
     return [
-        *_command(shards, run_dir),
+        *trainer_command(shards, run_dir),
         "--steps",
         str(STEPS),
         "--checkpoint.interval",
@@ -36,12 +37,12 @@ def _cmd(shards: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def _run(shards: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        _cmd(shards, run_dir, *extra), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600
+        _cmd(shards, run_dir, *extra), env=trainer_env(), cwd=ROOT, capture_output=True, text=True, timeout=600
     )
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in _rows(run_dir)]
+    return [(r["step"], r["loss"]) for r in metric_rows(run_dir)]
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
@@ -96,7 +97,7 @@ def test_files_the_trainer_did_not_write_are_never_touched(small_shards, full_ru
 
 
 def _signal_all(proc: subprocess.Popen, signum: int) -> None:
-    for pid in [proc.pid, *_descendants(proc.pid)]:
+    for pid in [proc.pid, *descendants(proc.pid)]:
         os.kill(pid, signum)
 
 
@@ -108,7 +109,7 @@ def test_a_second_trainer_on_a_directory_in_use_refuses_in_one_line(small_shards
     (run_dir / "notes.txt").write_text("launched from the notebook\n")
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(
-            _cmd(small_shards, run_dir), env=_env(), cwd=ROOT, stdout=log, stderr=log, start_new_session=True
+            _cmd(small_shards, run_dir), env=trainer_env(), cwd=ROOT, stdout=log, stderr=log, start_new_session=True
         )
     try:
         deadline = time.monotonic() + 300

@@ -21,7 +21,7 @@ from wampipe.shardformat.files import atomic_write_json
 from wampipe.shardformat.shard import ShardRecord
 from wampipe.shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
 from devtools.s3 import upload_then_sigkill
-from tests.test_train_data import TINY
+from tests.helpers import TINY
 from wampipe.train.config import DataConfig
 from wampipe.train.data import SampleReader, ShardIndex, ShardLoader
 

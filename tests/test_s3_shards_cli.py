@@ -7,7 +7,7 @@ import subprocess
 
 from wampipe.preprocess.check import check
 from wampipe.shardformat.storage import MANIFEST, ShardStore
-from tests.conftest import ROOT, manifest, shards_cmd
+from tests.helpers import ROOT, manifest, shards_cmd
 
 
 def test_shards_to_s3_equal_the_local_build_and_a_rerun_uploads_nothing(

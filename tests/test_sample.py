@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 from wampipe.train.dit.attention import TokenLayout, dense_mask, flex_block_mask, masked_attention
 from wampipe.train.dit.model import build_model, random_batch
 from wampipe.train.evaluation.sample import (

@@ -18,8 +18,8 @@ from wampipe.shardformat.shard import MemberRef, SampleRecord, ShardRecord, json
 from wampipe.shardformat.storage import sync_up
 from wampipe.train.data import SampleReader, ShardIndex
 from wampipe.train.dit.model import preset
-from tests.conftest import edit_index
-from tests.test_hostile_shards import refused, reseal
+from tests.helpers import edit_index
+from tests.helpers import refused, reseal
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from wampipe.shardformat.schema import model_dims
 from wampipe.shardformat.shard import MemberRef, SampleRecord, ShardRecord, json_path
 from wampipe.train.data import SampleReader, ShardIndex, data_dims
 from wampipe.train.dit.model import preset
-from tests.conftest import reindex
+from tests.helpers import reindex
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_quiet import HELP_ENV, check_help
+from tests.helpers import HELP_ENV, check_help
 
 pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 

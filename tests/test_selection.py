@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import ROOT, build, manifest, shards_cmd
+from tests.helpers import ROOT, build, manifest, shards_cmd
 from wampipe.errors import UsageError
 from wampipe.preprocess.errors import DatasetError
 from wampipe.preprocess.lerobot import LeRobotDataset

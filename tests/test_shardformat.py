@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from tests.conftest import reindex
+from tests.helpers import reindex
 from wampipe.preprocess.check import Args, check, run, tar_samples
 from wampipe.preprocess.write import shard_done
 from wampipe.shardformat.files import atomic_write_bytes, atomic_writer

@@ -21,7 +21,7 @@ from wampipe.preprocess.check import check
 from wampipe.shardformat.files import sha256_file
 from wampipe.shardformat.members import decode_members
 from wampipe.train.dit.export import OFFICIAL_CLIP_DIM
-from tests.conftest import ROOT, build, manifest, shard_samples, shards_cmd
+from tests.helpers import ROOT, build, manifest, shard_samples, shards_cmd
 
 pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 

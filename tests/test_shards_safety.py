@@ -17,8 +17,9 @@ from wampipe.preprocess.__main__ import main
 from wampipe.preprocess.check import check
 from wampipe.preprocess.errors import DatasetError
 from wampipe.preprocess.outdir import INPUTS, LOCK
-from tests.conftest import ROOT, build, manifest, shards_cmd
-from tests.test_stats import assert_good_episode_statistics, corrupt_droid
+from tests.helpers import ROOT, build, manifest, shards_cmd
+from tests.helpers import assert_good_episode_statistics, corrupt_droid
+from tests.helpers import alive, children, refusal, tree, wait_for
 
 # (extra arguments, the difference the refusal must name); seed: no augmentation, so only the shards differ
 OTHER_INPUTS = {
@@ -28,22 +29,6 @@ OTHER_INPUTS = {
     "seed": (["--seed", "1"], "--seed: 0 -> 1"),
     "vae_compile": (["--vae-compile", "on"], "--vae-compile: False -> True"),  # other latents (compiled kernels)
 }
-
-
-def tree(out: Path) -> dict[str, tuple[int, int]]:
-    """Every file but the lock, with size and mtime: what a refused run must leave as it was."""
-    return {
-        p.relative_to(out).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
-        for p in out.rglob("*")
-        if p.is_file() and p.name != LOCK
-    }
-
-
-def refusal(argv: list[str]) -> str:
-    """The message of a run that must refuse to start (the real CLI entry, in this process)."""
-    with pytest.raises(SystemExit) as exc:
-        main(argv[3:])  # drop `python -m preprocess`
-    return str(exc.value)
 
 
 @pytest.fixture(scope="module")
@@ -88,31 +73,6 @@ def test_overwrite_of_finalize_inputs_keeps_the_units(bad_build, tiny_checkpoint
     assert {p.name: p.stat().st_mtime_ns for p in (out / "work").glob("unit-*")} == units
     assert check(out) == []
     assert manifest(out)["seed"] == 1 and json.loads((out / INPUTS).read_text())["seed"] == 1
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError):
-            continue  # the process ended while we looked
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_for(condition, what: str, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.mark.e2e
@@ -282,7 +242,7 @@ def test_an_inputs_json_no_build_wrote_is_a_foreign_file(tmp_path):
 def test_a_full_disk_stops_the_build_in_one_line_and_the_same_command_resumes(droid_root, tiny_checkpoints, small_disk):
     """A real tmpfs filled but for 64 KiB: a unit's tar does not fit. One line, no traceback; with space again the
     same command finishes a build `check` accepts."""
-    from tests.conftest import fill_disk
+    from tests.helpers import fill_disk
 
     out = small_disk / "out"
     filler = fill_disk(small_disk, 64 << 10)

@@ -7,39 +7,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from wampipe.preprocess.__main__ import main
 from wampipe.preprocess.__main__ import main as preprocess_main
 from wampipe.preprocess.stats import build_metadata, merge_metadata
 from wampipe.shardformat.embodiments import get_embodiment
+from tests.helpers import assert_good_episode_statistics, corrupt_droid, parquet_columns, direct, assert_stats
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def parquet_columns(root: Path, column: str) -> list[np.ndarray]:
-    """Per episode [L, d] arrays straight from the parquet files (v2 layout: one file per episode)."""
-    files = sorted((root / "data").glob("chunk-*/episode_*.parquet"))
-    return [np.stack(pq.read_table(f, columns=[column]).column(column).to_pylist()) for f in files]
-
-
-def direct(values: np.ndarray) -> dict:
-    return {
-        "max": values.max(0),
-        "min": values.min(0),
-        "mean": values.mean(0),
-        "std": values.std(0),
-        "q01": np.quantile(values, 0.01, axis=0),
-        "q99": np.quantile(values, 0.99, axis=0),
-    }
-
-
-def assert_stats(got: dict, expected: dict) -> None:
-    assert list(got) == ["max", "min", "mean", "std", "q01", "q99"]
-    for name, value in expected.items():
-        np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 def test_droid_statistics(droid_root):
@@ -181,37 +157,6 @@ def test_wrong_embodiment_is_a_clear_error(libero_root):
 
     with pytest.raises(DatasetError, match="joint_position"):
         build_metadata([libero_root], get_embodiment("oxe_droid"))
-
-
-def corrupt_droid(src: Path, dst: Path) -> Path:
-    """A copy of the sample DROID dataset with two bad episodes: a NaN in episode 0's state, and episode 3's parquet
-    ten rows shorter than meta/ says."""
-    shutil.copytree(src, dst)
-    nan = dst / "data/chunk-000/episode_000000.parquet"
-    table = pq.read_table(nan)
-    column = table.schema.get_field_index("observation.state")
-    state = table.column(column).to_pylist()
-    state[5][3] = float("nan")
-    field = table.schema.field(column)
-    pq.write_table(table.set_column(column, field, pa.array(state, field.type)), nan)
-    short = dst / "data/chunk-000/episode_000003.parquet"
-    pq.write_table(pq.read_table(short).slice(0, 123), short)  # meta says 133
-    return dst
-
-
-def assert_good_episode_statistics(metadata: dict, root: Path, good: list[int]) -> None:
-    """State and relative-action statistics equal a direct computation over the `good` episodes only."""
-    state_eps = [parquet_columns(root, "observation.state")[i] for i in good]
-    action_eps = [parquet_columns(root, "action")[i] for i in good]
-    stats = metadata["oxe_droid"]["statistics"]
-    assert_stats(stats["state"]["joint_position"], direct(np.concatenate(state_eps).astype(np.float32)[:, 7:14]))
-    relative = [
-        a[i + k, 14:21] - s[i, 7:14]
-        for s, a in zip(state_eps, action_eps)
-        for i in range(len(s) - 23)
-        for k in range(24)
-    ]
-    assert_stats(stats["action"]["joint_position"], direct(np.array(relative)))
 
 
 def test_stats_cli_reports_and_leaves_out_bad_episodes(droid_root, tmp_path, capsys):

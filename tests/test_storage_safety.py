@@ -28,9 +28,9 @@ from wampipe.preprocess.remote import AT_START, publish, staging_dir
 from wampipe.shardformat.files import atomic_write_json
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.storage import ShardStore, s3_options_from_env, upload_order
-from tests.conftest import ROOT, shards_cmd
+from tests.helpers import ROOT, shards_cmd
 from devtools.s3 import CREDENTIALS, S3Server
-from tests.test_shards_safety import refusal, tree
+from tests.helpers import refusal, tree
 
 # Another tool's shard directory: files at the names a build writes, none of them recorded by a build.
 FOREIGN = {
@@ -281,7 +281,7 @@ def test_a_frozen_endpoint_stops_the_loader_within_one_request_deadline(tiny_sha
     import torch
 
     from devtools.proxy import FreezableProxy
-    from tests.test_train_data import TINY
+    from tests.helpers import TINY
     from wampipe.shardformat.storage import S3_TRIES, request_deadline, sync_up
     from wampipe.train.config import DataConfig
     from wampipe.train.data import ShardLoader

@@ -30,11 +30,9 @@ from wampipe.train.data import (
     collate,
     epoch_order,
 )
-from wampipe.train.dit.model import preset
+from tests.helpers import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
-
-TINY = preset("tiny")
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,9 @@ weights load back strictly. A resume with more --steps continues the cosine from
 
 import gzip
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,41 +23,9 @@ from wampipe.train.planning.memory import ModelSize, Plan, offload_traffic
 from wampipe.train.dit.model import build_model
 from wampipe.train.optim import lr_factor, warmup_steps
 from wampipe.train.dit.weights import load_weights
+from tests.helpers import ROOT, TRAINER_STEPS, descendants, metric_rows, trainer_command, trainer_env
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = 24
-
-
-def _command(shards: Path | None, run_dir: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(ROOT / "train" / "main.py"),
-        "--preset",
-        "tiny",
-        *(["--data.shards", str(shards)] if shards else []),
-        "--checkpoint.dir",
-        str(run_dir),
-        "--steps",
-        str(STEPS),
-        "--checkpoint.interval",
-        "8",
-        "--metrics.interval",
-        "1",
-        "--metrics.no-progress",
-        "--metrics.no-tensorboard",
-        "--parallel.deterministic",
-        "--checkpoint.export-dtype",
-        "float32",
-    ]
-
-
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -78,18 +44,20 @@ def _losses(run_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def full_run(tiny_shards, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("run_full")
-    subprocess.run(_command(tiny_shards, run_dir), check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=600)
+    subprocess.run(
+        trainer_command(tiny_shards, run_dir), check=True, env=trainer_env(), cwd=ROOT, capture_output=True, timeout=600
+    )
     return run_dir
 
 
 def test_loss_falls_and_ranks_take_equal_steps(full_run):
     losses = _losses(full_run)
-    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert sorted(losses) == list(range(1, TRAINER_STEPS + 1))
     values = [losses[s] for s in sorted(losses)]
     assert sum(values[-8:]) / 8 < 0.9 * sum(values[:8]) / 8
     summaries = [json.loads((full_run / f"summary-rank{r:05d}.json").read_text()) for r in range(2)]
-    assert [s["steps"] for s in summaries] == [STEPS, STEPS]
-    assert [s["next_batch"] for s in summaries] == [STEPS, STEPS]
+    assert [s["steps"] for s in summaries] == [TRAINER_STEPS, TRAINER_STEPS]
+    assert [s["next_batch"] for s in summaries] == [TRAINER_STEPS, TRAINER_STEPS]
     assert summaries[0]["epoch"] == 2  # 40 anchor-weighted visits = 10 micro-batches per epoch and rank
     assert [s for s, _ in complete_checkpoints(full_run)] == [8, 16, 24]
 
@@ -103,14 +71,10 @@ def test_exported_weights_load_back_strictly(full_run):
     assert not torch.equal(model.head.head.weight, fresh)  # zero-initialised head moved during training
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _start(shards: Path, run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        _command(shards, run_dir),
-        env=_env(),
+        trainer_command(shards, run_dir),
+        env=trainer_env(),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -123,25 +87,6 @@ def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
     while max(_losses(run_dir), default=0) < step and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be interrupted"
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (ranks, loader workers), from /proc."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            parents[int(stat.parent.name)] = int(fields[1])
-    found, todo = set(), [pid]
-    while todo:
-        pid = todo.pop()
-        kids = {p for p, parent in parents.items() if parent == pid}
-        found |= kids
-        todo += kids
-    return found
 
 
 def _alive(pids: set[int]) -> set[int]:
@@ -170,7 +115,7 @@ def test_sigterm_sigkill_and_resume_reproduce_the_losses(tiny_shards, full_run, 
     # SIGKILL to torchrun only: its ranks (own sessions) must die with it, loader workers after them
     proc = _start(tiny_shards, run_dir)
     _wait_for_step(proc, run_dir, 18)
-    workers = _descendants(proc.pid)
+    workers = descendants(proc.pid)
     assert len(workers) >= 2
     proc.kill()
     proc.wait()
@@ -180,8 +125,12 @@ def test_sigterm_sigkill_and_resume_reproduce_the_losses(tiny_shards, full_run, 
     assert not _alive(workers), "processes of the killed run still running"
     assert complete_checkpoints(run_dir)[-1][0] == 16 and max(_losses(run_dir)) > 16
 
-    subprocess.run(_command(tiny_shards, run_dir), check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=600)
-    assert [(r["step"], r["loss"]) for r in _rows(run_dir)] == [(r["step"], r["loss"]) for r in _rows(full_run)]
+    subprocess.run(
+        trainer_command(tiny_shards, run_dir), check=True, env=trainer_env(), cwd=ROOT, capture_output=True, timeout=600
+    )
+    assert [(r["step"], r["loss"]) for r in metric_rows(run_dir)] == [
+        (r["step"], r["loss"]) for r in metric_rows(full_run)
+    ]
 
 
 def test_resume_with_more_steps_continues_the_cosine_without_warmup(tiny_shards, full_run, tmp_path):
@@ -189,14 +138,14 @@ def test_resume_with_more_steps_continues_the_cosine_without_warmup(tiny_shards,
     shutil.copytree(tiny_shards, tmp_path / "shards" / "droid")
     run_dir = tmp_path / "run"
     shutil.copytree(full_run, run_dir)
-    cmd = _command(None, run_dir) + ["--steps", "40", "--stop-after", "2"]
-    subprocess.run(cmd, check=True, env=_env(), cwd=tmp_path, capture_output=True, timeout=600)
-    rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 3))
-    warmup = warmup_steps(OptimConfig(warmup_ratio=0.05), STEPS)  # fixed when the run started
+    cmd = trainer_command(None, run_dir) + ["--steps", "40", "--stop-after", "2"]
+    subprocess.run(cmd, check=True, env=trainer_env(), cwd=tmp_path, capture_output=True, timeout=600)
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, TRAINER_STEPS + 3))
+    warmup = warmup_steps(OptimConfig(warmup_ratio=0.05), TRAINER_STEPS)  # fixed when the run started
     # the first resumed step runs at the new curve's lr over 40 steps, not at the finished run's last lr (0)
-    assert [r["lr"] for r in rows[STEPS:]] == pytest.approx([1e-2 * lr_factor(s, warmup, 40) for s in (24, 25)])
-    assert rows[STEPS]["lr"] > 0.3e-2
+    assert [r["lr"] for r in rows[TRAINER_STEPS:]] == pytest.approx([1e-2 * lr_factor(s, warmup, 40) for s in (24, 25)])
+    assert rows[TRAINER_STEPS]["lr"] > 0.3e-2
 
 
 def test_reducing_after_every_micro_batch_offloading_and_gathering_once_train_the_same(tiny_shards, tmp_path):
@@ -216,7 +165,7 @@ def test_reducing_after_every_micro_batch_offloading_and_gathering_once_train_th
     ]:
         run_dir = tmp_path / name
         cmd = [
-            *_command(tiny_shards, run_dir),
+            *trainer_command(tiny_shards, run_dir),
             "--steps",
             "6",
             "--checkpoint.interval",
@@ -233,7 +182,7 @@ def test_reducing_after_every_micro_batch_offloading_and_gathering_once_train_th
         ]  # tiny: micro-batch 2 x 2 ranks x accum 2
         if name.startswith("gathered") or name == "offloaded":  # step 4 profiled: its collectives are in the trace
             cmd += ["--metrics.profile-start", "3", "--metrics.profile-steps", "1"]
-        done = subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(cmd, check=True, env=trainer_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert ("fp32 state in host memory" in done.stdout) == (name == "offloaded")
         runs[name] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     per_step, per_micro = runs["per_step"], runs["per_micro_batch"]

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import start_processes
 
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 from wampipe.errors import UsageError
 from wampipe.train import checkpoint
 from wampipe.train.config import CheckpointConfig, OptimConfig, ParallelConfig

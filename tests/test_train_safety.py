@@ -28,8 +28,9 @@ from wampipe.errors import RunError, UsageError
 from wampipe.shardformat.index import Window
 from wampipe.shardformat.members import checksum, npy_bytes
 from wampipe.shardformat.shard import ShardRecord, json_path
-from tests.conftest import reindex, tiny_model
-from tests.test_train_main import ROOT, _command, _env, _rows
+from tests.helpers import reindex, tiny_model
+from tests.helpers import trainer_command, trainer_env, metric_rows
+from tests.helpers import ROOT
 from wampipe.train import checkpoint
 from wampipe.train.builder import model_config
 from wampipe.train.config import CheckpointConfig, OptimConfig, ParallelConfig, parse_args
@@ -94,9 +95,16 @@ def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
     _put_nan(loader.index.shards[shard_index], key)
     reindex(shards)  # the sample index records the new CRC-32 too
     run_dir = tmp_path / "run"
-    cmd = _command(shards, run_dir) + ["--steps", "8", "--checkpoint.interval", "2", "--checkpoint.keep-last", "2"]
+    cmd = trainer_command(shards, run_dir) + [
+        "--steps",
+        "8",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep-last",
+        "2",
+    ]
 
-    stopped = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    stopped = subprocess.run(cmd, env=trainer_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert stopped.returncode != 0
     good = list(range(2, bad_step, 2))[-2:]  # keep-last 2 of the checkpoints every 2 steps before the NaN
     line = (
@@ -105,15 +113,15 @@ def test_nan_sample_stops_the_run_naming_it_then_skipping_finishes(tmp_path):
     )
     assert stopped.stderr.count(line) == 1, stopped.stderr[-3000:]  # one line, from rank 0 only
     assert [s for s, _ in checkpoint.complete_checkpoints(run_dir)] == good
-    assert max(r["step"] for r in _rows(run_dir)) < bad_step
+    assert max(r["step"] for r in metric_rows(run_dir)) < bad_step
 
     skipping = cmd + ["--optim.skip-nonfinite", "3"]  # the same run again, resumed from its last good checkpoint
-    done = subprocess.run(skipping, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(skipping, env=trainer_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"step {bad_step}: non-finite loss on {window.name}" in done.stdout
     assert "its batches dropped, the step runs again on the next ones (1 of --optim.skip-nonfinite 3)" in done.stdout
-    assert [r["step"] for r in _rows(run_dir)] == list(range(1, 9))  # every step once, none of them NaN
-    assert all(np.isfinite(r["loss"]) for r in _rows(run_dir))
+    assert [r["step"] for r in metric_rows(run_dir)] == list(range(1, 9))  # every step once, none of them NaN
+    assert all(np.isfinite(r["loss"]) for r in metric_rows(run_dir))
     summary = json.loads((run_dir / "summary-rank00000.json").read_text())
     assert summary["last_step"] == 8 and summary["skipped"] >= 1
     exported = load_file(run_dir / "export" / "model.safetensors")
@@ -148,7 +156,7 @@ def test_a_failed_rank_leaves_at_once_with_its_error(failure, code, message):
             leave_now(failure)
     """)
     done = subprocess.run(
-        [sys.executable, "-c", script], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], env=trainer_env(), cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == code, done.stderr[-2000:]
     assert done.stdout == "step 4 | loss 2.61\n"

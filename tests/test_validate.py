@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow
 VAL = ("val_loss", "val_loss_dynamics", "val_loss_action")

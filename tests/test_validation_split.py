@@ -12,7 +12,7 @@ import pytest
 from wampipe.preprocess.check import check
 from wampipe.preprocess.validation import in_fraction
 from wampipe.shardformat.keys import parse_key
-from tests.conftest import ROOT, build, manifest, shards_cmd
+from tests.helpers import ROOT, build, manifest, shards_cmd
 
 pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 
@@ -144,10 +144,10 @@ def test_overwrite_with_other_held_out_episodes_keeps_the_units(held_out_3, tiny
 @pytest.mark.parametrize("flag", ["--metrics.val-shards", "--metrics.action-shards"])
 def test_evaluation_sets_of_another_recipe_stop_the_run_at_start(flag, small_shards, droid_shards, tmp_path):
     """Checked like --data.shards, before the first step: not thousands of steps in at the first evaluation."""
-    from tests.test_train_main import _command, _env
+    from tests.helpers import trainer_command, trainer_env
 
     cmd = [
-        *_command(small_shards, tmp_path / "run"),
+        *trainer_command(small_shards, tmp_path / "run"),
         flag,
         str(droid_shards),
         "--metrics.val-interval",
@@ -155,7 +155,7 @@ def test_evaluation_sets_of_another_recipe_stop_the_run_at_start(flag, small_sha
         "--metrics.action-interval",
         "100",
     ]
-    done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env=trainer_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
     role = "a validation split" if "val" in flag else "an action-evaluation set"
     line = (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 BLOCK = 32768  # the .wandb file is a LevelDB-style log: records in 32 KiB blocks, each chunk behind a 7-byte header
 
