@@ -177,13 +177,16 @@ class Encoders:
         if spec.vae_compile:
             from torch._dynamo.utils import counters
 
+            # the counters are the process's: a local-pool worker builds these encoders once per unit
+            hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
             with timed(self.start_seconds, "compiling" + " and recording" * (self.device.type == "cuda")):
                 if spec.compile_cache:
                     use_compile_cache(spec.compile_cache)
                 self.vae.compile(spec.batch_size)
                 emb = get_embodiment(spec.embodiment)
                 self.vae.warm_up(emb.window.num_frames, *emb.preset(spec.model).target_hw)
-            cached, made = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+            cached = counters["inductor"]["fxgraph_cache_hit"] - hits
+            made = counters["inductor"]["fxgraph_cache_miss"] - misses
             self.compiled_graphs = f"{cached} of {cached + made} graphs from the compile cache"
         self.image_member = IMAGE_MEMBER[spec.image_features]
         with timed(self.start_seconds, "CLIP weights"):

@@ -214,16 +214,14 @@ def check_help(done: subprocess.CompletedProcess) -> None:
 TRAINER_STEPS = 24
 
 
+def tiny_torchrun(*args: str, ranks: int = 2) -> list[str]:
+    """`torchrun --standalone --nproc-per-node=ranks train/main.py --preset tiny args...` from the checkout."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return [*run, str(ROOT / "train" / "main.py"), "--preset", "tiny", *args]
+
+
 def trainer_command(shards: Path | None, run_dir: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(ROOT / "train" / "main.py"),
-        "--preset",
-        "tiny",
+    return tiny_torchrun(
         *(["--data.shards", str(shards)] if shards else []),
         "--checkpoint.dir",
         str(run_dir),
@@ -238,7 +236,7 @@ def trainer_command(shards: Path | None, run_dir: Path) -> list[str]:
         "--parallel.deterministic",
         "--checkpoint.export-dtype",
         "float32",
-    ]
+    )
 
 
 def trainer_env():

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from wampipe.errors import UsageError
 from wampipe.train.evaluation.curves import read_metrics
+from tests.helpers import tiny_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29647"}
@@ -40,15 +41,7 @@ def run(small_shards, official_base, tmp_path_factory) -> Path:
     base = fp32_copy(official_base, tmp / "base")
     run_dir = tmp / "run"
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(ROOT / "train" / "main.py"),
-            "--preset",
-            "tiny",
+        tiny_torchrun(
             "--data.shards",
             str(small_shards),
             "--steps",
@@ -73,7 +66,7 @@ def run(small_shards, official_base, tmp_path_factory) -> Path:
             "1",
             "--metrics.action-samples",
             "3",
-        ],
+        ),
         check=True,
         capture_output=True,
         env=ENV,

@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import cast
@@ -31,6 +30,7 @@ from wampipe.train.builder import model_config
 from wampipe.train.config import DataConfig, ShardSet, file_config, parse_args, save_config
 from wampipe.train.evaluation.curves import plot
 from wampipe.train.data import SampleReader, ShardLoader, SetDraws, open_sets, set_names
+from tests.helpers import tiny_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -203,15 +203,7 @@ def test_sets_of_another_dit_recipe_or_empty_sets_are_refused_naming_the_set(dro
 
 
 def _command(droid, libero, run_dir: Path, base: Path, tensorboard: bool = False) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(ROOT / "train" / "main.py"),
-        "--preset",
-        "tiny",
+    return tiny_torchrun(
         "--data.mixture",
         f"{droid}=2",
         f"{libero}=1",
@@ -234,7 +226,7 @@ def _command(droid, libero, run_dir: Path, base: Path, tensorboard: bool = False
         str(base),
         "--checkpoint.export-base",
         str(base),
-    ]
+    )
 
 
 def _rows(run_dir: Path) -> list[dict]:

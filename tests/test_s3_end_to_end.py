@@ -21,7 +21,7 @@ from wampipe.shardformat.files import atomic_write_json
 from wampipe.shardformat.shard import ShardRecord
 from wampipe.shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
 from devtools.s3 import upload_then_sigkill
-from tests.helpers import TINY
+from tests.helpers import TINY, tiny_torchrun
 from wampipe.train.config import DataConfig
 from wampipe.train.data import SampleReader, ShardIndex, ShardLoader
 
@@ -64,15 +64,7 @@ def test_check_reads_a_remote_directory_and_names_a_flipped_byte(tiny_shards, s3
 
 
 def _train(shards: str, run_dir: Path, *extra: str) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(ROOT / "train" / "main.py"),
-        "--preset",
-        "tiny",
+    command = tiny_torchrun(
         "--data.shards",
         shards,
         "--checkpoint.dir",
@@ -90,7 +82,7 @@ def _train(shards: str, run_dir: Path, *extra: str) -> None:
         "--data.num-workers",
         "1",
         *extra,
-    ]
+    )
     done = subprocess.run(
         command, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=600
     )
