@@ -45,8 +45,8 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)  ## the whole check, quickest first: lint, then the unit tests, then the end-to-end tests
 	$(MAKE) --no-print-directory lint
-	$(PYTEST) -m "not e2e" $(PYTEST_ARGS)
-	$(PYTEST) -m e2e $(PYTEST_ARGS)
+	$(PYTEST) tests/unit $(PYTEST_ARGS)
+	$(PYTEST) tests/e2e $(PYTEST_ARGS)
 
 lint: $(STAMP)  ## ruff (pyflakes' errors and pycodestyle's, lines of at most 120 characters; its formatter's style), then pyright's basic checks
 	$(VENV)/bin/ruff check --no-cache .
@@ -54,10 +54,10 @@ lint: $(STAMP)  ## ruff (pyflakes' errors and pycodestyle's, lines of at most 12
 	$(VENV)/bin/pyright
 
 test-unit: $(STAMP)  ## the unit tests alone: the code called in the test process, no process started (minutes)
-	$(PYTEST) -m "not e2e" $(PYTEST_ARGS)
+	$(PYTEST) tests/unit $(PYTEST_ARGS)
 
 test-e2e: $(STAMP)  ## the end-to-end tests alone: the tools in processes of their own (CLI, torchrun, builds, S3, Ray)
-	$(PYTEST) -m e2e $(PYTEST_ARGS)
+	$(PYTEST) tests/e2e $(PYTEST_ARGS)
 
 sample-data: $(STAMP)  ## write the three sample LeRobot datasets into $(SAMPLE)/
 	$(PY) scripts/make_sample_dataset.py --layout droid --out $(SAMPLE)/droid --episodes 4 --seed 0

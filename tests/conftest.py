@@ -4,9 +4,9 @@ synthetic shards, and a local S3 server. Tests only read them; a test that chang
 pytest-xdist (`make test` runs one test process per core) the processes build the file fixtures once between them
 (`once`). What tests share besides fixtures is in tests/helpers.py; no test module imports another.
 
-Two kinds of test (README, Tests): end-to-end ones (marked `e2e` here) run the tools as a user does, in processes of
-their own (the CLI, torchrun, a shard build, the S3 server); unit tests call the code in this process and start no
-process, which `unit_tests_start_no_process` checks, so the split stays true as tests are added."""
+Two kinds of test, a folder each (README, Tests): tests/e2e/ runs the tools as a user does, in processes of their own
+(the CLI, torchrun, a shard build, the S3 server); tests/unit/ calls the code in this process and starts no process,
+which `unit_tests_start_no_process` checks, so the split stays true as tests are added."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from tests.helpers import build, once
 # what makes a test end-to-end besides its own mark (`e2e`, or `slow`: multi-process trainer runs): a fixture that
 # builds shards through the CLI or serves S3
 E2E_FIXTURES = {"droid_shards", "libero_shards", "held_out_3", "s3_server", "small_disk"}
+E2E_FOLDER = Path(__file__).parent / "e2e"
 
 
 @pytest.fixture(scope="session")
@@ -181,9 +182,16 @@ def small_disk(tmp_path):
 
 
 def pytest_collection_modifyitems(config, items):
+    """The folder is the kind: every test under tests/e2e/ is marked e2e, and a test under tests/unit/ that needs
+    processes (its mark, or a fixture that builds shards or serves S3) stops the collection, naming it."""
+    misplaced = []
     for item in items:
-        if item.get_closest_marker("slow") or E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if E2E_FOLDER in Path(item.path).parents:
             item.add_marker(pytest.mark.e2e)
+        elif any(map(item.get_closest_marker, ("e2e", "slow"))) or E2E_FIXTURES & set(item.fixturenames):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError(f"end-to-end tests outside tests/e2e/ (move them there): {', '.join(misplaced)}")
 
 
 @pytest.fixture(autouse=True)

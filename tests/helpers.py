@@ -25,6 +25,7 @@ from wampipe.train.dit.model import CausalWanModel, build_model, preset
 # ---------------------------------------------------------------- paths, shard builds and shard directories
 
 ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "tests" / "assets"  # the stored reference outputs the tests compare against
 
 
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

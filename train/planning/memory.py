@@ -12,7 +12,7 @@ Per GPU, in bytes, for P parameters (T of them trainable) sharded over N ranks:
     overhead       CUDA context, compiled kernels' workspaces, NCCL buffers, allocator slack
 
 The activation coefficients are fitted to the peaks measured with `scripts/bench_train.py` (docs/TRAINING.md
-lists them; tests/test_memory.py checks the estimate against each). One rank keeps no unsharded gradient buffer:
+lists them; tests/unit/test_memory.py checks the estimate against each). One rank keeps no unsharded gradient buffer:
 its reduce-scatter output is the gradient itself.
 """
 

@@ -1,0 +1,137 @@
+"""Trainer data path on synthetic shards written by the project's writer: order, weights, equal shares, resume,
+verified reads, decoding."""
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from devtools import synthetic
+from wampipe.shardformat.index import Window
+from wampipe.shardformat.keys import parse_key
+from wampipe.shardformat.manifest import ShardFormatError
+from wampipe.shardformat.shard import ShardRecord, json_path
+from wampipe.train.config import DataConfig
+from wampipe.train.data import (
+    SampleReader,
+    ShardIndex,
+    ShardLoader,
+    collate,
+)
+from tests.helpers import TINY
+
+from tests.helpers import ROOT
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """25 windows x 2 variants in shards of 7 (the last one short), 5 synthetic episodes; each episode's first and last
+    windows have anchor multiplicity 3 and 2, so an anchor-weighted epoch visits 5 x 8 = 40 windows."""
+    out = tmp_path_factory.mktemp("shards") / "tiny"
+    synthetic.make_synthetic_shards(
+        out, "tiny", episodes=5, windows_per_episode=5, augment_variants=2, samples_per_shard=7, seed=3
+    )
+    return out
+
+
+def _loader(shards, rank=0, world=2, workers=0, **kw):
+    return ShardLoader(
+        DataConfig(shards=shards, micro_batch_size=2, num_workers=workers, **kw), TINY, rank, world, torch.device("cpu")
+    )
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+@pytest.mark.e2e
+def test_order_is_independent_of_workers_and_resume_is_exact(shards):
+    ref = _take(iter(_loader(shards, workers=0)), 9)
+    multi = _take(iter(_loader(shards, workers=2)), 9)
+    for a, b in zip(ref, multi):
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    first = _loader(shards, workers=2)
+    it = iter(first)
+    _take(it, 4)
+    state = first.state_dict()
+    resumed = _loader(shards, workers=2)
+    resumed.load_state_dict(state)
+    for a, b in zip(ref[4:], _take(iter(resumed), 5)):
+        assert int(a["batch"]) == int(b["batch"])
+        torch.testing.assert_close(a["latents"], b["latents"], rtol=0, atol=0)
+        torch.testing.assert_close(a["text"], b["text"], rtol=0, atol=0)
+
+
+@pytest.mark.e2e
+def test_workers_build_batches_in_shared_memory_with_the_main_process_values(shards):
+    """Inside a worker, collate writes every sample tensor straight into shared memory (the hand-off copies only a few
+    bytes of bookkeeping); the
+    512-row text layout, like the compact one above, equals what the main process builds."""
+    index = ShardIndex(shards)
+    reader = SampleReader(index, TINY)
+    samples = [reader.sample(w, np.random.default_rng(0)) for w in cast(list[Window], index.windows[:3])]
+    reader.close()
+
+    class Probe(IterableDataset):
+        def __iter__(self):
+            for rows in (None, 16):
+                batch = collate(samples, TINY.text_len, rows)
+                yield {k: torch.tensor(v.is_shared()) for k, v in batch.items() if v.dim() > 1}
+
+    for flags in DataLoader(Probe(), batch_size=None, num_workers=1):
+        assert flags.keys() == {"latents", "clip", "text", "state", "actions", "action_mask"} and all(flags.values())
+    assert not any(v.is_shared() for v in collate(samples, TINY.text_len).values())  # main process: plain memory
+    ref = _take(iter(_loader(shards, workers=0, compact_text=False)), 3)
+    for a, b in zip(ref, _take(iter(_loader(shards, workers=2, compact_text=False)), 3)):
+        assert a["text"].shape == (2, TINY.text_len, TINY.text_dim) and "text_lengths" not in a
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+@pytest.mark.e2e
+def test_trainer_data_imports_no_preprocessing_code():
+    probe = (
+        "import wampipe.train.data, sys; bad = sorted(m for m in sys.modules if m.startswith("
+        "('preprocess', 'wampipe.preprocess')) or m == 'pyarrow'); assert not bad, bad"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _flip_member_byte(root: Path, member: str) -> tuple[Path, str]:
+    """Flip one byte inside `member` of the first sample of shard 0 (tar and its JSON otherwise intact)."""
+    shard = root / "shard-000000.tar"
+    sample = ShardRecord.read(json_path(shard)).samples[0]
+    ref = next(m for m in sample.members if m.name == member)
+    data = bytearray(shard.read_bytes())
+    data[ref.offset + ref.size // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return shard, sample.key
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_flipped_byte_stops_training_with_the_member_named(shards, tmp_path, workers):
+    import shutil
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(shards, corrupt)
+    shard, key = _flip_member_byte(corrupt, "clip.npy")
+    message = f"{shard}: sample {key}: member clip.npy checksum mismatch (corrupt shard)"
+    index = ShardIndex(corrupt)
+    reader = SampleReader(index, TINY)
+    with pytest.raises(ShardFormatError) as err:
+        reader.raw(0, key)
+    assert str(err.value) == message
+    reader.close()
+    loader = _loader(corrupt, workers=workers, variant=parse_key(key).variant)
+    with pytest.raises(ShardFormatError) as stop:
+        _take(iter(loader), 40)  # 4 epochs of rank 0: the corrupt sample's window comes up (at the latest) there
+    assert str(stop.value) == message

@@ -1,0 +1,141 @@
+"""`python -m train.evaluate` on a real 2-rank torchrun run (its DCP checkpoint and its eval-ready export) and the
+trainer's periodic action error (--metrics.action-interval) of the same run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from wampipe.errors import UsageError
+from tests.helpers import tiny_torchrun
+
+from tests.helpers import ROOT
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29647"}
+
+
+def fp32_copy(base: Path, out: Path) -> Path:
+    """`base` with every tensor in fp32: an export keeps its base's dtypes, so it then holds the checkpoint's exact
+    weights."""
+    out.mkdir(parents=True)
+    for f in base.rglob("*"):
+        target = out / f.relative_to(base)
+        if f.is_dir():
+            target.mkdir(exist_ok=True)
+        elif f.suffix == ".safetensors":
+            save_file({k: v.float() for k, v in load_file(f).items()}, str(target), metadata={"format": "pt"})
+        else:
+            target.write_bytes(f.read_bytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(small_shards, official_base, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("evaluate")
+    base = fp32_copy(official_base, tmp / "base")
+    run_dir = tmp / "run"
+    subprocess.run(
+        tiny_torchrun(
+            "--data.shards",
+            str(small_shards),
+            "--steps",
+            "2",
+            "--checkpoint.interval",
+            "0",
+            "--metrics.no-progress",
+            "--metrics.no-tensorboard",
+            "--model.init-from",
+            str(base),
+            "--model.init-device",
+            "meta",
+            "--data.num-workers",
+            "0",
+            "--checkpoint.dir",
+            str(run_dir),
+            "--checkpoint.export-base",
+            str(base),
+            "--checkpoint.export-dtype",
+            "float32",
+            "--metrics.action-interval",
+            "1",
+            "--metrics.action-samples",
+            "3",
+        ),
+        check=True,
+        capture_output=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=600,
+    )
+    return run_dir
+
+
+def evaluate(source: Path, shards: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.evaluate",
+            str(source),
+            "--shards",
+            str(shards),
+            "--samples",
+            "3",
+            "--batch-size",
+            "2",
+            "--out",
+            str(out),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def other_dit_shards(tmp_path_factory) -> Path:
+    """Synthetic shards of the 5B LIBERO recipe: another DiT's widths, latent grid and prompt lengths."""
+    from devtools.synthetic import make_synthetic_shards
+
+    out = tmp_path_factory.mktemp("libero5b") / "shards"
+    make_synthetic_shards(out, "libero-5b", episodes=1, windows_per_episode=1, samples_per_shard=4, seed=1)
+    return out
+
+
+@pytest.mark.parametrize("case", ["empty", "file", "step", "other DiT", "other DiT, export"])
+def test_a_bad_input_stops_with_one_line(run, small_shards, other_dit_shards, tmp_path, case):
+    from wampipe.train.evaluate import main
+
+    source, shards, extra, start = {
+        "empty": (tmp_path, small_shards, (), f"{tmp_path}: nothing to load"),
+        "file": (run / "config.yaml", small_shards, (), f"{run / 'config.yaml'}: not a directory"),
+        "step": (run, small_shards, ("--step", "7"), f"{run}: no checkpoint of step 7"),
+        "other DiT": (run, other_dit_shards, (), f"{other_dit_shards} does not fit the DiT of {run / 'step-000002'}"),
+        "other DiT, export": (
+            run / "export",
+            other_dit_shards,
+            (),
+            f"{other_dit_shards} does not fit the DiT of {run / 'export'}",
+        ),
+    }[case]
+    with pytest.raises(SystemExit) as stop:
+        main([str(source), "--shards", str(shards), "--out", str(tmp_path / "out"), *extra])
+    message = str(stop.value.code)
+    assert len(message.splitlines()) == 1 and message.startswith(start), message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag,value", [("action_interval", -1), ("action_samples", 0)])
+def test_bad_action_flags_are_refused(flag, value):
+    from wampipe.train.config import Config, MetricsConfig, validate
+
+    with pytest.raises(UsageError, match=f"--metrics.{flag.replace('_', '-')} {value} "):
+        validate(Config(metrics=MetricsConfig(**{flag: value})))
