@@ -193,6 +193,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if value == "auto" and set(args) == {bool, type(None)}:
+            return None  # an on/off setting's auto, None in Python (train/config.py says why)
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _convert(arg, value, where)

@@ -74,7 +74,7 @@ def dit_config(args: Args) -> DiTConfig:
         return model_config(
             Config(
                 data=DataConfig(shards=str(args.shards)),  # the string --data.shards gives
-                model=ModelConfig(name=args.preset, num_layers=args.num_layers),
+                model=ModelConfig(name=args.preset, num_layers=args.num_layers or "auto"),
             )
         )
     cfg = preset(args.preset)

@@ -109,7 +109,7 @@ def measure(cfg, model, workers: int, batches: int, cache: str) -> dict:
     nbytes = sum(batch_bytes(next(it)) for _ in range(batches))
     dt = time.perf_counter() - t0
     del it  # stops the worker processes
-    samples = batches * cfg.data.micro_batch_size
+    samples = batches * cfg.data.micro()
     rate = samples / dt
     return {
         "workers": workers,

@@ -57,7 +57,7 @@ from devtools.bench import (
 from wampipe.train.dit.attention import make_attention_mask
 from wampipe.train.planning.auto import device_memory_gib, resolve_auto
 from wampipe.train.builder import model_config
-from wampipe.train.config import batch_plan
+from wampipe.train.config import Auto, batch_plan
 from wampipe.train.config import parse_args as parse_trainer_args
 from wampipe.train.data import data_dims
 from wampipe.train.dit.flops import dit_flops
@@ -158,7 +158,7 @@ def _time_bound_once(
     latent_fhw,
     batch: int,
     ac: str,
-    ac_blocks: int,
+    ac_blocks: int | Auto,
     text_rows: int,
     compile_: bool,
     attention: str,
@@ -228,7 +228,7 @@ def time_bound(
     latent_fhw,
     batch: int,
     ac: str,
-    ac_blocks: int,
+    ac_blocks: int | Auto,
     text_rows: int,
     compile_: bool,
     attention: str,

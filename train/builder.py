@@ -18,7 +18,7 @@ import torch.distributed as dist
 from wampipe.errors import RunError, UsageError
 from wampipe.shardformat.storage import ShardStore
 from wampipe.train import checkpoint
-from wampipe.train.config import BatchPlan, Config, batch_plan, save_config
+from wampipe.train.config import AUTO, BatchPlan, Config, batch_plan, save_config
 from wampipe.train.data import ShardIndex, ShardLoader, mixture_dims, open_sets
 from wampipe.train.dit.export import check_base, mixture_statistics
 from wampipe.train.dit.flops import dit_flops
@@ -90,7 +90,7 @@ def model_config(cfg: Config, image_encoder=None, indexes: list[ShardIndex] | No
     elif "image_dim" not in dims:
         raise UsageError(NEEDS_CLIP.format(shards=shards, path="the file they were built with"))
     model_cfg = preset(cfg.model.name)
-    if cfg.model.num_layers:
+    if cfg.model.num_layers != AUTO:
         model_cfg = replace(model_cfg, num_layers=cfg.model.num_layers)
     if cfg.model.name == "tiny":
         return replace(model_cfg, **dims)

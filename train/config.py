@@ -24,6 +24,24 @@ from wampipe.configs.cli import cli
 from wampipe.errors import UsageError
 from wampipe.shardformat.layout import MANIFEST
 
+# "Not set" has one spelling: `auto`, a setting the trainer works out itself, as each field's help says (flags and
+# config files alike; the three on/off settings that also take auto stay None in Python, since tyro gives a bool its
+# --x/--no-x pair only without a third value). None stays for an input not given at all: no path, no project.
+AUTO = "auto"
+Auto = Literal["auto"]
+# the numbers that spelled auto before it was one word, still read (a run directory's older config.yaml, a flag)
+LEGACY_AUTO = {
+    ("data", "micro_batch_size"): 0,
+    ("data", "variant"): -1,
+    ("data", "text_column"): "",
+    ("model", "num_layers"): 0,
+    ("optim", "warmup_steps"): -1,
+    ("parallel", "global_batch_size"): 0,
+    ("parallel", "ac_blocks"): -1,
+    ("parallel", "peak_tflops"): 0,
+    ("metrics", "val_batch"): 0,
+}
+
 if TYPE_CHECKING:  # the recipe names are files, known only at run time
     RecipeName = str
 else:
@@ -82,8 +100,8 @@ class DataConfig:
     """Local folder for whole-file copies of remote shards: each shard is downloaded whole on its first read and
     read from disk after, so it needs room for the dataset (and the text table lands here). None = one ranged
     request per sample, straight to the object store. Ignored for local shards."""
-    micro_batch_size: int = 1
-    """Samples per rank per forward/backward; 0 = auto, chosen with the recompute mode for the GPUs
+    micro_batch_size: int | Auto = 1
+    """Samples per rank per forward/backward; auto = chosen with the recompute mode for the GPUs
     (train/planning/auto.py resolve_auto; the 5B and 14B presets' default), keeping the global batch."""
     num_workers: int = 2
     """Loader worker processes per rank (0 = load in the training process)."""
@@ -96,10 +114,10 @@ class DataConfig:
     draws it (its anchor multiplicity: episode starts and ends 2-3x); uniform: every window once per epoch."""
     reshuffle_on_resize: bool = False
     """Allow resuming with a different world size: the data position restarts at the next epoch's permutation."""
-    variant: int = -1
-    """Augmentation variant to use; -1 = a fresh random choice per visit among the window's variants."""
-    text_column: str = ""
-    """Annotation column to take the prompt from; empty = a fresh random choice per visit (the reference)."""
+    variant: int | Auto = AUTO
+    """Augmentation variant to use; auto = a fresh random choice per visit among the window's variants."""
+    text_column: str = AUTO
+    """Annotation column to take the prompt from; auto = a fresh random choice per visit (the reference)."""
     pin_memory: bool = True
     """Pin host batches and copy them to the GPU asynchronously (CUDA only)."""
     compact_text: bool = True
@@ -110,6 +128,12 @@ class DataConfig:
         """The mixture, or --data.shards as a set of weight 1."""
         return self.mixture or (ShardSet(str(self.shards)),)
 
+    def micro(self) -> int:
+        """The micro-batch size, once chosen (the auto settings choose it before anything loads)."""
+        if self.micro_batch_size == AUTO:
+            raise UsageError("--data.micro-batch-size auto: train/planning/auto.py resolve_auto chooses it first")
+        return self.micro_batch_size
+
 
 @dataclass
 class ModelConfig:
@@ -117,8 +141,8 @@ class ModelConfig:
 
     name: RecipeName = "tiny"
     """DiT shape: the recipe's of this name (configs/<name>.yaml, section dit; train/dit/model.py preset)."""
-    num_layers: int = 0
-    """Override the preset's block count (0 = the preset's): a shallower real-width model for debugging and
+    num_layers: int | Auto = AUTO
+    """Override the preset's block count (auto = the preset's): a shallower real-width model for debugging and
     benchmarks on fewer GPUs. Weights from --model.init-from must match."""
     init_from: Path | None = None
     """Weights to start from (DreamZero checkpoint folder, Wan base or our export; train/dit/weights.py); each rank
@@ -189,10 +213,10 @@ class OptimConfig:
     """AdamW epsilon."""
     weight_decay: float = 1e-5
     """Weight decay on every parameter (RLinf)."""
-    warmup_steps: int = -1
-    """Linear warmup steps; -1 = warmup_ratio x steps."""
+    warmup_steps: int | Auto = AUTO
+    """Linear warmup steps; auto = warmup_ratio x steps."""
     warmup_ratio: float = 0.05
-    """Warmup as a fraction of the run when warmup_steps is -1."""
+    """Warmup as a fraction of the run when warmup_steps is auto."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of lr (cosine floor)."""
     grad_clip: float = 1.0
@@ -203,8 +227,8 @@ class OptimConfig:
     moments: Literal["auto", "fp32", "bf16"] = "auto"
     """Storage of AdamW's two moments: fp32, or bf16 rounded stochastically (half their memory; loss parity in
     docs/TRAINING.md). auto = fp32 unless the GPUs fit the run only with bf16 moments (the 14B on 80 GB cards)."""
-    fused: bool | None = None
-    """Fused AdamW kernel (fp32 moments only); None = on for CUDA and for host-offloaded state (--parallel.cpu-offload:
+    fused: bool | Auto = AUTO
+    """Fused AdamW kernel (fp32 moments only); auto = on for CUDA and for host-offloaded state (--parallel.cpu-offload:
     on the CPU it steps ~14x faster than the unfused one)."""
 
 
@@ -212,8 +236,8 @@ class OptimConfig:
 class ParallelConfig:
     """Data parallelism and precision (train/parallel.py)."""
 
-    global_batch_size: int = 0
-    """Samples per optimizer step over all ranks; 0 = micro_batch_size x world size (no accumulation)."""
+    global_batch_size: int | Auto = AUTO
+    """Samples per optimizer step over all ranks; auto = micro_batch_size x world size (no accumulation)."""
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of parameters inside forward/backward (FSDP2 MixedPrecisionPolicy); masters stay fp32."""
     reduce_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -222,8 +246,9 @@ class ParallelConfig:
     activation_checkpoint: Literal["auto", "none", "full", "selective"] = "none"
     """Recompute per block: none, full (whole block) or selective (keep matmul/attention outputs); auto = the
     fastest measured setting that fits the GPUs (train/planning/auto.py `resolve_auto`: the 5B/14B presets' default)."""
-    ac_blocks: int = -1
-    """How many blocks recompute (spread evenly over the depth); the others do --parallel.ac-others. -1 = all."""
+    ac_blocks: int | Auto = AUTO
+    """How many blocks recompute (spread evenly over the depth); the others do --parallel.ac-others. auto = all, or
+    the auto settings' choice."""
     ac_others: Literal["none", "selective"] = "none"
     """What the blocks left out by --parallel.ac-blocks do: keep every activation (none), or selective recompute.
     With full recompute on N blocks and selective on the rest, N trades speed for memory between the two."""
@@ -235,20 +260,20 @@ class ParallelConfig:
     """Deterministic algorithms (bitwise-reproducible resume; slower on GPU)."""
     reshard_after_forward: tyro.conf.DisallowNone[bool | None] = True
     """Free gathered block parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like);
-    unset (None) = auto, as --parallel.activation-checkpoint auto."""
+    auto (in a config file; the 5B/14B presets) = as --parallel.activation-checkpoint auto."""
     reduce_every_micro_batch: tyro.conf.DisallowNone[bool | None] = False
     """Reduce-scatter the gradients after every micro-batch instead of once per optimizer step. Once per step each
     rank accumulates the full model's gradients in the reduce dtype between micro-batches (fp32: 4 bytes per
     parameter, 20 GB for the 5B, 66 GB for the 14B); every micro-batch keeps only this rank's shard (4/world bytes)
     for accum-times the gradient traffic. Without accumulation (global batch = micro-batch x world) both are the same.
-    Unset (None, the 5B/14B presets) = auto, as --parallel.activation-checkpoint auto."""
+    auto (in a config file; the 5B/14B presets) = as --parallel.activation-checkpoint auto."""
     gather_once_per_step: tyro.conf.DisallowNone[bool | None] = False
     """All-gather each block's parameters once per optimizer step instead of once per micro-batch: they stay
     gathered from the first micro-batch's forward to the last one's backward (FSDP2 reshards after backward on the
     last micro-batch only). Needs --parallel.no-reshard-after-forward, whose peak (between forward and backward)
     already holds every block gathered. Pays with the gradients reduced every micro-batch, which frees the memory
-    that the gathered weights would otherwise squeeze (docs/PERFORMANCE.md). Unset (None, the 5B/14B presets) =
-    auto, as --parallel.activation-checkpoint auto (never with resharding after forward)."""
+    that the gathered weights would otherwise squeeze (docs/PERFORMANCE.md). auto (in a config file; the 5B/14B
+    presets) = as --parallel.activation-checkpoint auto (never with resharding after forward)."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """Float8 matmuls in the DiT blocks' linears (torchao float8 training; pip install -e '.[fp8]'; CUDA compute
     capability >= 8.9): tensorwise = one scale per tensor, FSDP all-gathers the weights in float8; rowwise = one
@@ -259,8 +284,8 @@ class ParallelConfig:
     host's cores split over the ranks of a node). For models whose state does not fit the GPUs, such as the 14B on
     80 GB cards; slower, since every gather copies the shard in from host memory. Auto settings then take those
     measured with the offload. Not with --parallel.float8."""
-    peak_tflops: float = 0.0
-    """Peak dense bf16 TFLOP/s of one device for MFU; 0 = detect (H100/H200: 989), unknown = no MFU."""
+    peak_tflops: float | Auto = AUTO
+    """Peak dense bf16 TFLOP/s of one device for MFU; auto = detect (H100/H200: 989), unknown = no MFU."""
 
 
 @dataclass
@@ -330,8 +355,8 @@ class MetricsConfig:
     logged under its folder's name."""
     val_samples: int = 64
     """Validation samples per set at most (evenly spaced over the split's sorted keys): the cost of one validation."""
-    val_batch: int = 0
-    """Samples per validation micro-batch (0 = --data.micro-batch-size); batches, and with them the noise drawn for
+    val_batch: int | Auto = AUTO
+    """Samples per validation micro-batch (auto = --data.micro-batch-size); batches, and with them the noise drawn for
     each, depend on it, never on the number of ranks."""
 
 
@@ -349,8 +374,8 @@ class Config:
     """Optimizer steps to train for."""
     seed: int = 0
     """Seed of the model init (shared by all ranks); noise/timestep RNG is seed + rank-dependent."""
-    stop_after: int = 0
-    """Exit after this many steps of this invocation (0 = run to `steps`); the schedule still spans `steps`."""
+    stop_after: tyro.conf.DisallowNone[int | None] = None
+    """Exit after this many steps of this invocation (not given: run to `steps`); the schedule still spans `steps`."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -359,9 +384,6 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-
-
-AUTO_MICRO = 0  # --data.micro-batch-size 0: resolved with the recompute mode (train/planning/auto.py)
 
 
 @functools.cache
@@ -390,7 +412,23 @@ def file_config(name_or_file: str, preset: str | None = None) -> Config:
         raise UsageError(f"{path}: no train section")
     train = configs.section(data, "train", path)
     own = path.stem if path.parent.resolve() == configs.DIR else "tiny"
-    return configs.apply(preset_config(preset or train.get("preset") or own), train, f"{path}: train")
+    if isinstance(train.get("optim"), dict) and "fused" in train["optim"] and train["optim"]["fused"] is None:
+        train["optim"]["fused"] = AUTO  # its spelling of auto before it was one word
+    if train.get("stop_after") == 0:
+        train["stop_after"] = None
+    return from_legacy(configs.apply(preset_config(preset or train.get("preset") or own), train, f"{path}: train"))
+
+
+def from_legacy(cfg: Config) -> Config:
+    """`cfg` with each LEGACY_AUTO number (how auto was spelled before) read as auto, in place."""
+    for (section, name), old in LEGACY_AUTO.items():
+        part = getattr(cfg, section)
+        value = getattr(part, name)
+        if not isinstance(value, bool) and value == old:
+            setattr(part, name, AUTO)
+    if cfg.stop_after == 0:
+        cfg.stop_after = None
+    return cfg
 
 
 def save_config(cfg: Config, path: Path) -> None:
@@ -410,8 +448,8 @@ class BatchPlan:
 def batch_plan(cfg: Config, world_size: int) -> BatchPlan:
     """The step's batch plan: accum = global batch / (micro-batch x world size), the global batch being
     --parallel.global-batch-size or else one micro-batch per rank; one line when that is no whole number."""
-    micro = cfg.data.micro_batch_size
-    global_batch = cfg.parallel.global_batch_size or micro * world_size
+    micro, given = cfg.data.micro(), cfg.parallel.global_batch_size
+    global_batch = micro * world_size if given == AUTO else given
     accum, rem = divmod(global_batch, micro * world_size)
     if rem or accum < 1:
         raise UsageError(f"global batch {global_batch} is not a multiple of micro-batch {micro} x {world_size} ranks")
@@ -455,24 +493,19 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"invalid settings: {problem}")
     rules = [
         ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"),
-        ("--stop-after", cfg.stop_after, cfg.stop_after >= 0, ">= 0"),
-        (
-            "--data.micro-batch-size",
-            d.micro_batch_size,
-            d.micro_batch_size >= 1 or d.micro_batch_size == AUTO_MICRO,
-            ">= 1",
-        ),
+        ("--stop-after", cfg.stop_after, cfg.stop_after is None or cfg.stop_after >= 1, ">= 1"),
+        ("--data.micro-batch-size", d.micro_batch_size, d.micro_batch_size == AUTO or d.micro_batch_size >= 1, ">= 1"),
         ("--data.num-workers", d.num_workers, d.num_workers >= 0, ">= 0"),
         ("--data.prefetch-factor", d.prefetch_factor, d.prefetch_factor >= 1, ">= 1"),
-        ("--data.variant", d.variant, d.variant >= -1, ">= -1"),
-        ("--model.num-layers", cfg.model.num_layers, cfg.model.num_layers >= 0, ">= 0"),
+        ("--data.variant", d.variant, d.variant == AUTO or d.variant >= 0, ">= 0 or auto"),
+        ("--model.num-layers", cfg.model.num_layers, cfg.model.num_layers == AUTO or cfg.model.num_layers >= 1, ">= 1"),
         ("--loss.shift", cfg.loss.shift, cfg.loss.shift > 0, "> 0"),
         ("--loss.num-train-timesteps", cfg.loss.num_train_timesteps, cfg.loss.num_train_timesteps >= 1, ">= 1"),
         ("--optim.lr", o.lr, o.lr > 0, "> 0"),
         ("--optim.betas", o.betas, all(0 <= b < 1 for b in o.betas), "in [0, 1)"),
         ("--optim.eps", o.eps, o.eps > 0, "> 0"),
         ("--optim.weight-decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
-        ("--optim.warmup-steps", o.warmup_steps, o.warmup_steps >= -1, ">= -1"),
+        ("--optim.warmup-steps", o.warmup_steps, o.warmup_steps == AUTO or o.warmup_steps >= 0, ">= 0 or auto"),
         ("--optim.warmup-ratio", o.warmup_ratio, 0 <= o.warmup_ratio <= 1, "in [0, 1]"),
         ("--optim.min-lr-ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
         ("--optim.grad-clip", o.grad_clip, o.grad_clip >= 0, ">= 0"),
@@ -480,11 +513,13 @@ def validate(cfg: Config) -> None:
         (
             "--parallel.global-batch-size",
             p.global_batch_size,
-            p.global_batch_size >= 0 and (d.micro_batch_size < 1 or p.global_batch_size % d.micro_batch_size == 0),
-            f"0 or a positive multiple of the micro-batch {d.micro_batch_size}",
+            p.global_batch_size == AUTO
+            or p.global_batch_size >= 1
+            and (d.micro_batch_size == AUTO or p.global_batch_size % d.micro_batch_size == 0),
+            f"auto or a positive multiple of the micro-batch {d.micro_batch_size}",
         ),
-        ("--parallel.ac-blocks", p.ac_blocks, p.ac_blocks >= -1, ">= -1"),
-        ("--parallel.peak-tflops", p.peak_tflops, p.peak_tflops >= 0, ">= 0"),
+        ("--parallel.ac-blocks", p.ac_blocks, p.ac_blocks == AUTO or p.ac_blocks >= 0, ">= 0 or auto"),
+        ("--parallel.peak-tflops", p.peak_tflops, p.peak_tflops == AUTO or p.peak_tflops > 0, "> 0 or auto"),
         ("--checkpoint.interval", c.interval, c.interval >= 0, ">= 0"),
         ("--checkpoint.keep-last", c.keep_last, c.keep_last >= 1, ">= 1"),
         ("--metrics.interval", m.interval, m.interval >= 1, ">= 1"),
@@ -494,7 +529,7 @@ def validate(cfg: Config) -> None:
         ("--metrics.action-samples", m.action_samples, m.action_samples >= 1, ">= 1"),
         ("--metrics.val-interval", m.val_interval, m.val_interval >= 0, ">= 0"),
         ("--metrics.val-samples", m.val_samples, m.val_samples >= 1, ">= 1"),
-        ("--metrics.val-batch", m.val_batch, m.val_batch >= 0, ">= 0"),
+        ("--metrics.val-batch", m.val_batch, m.val_batch == AUTO or m.val_batch >= 1, ">= 1 or auto"),
         ("--lora.rank", cfg.lora.rank, cfg.lora.rank >= 0, ">= 0"),
         ("--lora.alpha", cfg.lora.alpha, cfg.lora.alpha > 0, "> 0"),
         ("--lora.targets", cfg.lora.targets, bool(cfg.lora.suffixes()), "at least one module-name suffix"),
@@ -535,7 +570,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     argv = list(sys.argv[1:] if argv is None else argv)
     preset, file = configs.flag_value(argv, "--preset"), configs.flag_value(argv, "--config")
     default = file_config(file, preset) if file else preset_config(preset or "tiny")
-    cfg = cli(Config, default=default, args=argv, description=__doc__)
+    cfg = from_legacy(cli(Config, default=default, args=argv, description=__doc__))
     if cfg.data.shards is None and not cfg.data.mixture:
         # a Path where a flag gives a str: its readers take either (str(), Path(), sets())
         cfg.data.shards = default_shards()  # pyright: ignore[reportAttributeAccessIssue]

@@ -42,7 +42,7 @@ from wampipe.shardformat.layout import ACTION, LATENTS, MANIFEST, STATE, VAL_DIR
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.stats import normalize_q99, pad_with_mask
 from wampipe.shardformat.index import ShardIndex, ShardReader, Window
-from wampipe.train.config import DataConfig, ShardSet
+from wampipe.train.config import AUTO, Auto, DataConfig, ShardSet
 from wampipe.train.dit.text import compact_text, compact_text_rows, pad_text
 
 if TYPE_CHECKING:  # annotations only: the loader never builds the model
@@ -139,10 +139,10 @@ def open_sets(cfg: DataConfig) -> list[ShardIndex]:
         if not len(index):
             raise UsageError(f"{s.shards}: no windows (an empty shard set)")
         variants = max(1, int(index.manifest.transform.get("augment_variants", 0)))  # every window holds them all
-        if cfg.variant >= variants:
+        if cfg.variant != AUTO and cfg.variant >= variants:
             raise UsageError(
                 f"--data.variant {cfg.variant}: {s.shards} holds {variants} variant(s) per window "
-                f"(0-{variants - 1}; -1 draws one per visit)"
+                f"(0-{variants - 1}; auto draws one per visit)"
             )
     if len(indexes) > 1:
         mixture_dims(indexes)
@@ -200,21 +200,21 @@ class SampleReader(ShardReader):
     def text(self, prompt_id: str) -> torch.Tensor:
         return self.index.text.get(prompt_id)
 
-    def sample(self, window: Window, rng: np.random.Generator, variant: int = -1, column: str = "") -> dict:
-        """One window's model inputs, with this visit's variant and prompt column."""
-        if variant >= 0 and variant >= len(window.rows):
+    def sample(self, window: Window, rng: np.random.Generator, variant: int | Auto = AUTO, column: str = AUTO) -> dict:
+        """One window's model inputs, with this visit's variant and prompt column (auto: drawn with `rng`)."""
+        if variant != AUTO and variant >= len(window.rows):
             raise ValueError(f"window {window.name} has {len(window.rows)} variants, --data.variant {variant}")
-        pick = rng.integers(len(window.rows)) if variant < 0 else variant
+        pick = rng.integers(len(window.rows)) if variant == AUTO else variant
         row = window.rows[pick]
         shard, key = self.index.table.shard(row), self.index.table.key(row)
         meta, t = self.raw_row(row)
         prompt_ids = meta["prompt_ids"]
-        if column and column not in prompt_ids:
+        if column != AUTO and column not in prompt_ids:
             raise ShardFormatError(
                 f"{self.index.shards[shard]}: sample {key} has no prompt column {column!r} (has {sorted(prompt_ids)})"
             )
         columns = sorted(prompt_ids)
-        column = column or columns[rng.integers(len(columns))]
+        column = columns[rng.integers(len(columns))] if column == AUTO else column
         m = self.model
         image = self.index.manifest.image_member  # CLIP's features, or its input pixels
         out = {LATENTS: t[LATENTS], image: t[image], "text": self.text(prompt_ids[column])}
@@ -278,7 +278,7 @@ class BatchStream(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        cfg, micro = self.cfg, self.cfg.micro_batch_size
+        cfg, micro = self.cfg, self.cfg.micro()
         readers = [SampleReader(index, self.model) for index in self.indexes]
         weights = [index.weights(cfg.sampling) for index in self.indexes]
         lengths = [int(w.sum()) for w in weights]
@@ -350,7 +350,7 @@ class ShardLoader:
         self.epoch_lengths = [int(index.weights(cfg.sampling).sum()) for index in self.indexes]
         self.epoch_length = sum(self.epoch_lengths)
         for s, index, length in zip(self.sets, self.indexes, self.epoch_lengths):
-            if batches_per_epoch(length, world_size, cfg.micro_batch_size) == 0:
+            if batches_per_epoch(length, world_size, cfg.micro()) == 0:
                 raise UsageError(
                     f"{s.shards}: {length} window visits per epoch cannot fill one micro-batch of "
                     f"{cfg.micro_batch_size} on each of {world_size} ranks"
@@ -363,7 +363,7 @@ class ShardLoader:
                     )
         self.probs = set_probabilities(self.sets, self.epoch_lengths, cfg.mixture_weighting)
         self.draws = SetDraws(self.probs, cfg.seed, rank)  # the main process's, for samples_seen
-        self.batches_per_epoch = batches_per_epoch(self.epoch_length, world_size, cfg.micro_batch_size)
+        self.batches_per_epoch = batches_per_epoch(self.epoch_length, world_size, cfg.micro())
         self.next_batch = 0
         self.wait_s = 0.0
 
@@ -373,7 +373,7 @@ class ShardLoader:
 
     def samples_seen(self) -> np.ndarray:
         """Samples this rank has taken from each set: a function of the batch position, so exact after a resume."""
-        return self.draws.counts(self.next_batch) * self.cfg.micro_batch_size
+        return self.draws.counts(self.next_batch) * self.cfg.micro()
 
     def mixture(self) -> list | None:
         """[shards, weight, windows, visits per epoch] of each set, with the weighting; None without --data.mixture."""
@@ -389,7 +389,7 @@ class ShardLoader:
             "next_batch": self.next_batch,
             "world_size": self.world_size,
             "seed": self.cfg.seed,
-            "micro_batch_size": self.cfg.micro_batch_size,
+            "micro_batch_size": self.cfg.micro(),
             "num_windows": self.num_windows,
             "sampling": self.cfg.sampling,
             "epoch_length": self.epoch_length,

@@ -50,7 +50,7 @@ def train(cfg: Config) -> dict:
     evaluations: list[tuple[int, Callable[[int], None]]] = []
     with runtime.alike():  # every rank opens and checks the same evaluation sets
         probe = ActionProbe.from_config(cfg, model.cfg, rank, world, device, run.loader.indexes, run.image_encoder)
-    start, end = state.step, min(cfg.steps, state.step + cfg.stop_after) if cfg.stop_after else cfg.steps
+    start, end = state.step, min(cfg.steps, state.step + cfg.stop_after) if cfg.stop_after is not None else cfg.steps
     batches, metrics, stop = iter(run.loader), None, False
     try:
         with preemption.shielding_forks():  # the loader forks its workers for the first batch

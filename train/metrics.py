@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from wampipe.errors import UsageError
-from wampipe.train.config import MetricsConfig
+from wampipe.train.config import AUTO, Auto, MetricsConfig
 
 if TYPE_CHECKING:
     from torch.profiler import profile
@@ -32,10 +32,10 @@ SET_TERMS = ("loss", "loss_dynamics", "loss_action")  # logged per set of a mixt
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}  # dense bf16
 
 
-def device_peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
-    """Peak dense bf16 FLOP/s of one device, or None where unknown (CPU)."""
-    if override_tflops > 0:
-        return override_tflops * 1e12
+def device_peak_flops(device: torch.device, given_tflops: float | Auto = AUTO) -> float | None:
+    """Peak dense bf16 FLOP/s of one device (`given_tflops`, else detected), or None where unknown (CPU)."""
+    if given_tflops != AUTO:
+        return given_tflops * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)

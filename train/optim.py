@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from wampipe.train.config import OptimConfig
+from wampipe.train.config import AUTO, OptimConfig
 from wampipe.train.parallel import local_tensor
 
 
@@ -26,7 +26,7 @@ def build_optimizer(
         return AdamWBf16Moments(
             params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, seed=seed
         )
-    fused = (device.type == "cuda" or offloaded) if cfg.fused is None else cfg.fused
+    fused = (device.type == "cuda" or offloaded) if cfg.fused == AUTO else cfg.fused
     return torch.optim.AdamW(
         params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused
     )
@@ -85,7 +85,7 @@ class AdamWBf16Moments(torch.optim.Optimizer):
 
 
 def warmup_steps(cfg: OptimConfig, steps: int) -> int:
-    return cfg.warmup_steps if cfg.warmup_steps >= 0 else int(math.ceil(cfg.warmup_ratio * steps))
+    return int(math.ceil(cfg.warmup_ratio * steps)) if cfg.warmup_steps == AUTO else cfg.warmup_steps
 
 
 def lr_factor(step: int, warmup: int, steps: int, min_ratio: float = 0.0) -> float:

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from wampipe.errors import UsageError
-from wampipe.train.config import ParallelConfig
+from wampipe.train.config import AUTO, Auto, ParallelConfig
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -50,18 +50,18 @@ def _selective_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def ac_block_indices(num_blocks: int, ac_blocks: int) -> list[int]:
-    """The `ac_blocks` of `num_blocks` blocks that recompute, spread evenly (-1 = all)."""
-    k = num_blocks if ac_blocks < 0 else min(ac_blocks, num_blocks)
+def ac_block_indices(num_blocks: int, ac_blocks: int | Auto) -> list[int]:
+    """The `ac_blocks` of `num_blocks` blocks that recompute, spread evenly (auto = all)."""
+    k = num_blocks if ac_blocks == AUTO else min(ac_blocks, num_blocks)
     return sorted({i * num_blocks // k for i in range(k)}) if k else []
 
 
-def recomputed_blocks(mode: str, ac_blocks: int, num_blocks: int) -> int:
+def recomputed_blocks(mode: str, ac_blocks: int | Auto, num_blocks: int) -> int:
     """Blocks whose matmuls run twice under recompute `mode` (full); selective re-runs only elementwise ops."""
     return len(ac_block_indices(num_blocks, ac_blocks)) if mode == "full" else 0
 
 
-def apply_ac(model: nn.Module, mode: str, ac_blocks: int = -1, others: str = "none") -> None:
+def apply_ac(model: nn.Module, mode: str, ac_blocks: int | Auto = AUTO, others: str = "none") -> None:
     """Wrap blocks for recompute: 'full' recomputes the whole block in backward, 'selective' only the cheap ops
     (matmul, conv and attention outputs are kept). `ac_blocks` >= 0 wraps only that many, spread evenly; the
     other blocks get `others` ('none' or 'selective')."""

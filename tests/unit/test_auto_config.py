@@ -53,7 +53,7 @@ def _parts(cfg):
 )
 def test_the_table_picks_the_fastest_measured_setting_that_fits(tmp_path, preset, gib, gpus, want, stream, why):
     cfg = _cfg(tmp_path, preset=preset)
-    assert _parts(cfg) == ("auto", 0, None)  # the presets leave all three to the GPUs
+    assert _parts(cfg) == ("auto", "auto", None)  # the presets leave all three to the GPUs
     resolved, line = resolve_auto(cfg, gib, gpus)
     assert line is not None
     assert _parts(resolved) == want
@@ -61,7 +61,7 @@ def test_the_table_picks_the_fastest_measured_setting_that_fits(tmp_path, preset
     assert resolved.parallel.global_batch_size == cfg.parallel.global_batch_size  # the recipe's global batch
     p = resolved.parallel
     assert (p.reduce_every_micro_batch, p.gather_once_per_step) == stream
-    assert p.ac_blocks == -1  # bf16 runs: every measured setting recomputes every block alike
+    assert p.ac_blocks == "auto"  # bf16 runs: every measured setting recomputes every block alike
     assert ("gathered once per step" in line) == stream[1]
     assert ("reduced every micro-batch" in line) == stream[0]
     # bf16 gradient reduce-scatters only where measured with loss parity: the LIBERO 5B on >= 4 80 GB GPUs
@@ -69,7 +69,7 @@ def test_the_table_picks_the_fastest_measured_setting_that_fits(tmp_path, preset
     assert p.reduce_dtype == ("bfloat16" if bf16_reduce else "float32")
     assert ("reduce-scattered in bf16" in line) == bf16_reduce
     validate(resolved)
-    assert _parts(cfg) == ("auto", 0, None)  # a copy, untouched
+    assert _parts(cfg) == ("auto", "auto", None)  # a copy, untouched
     assert (cfg.parallel.reduce_every_micro_batch, cfg.parallel.gather_once_per_step) == (None, None)
 
 
@@ -119,7 +119,7 @@ def test_given_flags_win_part_by_part(tmp_path):
     # tiny keeps its explicit recipe; asking it for auto gives that recipe
     assert resolve_auto(_cfg(tmp_path, preset="tiny"), H200, 1)[1] is None
     cfg, line = resolve_auto(
-        _cfg(tmp_path, "--parallel.activation-checkpoint", "auto", "--data.micro-batch-size", "0", preset="tiny"),
+        _cfg(tmp_path, "--parallel.activation-checkpoint", "auto", "--data.micro-batch-size", "auto", preset="tiny"),
         None,
         2,
     )
@@ -181,11 +181,12 @@ def test_float8_runs_take_the_settings_measured_with_float8_then_the_bf16_ones(t
     # the same GPUs in bf16 never take the float8 entry: float8 changes the numerics and is only ever given
     cfg, line = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4)
     assert line is not None
-    assert _mix(cfg) == ("full", -1, "none", False, 1) and cfg.parallel.float8 == "none" and "measured 0.238" in line
+    assert _mix(cfg) == ("full", "auto", "none", False, 1) and cfg.parallel.float8 == "none"
+    assert "measured 0.238" in line
     # no float8 entry for libero-5b: its bf16 measurement (float8 took no more memory where both were measured)
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8), H100, 4)
     assert line is not None
-    assert _mix(cfg) == ("selective", -1, "none", True, 8) and "measured 15.01" in line
+    assert _mix(cfg) == ("selective", "auto", "none", True, 8) and "measured 15.01" in line
     # the 14B on 4 H100, with or without float8, fits only with bf16 moments (measured without float8): refused
     # with fp32 ones
     cfg, line = resolve_auto(_cfg(tmp_path, *fp8, preset="droid-14b"), H100, 4)
@@ -215,14 +216,14 @@ def test_the_recompute_mix_and_gradient_reduction_given_are_kept(tmp_path):
         _cfg(tmp_path, *fp8, "--parallel.activation-checkpoint", "full", preset="droid-14b"), H200, 4
     )
     assert line is not None
-    assert _mix(cfg) == ("full", -1, "none", True, 1) and line.endswith("; given: recompute")
+    assert _mix(cfg) == ("full", "auto", "none", True, 1) and line.endswith("; given: recompute")
 
 
 def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_path):
     # the 14B on 4 H100 fits only with its state in host memory: the measured offloaded setting, named when absent
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", preset="droid-14b"), H100, 4)
     assert line is not None
-    assert _mix(cfg) == ("full", -1, "none", True, 2) and cfg.parallel.reshard_after_forward is False
+    assert _mix(cfg) == ("full", "auto", "none", True, 2) and cfg.parallel.reshard_after_forward is False
     assert "measured 0.13 samples/s/GPU at 59.9 GiB on 4 H100" in line
     fp32 = ("--optim.moments", "fp32")
     with pytest.raises(UsageError) as refusal:
@@ -234,13 +235,13 @@ def test_host_offloaded_state_reduces_every_micro_batch_and_refuses_float8(tmp_p
     assert "cpu-offload" not in str(refusal.value)
     # the offloaded setting is never chosen for a run without the offload, however large its GPUs
     cfg, _ = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4)
-    assert _mix(cfg) == ("full", -1, "none", False, 1) and cfg.parallel.reshard_after_forward is True
+    assert _mix(cfg) == ("full", "auto", "none", False, 1) and cfg.parallel.reshard_after_forward is True
     # offloaded where nothing offloaded was measured (2 GPUs): the recipe's recompute with the largest micro-batch
     # estimated to fit (each micro-batch copies every gradient to the host), gradients reduced every micro-batch
     # (an unsharded accumulation would sit on the GPU)
     cfg, line = resolve_auto(_cfg(tmp_path, "--parallel.cpu-offload", preset="droid-14b"), H100, 2)
     assert line is not None
-    assert _mix(cfg) == ("full", -1, "none", True, 4)
+    assert _mix(cfg) == ("full", "auto", "none", True, 4)
     assert "gradients reduced every micro-batch for --parallel.cpu-offload" in line
     # given, the reduction stays as given
     cfg, line = resolve_auto(

@@ -102,7 +102,7 @@ def test_preview_flags(extra, message, tmp_path):
 def test_a_variant_the_shards_do_not_hold(small_shards):
     assert len(open_sets(DataConfig(shards=str(small_shards), variant=0))) == 1
     assert refused(open_sets, DataConfig(shards=str(small_shards), variant=5)) == (
-        f"--data.variant 5: {small_shards} holds 1 variant(s) per window (0-0; -1 draws one per visit)"
+        f"--data.variant 5: {small_shards} holds 1 variant(s) per window (0-0; auto draws one per visit)"
     )
 
 

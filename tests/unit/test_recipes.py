@@ -49,6 +49,46 @@ def test_every_preset_survives_the_file_round_trip(tmp_path):
         assert configs.apply(Config(), configs.read(tmp_path / f"{name}.yaml")["train"], name) == cfg
 
 
+LEGACY = """train:
+  stop_after: 0
+  data: {micro_batch_size: 0, variant: -1, text_column: ""}
+  model: {num_layers: 0}
+  optim: {warmup_steps: -1, fused: null}
+  parallel: {global_batch_size: 0, ac_blocks: -1, peak_tflops: 0.0, reshard_after_forward: null}
+  metrics: {val_batch: 0}
+"""
+
+
+def test_auto_is_the_one_spelling_of_not_set_and_the_old_numbers_still_read(tmp_path):
+    def unset(cfg: Config) -> tuple:
+        d, p = cfg.data, cfg.parallel
+        return (
+            (d.micro_batch_size, d.variant, d.text_column, cfg.model.num_layers, cfg.optim.warmup_steps),
+            (cfg.optim.fused, p.global_batch_size, p.ac_blocks, p.peak_tflops, cfg.metrics.val_batch),
+            (cfg.stop_after, p.reshard_after_forward),
+        )
+
+    auto = (("auto",) * 5, ("auto",) * 5, (None, None))
+    old = tmp_path / "old" / "config.yaml"  # a run directory's, saved before auto was one word
+    old.parent.mkdir()
+    old.write_text(LEGACY)
+    assert unset(parse_args(["--config", str(old), "--data.shards", "s"])) == auto
+    flags = ["--data.micro-batch-size", "0", "--data.variant", "-1", "--model.num-layers", "0", "--stop-after", "0"]
+    flags += ["--optim.warmup-steps", "-1", "--parallel.global-batch-size", "0", "--parallel.ac-blocks", "-1"]
+    flags += ["--parallel.peak-tflops", "0", "--metrics.val-batch", "0", "--data.text-column", ""]
+    cfg = parse_args(["--config", "libero-5b", "--data.shards", "s", *flags])
+    assert unset(cfg)[:2] == auto[:2] and cfg.stop_after is None
+    # a preset spells every on/off setting it leaves to the GPUs auto, and a saved config reads back the same
+    assert "auto" in configs.path_of("libero-5b").read_text().split("reshard_after_forward:")[1].split(",")[0]
+    assert preset_config("libero-5b").parallel.reshard_after_forward is None
+    configs.write(tmp_path / "new.yaml", {"train": configs.plain(cfg)}, "new")
+    saved = configs.read(tmp_path / "new.yaml")["train"]
+    assert (saved["data"]["micro_batch_size"], saved["parallel"]["ac_blocks"], saved["optim"]["fused"]) == ("auto",) * 3
+    assert parse_args(["--config", str(tmp_path / "new.yaml")]) == dataclasses.replace(
+        cfg, config=str(tmp_path / "new.yaml")
+    )
+
+
 def test_flags_override_the_file_which_overrides_the_preset(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(
@@ -66,7 +106,7 @@ def test_flags_override_the_file_which_overrides_the_preset(tmp_path):
     assert cfg == want
     # --preset picks the base the file applies to
     tiny = parse_args(["--preset", "tiny", "--config", str(path), "--data.shards", "s"])
-    assert (tiny.preset, tiny.steps, tiny.parallel.global_batch_size, tiny.optim.lr) == ("tiny", 7, 0, 2e-5)
+    assert (tiny.preset, tiny.steps, tiny.parallel.global_batch_size, tiny.optim.lr) == ("tiny", 7, "auto", 2e-5)
     # a recipe name is its file
     assert parse_args(["--config", "droid-14b", "--data.shards", "s"]) == dataclasses.replace(
         preset_config("droid-14b"),

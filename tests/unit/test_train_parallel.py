@@ -69,10 +69,10 @@ def test_activation_checkpointing_keeps_names_loss_and_grads(mode):
 
 def test_partial_recompute_wraps_evenly_spread_blocks_and_keeps_grads():
     assert ac_block_indices(40, 25) == sorted(set(ac_block_indices(40, 25))) and len(ac_block_indices(40, 25)) == 25
-    assert ac_block_indices(40, 20) == list(range(0, 40, 2)) and ac_block_indices(30, -1) == list(range(30))
+    assert ac_block_indices(40, 20) == list(range(0, 40, 2)) and ac_block_indices(30, "auto") == list(range(30))
     assert ac_block_indices(30, 0) == [] and ac_block_indices(4, 9) == [0, 1, 2, 3]
     assert recomputed_blocks("full", 25, 40) == 25
-    assert recomputed_blocks("selective", -1, 40) == 0
+    assert recomputed_blocks("selective", "auto", 40) == 0
     ref_loss, ref_grads = _loss_and_grads(tiny_model())
     model = tiny_model()
     apply_ac(model, "full", ac_blocks=1)
@@ -147,7 +147,7 @@ def test_cpu_offload_keeps_every_shard_in_host_memory_and_trains_the_same():
         parallelize(model, ParallelConfig(cpu_offload=offload))
         assert all(_offloaded(model)) == offload and all(all(_offloaded(b)) == offload for b in model.blocks)
         opt = build_optimizer(
-            model, OptimConfig(lr=1e-3, fused=True if not offload else None), torch.device("cpu"), offloaded=offload
+            model, OptimConfig(lr=1e-3, fused=True if not offload else "auto"), torch.device("cpu"), offloaded=offload
         )
         assert opt.defaults["fused"]
         _, grads[offload] = _loss_and_grads(model)

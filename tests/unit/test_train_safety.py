@@ -163,7 +163,7 @@ def test_bad_settings_and_missing_shards_are_refused_at_start(tmp_path, monkeypa
         (["--data.micro-batch-size", "-2"], r"--data.micro-batch-size -2 \(must be >= 1\)"),
         (
             ["--parallel.global-batch-size", "6", "--data.micro-batch-size", "4"],
-            r"--parallel.global-batch-size 6 \(must be 0 or a positive multiple of the micro-batch 4\)",
+            r"--parallel.global-batch-size 6 \(must be auto or a positive multiple of the micro-batch 4\)",
         ),
         (
             ["--checkpoint.keep-last", "0", "--metrics.interval", "0"],

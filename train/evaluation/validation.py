@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from wampipe.shardformat.index import ShardIndex
-from wampipe.train.config import Config, ShardSet
+from wampipe.train.config import AUTO, Config, ShardSet
 from wampipe.train.data import SampleReader, check_alongside, collate, set_names
 from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
 from wampipe.train.dit.model import CausalWanModel, DiTBatch
@@ -98,7 +98,7 @@ class Validation:
                 f"--val-episodes): no validation loss",
                 flush=True,
             )
-        size = cfg.metrics.val_batch or cfg.data.micro_batch_size
+        size = cfg.data.micro() if cfg.metrics.val_batch == AUTO else cfg.metrics.val_batch
         # (set, [(window, key, variant), ...]) of every batch, in one order on every rank
         self.batches = [
             (s, picked[i : i + size])

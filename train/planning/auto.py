@@ -14,7 +14,7 @@ import torch
 
 from wampipe import configs
 from wampipe.train.planning import memory
-from wampipe.train.config import AUTO_MICRO, Config
+from wampipe.train.config import AUTO, Auto, Config
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Throughput:
     ac: Literal["auto", "none", "full", "selective"]
     micro: int
     reshard: bool
-    ac_blocks: int = -1  # with them: --parallel.ac-blocks / --parallel.ac-others
+    ac_blocks: int | Auto = AUTO  # with them: --parallel.ac-blocks / --parallel.ac-others
     ac_others: Literal["none", "selective"] = "none"
     reduce_every: bool = False  # --parallel.reduce-every-micro-batch
     gather_once: bool = False  # --parallel.gather-once-per-step (only without resharding after forward)
@@ -34,7 +34,7 @@ class Throughput:
 
     def describe(self) -> str:
         recompute = "no recompute" if self.ac == "none" else f"{self.ac} recompute"
-        if self.ac != "none" and self.ac_blocks >= 0:
+        if self.ac != "none" and self.ac_blocks != AUTO:
             others = "none" if self.ac_others == "none" else f"{self.ac_others} recompute"
             recompute += f" on {self.ac_blocks} blocks ({others} on the others)"
         reduce = ", gradients reduced every micro-batch" if self.reduce_every else ""
@@ -67,7 +67,7 @@ def _measured(name: str, entry: dict) -> Measured:
         entry["ac"],
         entry["micro"],
         entry["reshard"],
-        entry.get("ac_blocks", -1),
+        entry.get("ac_blocks", AUTO),
         entry.get("ac_others", "none"),
         entry.get("reduce_every", False),
         entry.get("gather_once", False),
@@ -95,16 +95,16 @@ def throughput_table() -> tuple[list[Measured], dict[str, Throughput]]:
     return measured, {name: Throughput(**table["recipe"]) for name, table in tables.items()}
 
 
-def _fitting_micro(micro: int, global_batch: int, world_size: int) -> int:
+def _fitting_micro(micro: int, global_batch: int | Auto, world_size: int) -> int:
     """The largest micro-batch <= `micro` that keeps the recipe's global batch (a whole number of micro-batches per
     rank and step); `micro` itself when none does (the trainer then says why)."""
-    if not global_batch:
+    if global_batch == AUTO:
         return micro
     return next((m for m in range(micro, 0, -1) if global_batch % (m * world_size) == 0), micro)
 
 
 def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tuple[Config, str | None]:
-    """A copy of `cfg` whose auto parts (--parallel.activation-checkpoint auto, --data.micro-batch-size 0, unset
+    """A copy of `cfg` whose auto parts (--parallel.activation-checkpoint auto, --data.micro-batch-size auto, auto
     --parallel.[no-]reshard-after-forward, --parallel.[no-]reduce-every-micro-batch and
     --parallel.[no-]gather-once-per-step) take the fastest measured
     setting for the preset that fits `world_size` GPUs of `gpu_mem_gib` each, else the preset's recipe entry (None =
@@ -116,7 +116,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     p, d = cfg.parallel, cfg.data
     auto = {
         "ac": p.activation_checkpoint == "auto",
-        "micro": d.micro_batch_size == AUTO_MICRO,
+        "micro": d.micro_batch_size == AUTO,
         "reshard": p.reshard_after_forward is None,
         "reduce": p.reduce_every_micro_batch is None,
         "once": p.gather_once_per_step is None,
@@ -176,7 +176,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     out = copy.deepcopy(cfg)
     if auto["ac"]:
         out.parallel.activation_checkpoint = chosen.ac
-        if (p.ac_blocks, p.ac_others) == (-1, "none"):  # not given
+        if (p.ac_blocks, p.ac_others) == (AUTO, "none"):  # not given
             out.parallel.ac_blocks, out.parallel.ac_others = chosen.ac_blocks, chosen.ac_others
     if auto["reduce"]:
         # host-offloaded state: an unsharded fp32 accumulation between micro-batches would sit on the GPU instead
@@ -194,7 +194,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     # only described; the three switches are bools by now (resolved above or given), as bool() tells the checker
     result = Throughput(
         out.parallel.activation_checkpoint,
-        out.data.micro_batch_size,
+        out.data.micro(),
         bool(out.parallel.reshard_after_forward),
         out.parallel.ac_blocks,
         out.parallel.ac_others,
@@ -214,7 +214,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
         for k, a in auto.items()
         if not a
     ]
-    batch = f", global batch {p.global_batch_size}" if p.global_batch_size else ""
+    batch = "" if p.global_batch_size == AUTO else f", global batch {p.global_batch_size}"
     return out, (
         f"auto settings for {cfg.preset} on {where}: {result.describe()}{batch} ({why})"
         + (f"; given: {', '.join(given)}" if given else "")

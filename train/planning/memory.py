@@ -24,6 +24,7 @@ import torch
 
 from wampipe import configs
 from wampipe.errors import UsageError
+from wampipe.train.config import AUTO, Auto
 from wampipe.train.dit.lora import LoRAConfig, apply_lora
 from wampipe.train.dit.model import CausalWanModel, DiTConfig, preset
 
@@ -68,7 +69,7 @@ class Plan:
     accumulation: int  # micro-batches per step
     world: int
     cpu_offload: bool = False
-    ac_blocks: int = -1  # blocks under `ac` (the rest under ac_others); -1 = all
+    ac_blocks: int | Auto = AUTO  # blocks under `ac` (the rest under ac_others); auto = all
     ac_others: str = "none"
     moment_bytes: int = 8  # both AdamW moments per trainable parameter: fp32 8, bf16 4 (--optim.moments)
 
@@ -110,10 +111,10 @@ def model_size(dit: DiTConfig, latents: tuple[int, int, int], lora: LoRAConfig |
     )
 
 
-def recipe_size(name: str, lora: LoRAConfig | None = None, num_layers: int = 0) -> ModelSize | None:
+def recipe_size(name: str, lora: LoRAConfig | None = None, num_layers: int | Auto = AUTO) -> ModelSize | None:
     """`model_size` of a recipe's DiT at its sample shape (configs/<name>.yaml, sections dit and synthetic)."""
     shape = configs.recipe(name).get("synthetic", {}).get("latents")
-    dit = preset(name, **({"num_layers": num_layers} if num_layers else {}))
+    dit = preset(name, **({} if num_layers == AUTO else {"num_layers": num_layers}))
     return None if shape is None else model_size(dit, tuple(shape[1:]), lora)
 
 
@@ -131,7 +132,7 @@ def estimate(size: ModelSize, plan: Plan) -> Estimate:
     else:
         gradients = 4 * t if accumulating else 4 * t // n
     gathered = 2 * p if not plan.reshard else 2 * 2 * size.block_params
-    ac_blocks = size.blocks if plan.ac_blocks < 0 else min(plan.ac_blocks, size.blocks)
+    ac_blocks = size.blocks if plan.ac_blocks == AUTO else min(plan.ac_blocks, size.blocks)
     kept = ac_blocks * KEPT_PER_BLOCK[plan.ac] + (size.blocks - ac_blocks) * KEPT_PER_BLOCK[plan.ac_others]
     working = WORKING_SET + (OFFLOADED_WORKING_SET if plan.cpu_offload else 0.0)
     activations = int(plan.micro * size.hidden_state * (kept + working))
@@ -156,7 +157,8 @@ def fits(size: ModelSize, plan: Plan, gpu_gib: float) -> bool:
 
 
 def _plan(setting, cfg, world: int, offload: bool) -> Plan:
-    global_batch = cfg.parallel.global_batch_size or setting.micro * world
+    given = cfg.parallel.global_batch_size
+    global_batch = setting.micro * world if given == AUTO else given
     return Plan(
         setting.ac,
         setting.micro,
@@ -178,13 +180,13 @@ def fits_fp32_moments(size: ModelSize | None, cfg, setting, gpu_gib: float, worl
     return size is not None and fits(size, plan, gpu_gib)
 
 
-def _candidates(setting, auto: dict, global_batch: int, world: int, offload: bool):
+def _candidates(setting, auto: dict, global_batch: int | Auto, world: int, offload: bool):
     """`setting`, then what trades speed for memory among the auto parts: the per-micro-batch reduce, then smaller
     micro-batches (each keeping the global batch a whole number of micro-batches per rank). With the state in host
     memory every micro-batch copies all gradients to the host and adds them there, so there the largest micro-batch
     that fits comes first, from one micro-batch per step down."""
-    whole = lambda micro: not global_batch or global_batch % (micro * world) == 0  # noqa: E731
-    if offload and auto["micro"] and global_batch:
+    whole = lambda micro: global_batch == AUTO or global_batch % (micro * world) == 0  # noqa: E731
+    if offload and auto["micro"] and global_batch != AUTO:
         for micro in range(global_batch // world, 0, -1):
             if whole(micro):
                 yield replace(setting, micro=micro)
