@@ -11,7 +11,9 @@ A mixture's run also logs, per set, the loss terms averaged over its micro-batch
 from __future__ import annotations
 
 import gzip
+import heapq
 import json
+from collections import defaultdict
 import os
 import time
 from collections.abc import Sequence
@@ -330,10 +332,11 @@ def device_idle(events: list[dict], top: int = 8) -> dict:
     dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
     if not dev:
         return {}
-    start, end, gaps = dev[0]["ts"], dev[0]["ts"], []
+    start, end, gaps, next_kernels = dev[0]["ts"], dev[0]["ts"], [], []
     for e in dev:
         if e["ts"] > end:
             gaps.append((e["ts"] - end, end, e["name"]))
+            next_kernels.append(e)
         end = max(end, e["ts"] + e["dur"])
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS]
     buckets = {"under 10 us": 0.0, "10 us - 1 ms": 0.0, "1 ms and over": 0.0}
@@ -365,7 +368,42 @@ def device_idle(events: list[dict], top: int = 8) -> dict:
         "gaps": len(gaps),
         "idle_ms_by_gap": buckets,
         "longest": longest,
+        "idle_ms_by_host_op": idle_by_host_op(gaps, next_kernels, host, top),
     }
+
+
+def idle_by_host_op(gaps: list[tuple], next_kernels: list[dict], host: list[dict], top: int) -> list[tuple]:
+    """The idle time of the gaps of 10 us and more, summed by the innermost host op that the thread launching the
+    gap's next kernel was in at the gap's middle: what kept the GPU waiting where a few long gaps do not say it
+    (thousands of short ones). [(op, ms, gaps)], the most idle first."""
+    thread_of = {  # a kernel's launch: the runtime call with its correlation id, on the launching thread
+        e["args"]["correlation"]: e["tid"]
+        for e in host
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    wanted = defaultdict(list)  # thread -> [(gap middle, gap us)]
+    for (us, at, _), kernel in zip(gaps, next_kernels):
+        tid = thread_of.get(kernel.get("args", {}).get("correlation"))
+        if us >= 10 and tid is not None:
+            wanted[tid].append((at + us / 2, us))
+    ops = defaultdict(list)
+    for e in host:
+        if e.get("cat") in ("cpu_op", "user_annotation") and e["tid"] in wanted:
+            ops[e["tid"]].append(e)
+    total = defaultdict(lambda: [0.0, 0])
+    for tid, points in wanted.items():
+        events, covering, i = sorted(ops[tid], key=lambda e: e["ts"]), [], 0
+        for middle, us in sorted(points):
+            while i < len(events) and events[i]["ts"] <= middle:
+                e = events[i]
+                heapq.heappush(covering, (e["ts"] + e["dur"], i, e))
+                i += 1
+            while covering and covering[0][0] < middle:  # ended before it: what is left covers the middle
+                heapq.heappop(covering)
+            name = min(covering, key=lambda c: c[2]["dur"])[2]["name"] if covering else "(no host op)"
+            total[name][0] += us / 1e3
+            total[name][1] += 1
+    return sorted(((name, ms, n) for name, (ms, n) in total.items()), key=lambda t: -t[1])[:top]
 
 
 def format_device_idle(r: dict) -> str:
@@ -380,4 +418,7 @@ def format_device_idle(r: dict) -> str:
             f"  {g['ms']:8.2f} ms at {g['at_ms']:.1f} ms, before {g['before'][:50]!r}; host: {g['host_op']}"
             + (f" ({'; '.join(g['runtime'])})" if g["runtime"] else "")
         )
+    if r.get("idle_ms_by_host_op"):
+        lines.append("idle in gaps of 10 us and more, by the host op the launching thread was in:")
+        lines += [f"  {ms:8.2f} ms in {n:6d} gaps: {name[:90]}" for name, ms, n in r["idle_ms_by_host_op"]]
     return "\n".join(lines)

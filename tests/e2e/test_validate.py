@@ -138,6 +138,6 @@ def test_bad_validation_flags_are_one_line(tmp_path):
         UsageError,
         match=r"^invalid settings: --metrics.val-interval -1 \(must be >= 0\); "
         r"--metrics.val-samples 0 \(must be >= 1\); --metrics.val-batch -2 "
-        r"\(must be >= 0\)$",
+        r"\(must be >= 1 or auto\)$",
     ):
         parse_args(argv)

@@ -1,5 +1,7 @@
 """The profiler's device-idle analysis on a Chrome trace in torch.profiler's export format."""
 
+import pytest
+
 from wampipe.train.metrics import device_idle, format_device_idle
 
 
@@ -33,3 +35,25 @@ def test_device_idle_finds_gaps_and_the_host_work_behind_them():
 def test_device_idle_of_a_cpu_trace_says_so():
     assert device_idle([_x("cpu_op", "aten::mm", 0, 10)]) == {}
     assert format_device_idle({}) == "device idle: no device events in the trace"
+
+
+def test_idle_is_summed_by_the_op_the_launching_thread_was_in():
+    def launch(name, ts, dur, corr, tid):
+        kernel = _x("kernel", name, ts, dur) | {"args": {"correlation": corr}}
+        return [kernel, _x("cuda_runtime", "cudaLaunchKernel", ts - 5, 2) | {"args": {"correlation": corr}, "tid": tid}]
+
+    events = [
+        *launch("gemm", 0, 100, 1, 1),
+        *launch("add", 150, 10, 2, 1),  # 50 us gap: thread 1 in aten::add's launch
+        *launch("norm", 200, 10, 3, 2),  # 40 us gap: thread 2 in the clip's norm
+        *launch("mul", 215, 10, 4, 1),  # 5 us gap: launch latency, not counted
+        *launch("mul", 250, 10, 5, 1),  # 25 us gap: thread 1 in aten::add again
+        _x("cpu_op", "step", 0, 400) | {"tid": 1},
+        _x("cpu_op", "aten::add", 101, 60) | {"tid": 1},
+        _x("cpu_op", "aten::add", 226, 30) | {"tid": 1},
+        _x("cpu_op", "clip_grad_norm", 150, 60) | {"tid": 2},
+        _x("cpu_op", "aten::copy_", 150, 60) | {"tid": 3},  # another thread's op over the gap: not the launcher
+    ]
+    r = device_idle(events)
+    assert r["idle_ms_by_host_op"] == [("aten::add", pytest.approx(0.075), 2), ("clip_grad_norm", 0.04, 1)]
+    assert "0.04 ms in      1 gaps: clip_grad_norm" in format_device_idle(r)
