@@ -463,7 +463,8 @@ def run(args: Args) -> None:
     emb = get_embodiment(DATASETS[args.dataset].embodiment)
     emb.preset(args.model)  # a clear error for a recipe the embodiment does not define
     checking = time.perf_counter()
-    check_weights(args)
+    if args.stage != "finalize":  # finalize encodes nothing: the spec's hashes still tie it to the same weights
+        check_weights(args)
     checked = time.perf_counter() - checking
     ds = LeRobotDataset(args.src)
     if args.metadata is not None:
@@ -490,11 +491,8 @@ def run(args: Args) -> None:
             held_out=held,  # pyright: ignore[reportArgumentType]
             selection=None if chosen is None else chosen.sha256,
         )
-        print(
-            f"start: encoder weights checked in {checked:.1f} s, inputs hashed in "
-            f"{time.perf_counter() - hashing:.1f} s",
-            flush=True,
-        )
+        weights = "not loaded (--stage finalize)" if args.stage == "finalize" else f"checked in {checked:.1f} s"
+        print(f"start: encoder weights {weights}, inputs hashed in {time.perf_counter() - hashing:.1f} s", flush=True)
         if url:
             remote.prefetch_remote_state(url, out, args.overwrite)
         outdir.claim(out, spec.inputs(), args.overwrite)

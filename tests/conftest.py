@@ -10,6 +10,7 @@ which `unit_tests_start_no_process` checks, so the split stays true as tests are
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.process
 import subprocess
 import uuid
@@ -194,12 +195,9 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"end-to-end tests outside tests/e2e/ (move them there): {', '.join(misplaced)}")
 
 
-@pytest.fixture(autouse=True)
-def unit_tests_start_no_process(request, monkeypatch):
-    """A test not marked e2e fails if it started a process (a command, or a multiprocessing child), naming it."""
-    if request.node.get_closest_marker("e2e"):
-        yield
-        return
+@contextlib.contextmanager
+def recording_processes():
+    """The processes started meanwhile (commands, multiprocessing children), as a list of their descriptions."""
     started = []
     real_init, real_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
 
@@ -211,7 +209,35 @@ def unit_tests_start_no_process(request, monkeypatch):
         started.append(f"multiprocessing child {self.name}")
         real_start(self)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", recording_init)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
-    yield
-    assert not started, f"a unit test started a process ({started[0][:200]}): mark it e2e (tests/conftest.py)"
+    subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = recording_init, recording_start
+    try:
+        yield started
+    finally:
+        subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = real_init, real_start
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_process(request):
+    """A test not marked e2e fails if it started a process (a command, or a multiprocessing child), naming it."""
+    if request.node.get_closest_marker("e2e"):
+        yield
+        return
+    with recording_processes() as started:
+        yield
+    assert not started, f"a unit test started a process ({started[0][:200]}): move it to tests/e2e/"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """A fixture of a unit test file (or one of its tests) that starts a process stops the test, naming it: the
+    check above sees only the test's own call. The session's shared builds in this file are setup for both kinds."""
+    if fixturedef.scope == "session" or E2E_FOLDER in Path(request.node.path).parents:
+        return (yield)
+    with recording_processes() as started:
+        result = yield
+    if started:
+        raise pytest.UsageError(
+            f"fixture {fixturedef.argname} of {request.node.nodeid} started a process ({started[0][:200]}): "
+            f"the tests that use it belong in tests/e2e/"
+        )
+    return result

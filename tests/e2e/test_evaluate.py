@@ -17,6 +17,7 @@ from tests.helpers import tiny_torchrun
 
 from tests.helpers import ROOT
 
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29647"}
 
 
@@ -141,3 +142,36 @@ def test_trainer_logs_the_action_error_evaluate_reports(run, small_shards, tmp_p
     assert logged[1]["action_mse/shards"] != logged[2]["action_mse/shards"]  # the step changed the model
     curves = {r["step"]: r for r in read_metrics(run / "metrics.jsonl")}  # the training row and the probe's, merged
     assert {"loss", "action_mse/shards", "action_mse_raw/shards"} <= set(curves[2])
+
+
+@pytest.fixture(scope="module")
+def other_dit_shards(tmp_path_factory) -> Path:
+    """Synthetic shards of the 5B LIBERO recipe: another DiT's widths, latent grid and prompt lengths."""
+    from devtools.synthetic import make_synthetic_shards
+
+    out = tmp_path_factory.mktemp("libero5b") / "shards"
+    make_synthetic_shards(out, "libero-5b", episodes=1, windows_per_episode=1, samples_per_shard=4, seed=1)
+    return out
+
+
+@pytest.mark.parametrize("case", ["empty", "file", "step", "other DiT", "other DiT, export"])
+def test_a_bad_input_stops_with_one_line(run, small_shards, other_dit_shards, tmp_path, case):
+    from wampipe.train.evaluate import main
+
+    source, shards, extra, start = {
+        "empty": (tmp_path, small_shards, (), f"{tmp_path}: nothing to load"),
+        "file": (run / "config.yaml", small_shards, (), f"{run / 'config.yaml'}: not a directory"),
+        "step": (run, small_shards, ("--step", "7"), f"{run}: no checkpoint of step 7"),
+        "other DiT": (run, other_dit_shards, (), f"{other_dit_shards} does not fit the DiT of {run / 'step-000002'}"),
+        "other DiT, export": (
+            run / "export",
+            other_dit_shards,
+            (),
+            f"{other_dit_shards} does not fit the DiT of {run / 'export'}",
+        ),
+    }[case]
+    with pytest.raises(SystemExit) as stop:
+        main([str(source), "--shards", str(shards), "--out", str(tmp_path / "out"), *extra])
+    message = str(stop.value.code)
+    assert len(message.splitlines()) == 1 and message.startswith(start), message
+    assert not (tmp_path / "out").exists()

@@ -27,6 +27,10 @@ from tests.helpers import ROOT, build, manifest, shard_samples
 from wampipe.train.builder import frozen_image_encoder, model_config
 from wampipe.train.config import parse_args
 
+import shutil
+from wampipe.preprocess import outdir
+from wampipe.shardformat.manifest import MANIFEST, read_sealed_json, write_sealed_json
+
 
 @pytest.fixture(scope="module")
 def pixel_shards(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
@@ -139,3 +143,20 @@ def test_the_trainer_refuses_pixel_shards_without_their_clip_weights(pixel_shard
     missing = parse_args(["--data.shards", str(pixel_shards), "--model.image-encoder", str(folder / "nothing.pth")])
     with pytest.raises(UsageError, match="nothing.pth: not found"):
         frozen_image_encoder(missing, cpu)
+
+
+def test_a_rerun_with_the_other_choice_is_refused(pixel_shards):
+    recorded = json.loads((pixel_shards / "inputs.json").read_text())
+    problems, units_differ = outdir.conflicts(pixel_shards, {**recorded, "image_features": "encoded"})
+    assert problems == ["--image-features: pixels -> encoded"] and units_differ
+
+
+def test_check_catches_frame_0_stored_otherwise_than_the_manifest_says(pixel_shards, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(pixel_shards, copy)
+    wrong = {**read_sealed_json(copy / MANIFEST), "image_features": "encoded"}
+    write_sealed_json(copy / MANIFEST, wrong)
+    problems = check(copy)
+    assert problems and all(
+        "holds ['clip_pixels'] for frame 0, image_features 'encoded' needs ['clip']" in p for p in problems
+    ), problems[:3]

@@ -103,7 +103,8 @@ def test_rerun_is_byte_identical_and_array_jobs_match(droid_shards, droid_root, 
     assert sorted(written) == sorted(
         n for s in manifest(droid_shards)["shards"] for n in (s["shard"], s["shard"].replace(".tar", ".json"))
     )
-    build(droid_root, split, "droid", tiny_checkpoints, "--stage", "finalize")
+    done = build(droid_root, split, "droid", tiny_checkpoints, "--stage", "finalize")
+    assert "start: encoder weights not loaded (--stage finalize)" in done.stdout  # nothing to encode
     assert manifest(split)["shards"] == manifest(droid_shards)["shards"]
     assert {p.name: p.stat().st_mtime_ns for p in split.glob("shard-*")} == written  # the jobs' shards were kept
     assert (split / "samples.npy").read_bytes() == (droid_shards / "samples.npy").read_bytes()
