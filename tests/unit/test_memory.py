@@ -14,6 +14,7 @@ H100, H200 = 79.2, 139.8  # GiB that torch reports for the 80 GB and 141 GB card
 # (recipe, LoRA rank, plan, peak GiB measured by scripts/bench_train.py; docs/PERFORMANCE.md and docs/TRAINING.md)
 MEASURED_PEAKS = [
     ("libero-5b", 0, Plan("selective", 8, False, False, 32, 1), 117.5),  # 1 H200
+    ("libero-5b", 0, Plan("full", 8, False, False, 32, 1, ac_blocks=2, ac_others="selective"), 116.3),  # 1 H200
     ("libero-5b", 0, Plan("selective", 8, False, False, 8, 4), 71.1),  # 4 H100, gradients reduced once per step
     ("libero-5b", 0, Plan("selective", 8, False, True, 8, 4), 55.5),  # 4 H100, reduced every micro-batch
     ("droid-5b", 0, Plan("selective", 8, False, True, 8, 4), 57.0),  # 4 H100
