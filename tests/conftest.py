@@ -195,6 +195,47 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"end-to-end tests outside tests/e2e/ (move them there): {', '.join(misplaced)}")
 
 
+@pytest.fixture(scope="module")
+def raw_root(tmp_path_factory) -> Path:
+    """A raw DROID dataset of 8 episodes, with failed ones and a keep-ranges file (the selection's input)."""
+    from devtools.sample_data import write_sample_dataset
+
+    return write_sample_dataset(tmp_path_factory.mktemp("raw") / "droid", "droid-raw", episodes=8)
+
+
+@pytest.fixture(scope="module")
+def ranges_file(raw_root) -> Path:
+    """`raw_root`'s keep-ranges file."""
+    from devtools.sample_data import keep_ranges_path
+
+    return keep_ranges_path(raw_root)
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory, tiny_shards) -> Path:
+    """A finished synthetic shard directory (4 shards, text table, statistics, manifest, work/ spills), plus the
+    leftovers an interrupted writer may leave: a hidden temporary file and a lock file."""
+    import shutil
+
+    out = Path(shutil.copytree(tiny_shards, tmp_path_factory.mktemp("shards") / "tiny"))
+    (out / ".shard-000009.tar.123.0a1b2c3d.tmp").write_bytes(b"partial")
+    (out / "finalize.lock").write_text("123")
+    return out
+
+
+@pytest.fixture(scope="module")
+def loader_shards(tmp_path_factory) -> Path:
+    """25 windows x 2 variants in shards of 7 (the last one short), 5 synthetic episodes; each episode's first and last
+    windows have anchor multiplicity 3 and 2, so an anchor-weighted epoch visits 5 x 8 = 40 windows."""
+    from devtools import synthetic
+
+    out = tmp_path_factory.mktemp("shards") / "tiny"
+    synthetic.make_synthetic_shards(
+        out, "tiny", episodes=5, windows_per_episode=5, augment_variants=2, samples_per_shard=7, seed=3
+    )
+    return out
+
+
 @contextlib.contextmanager
 def recording_processes():
     """The processes started meanwhile (commands, multiprocessing children), as a list of their descriptions."""

@@ -15,12 +15,16 @@ import tomllib
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import torch
 
 from wampipe.train.dit.model import CausalWanModel, build_model, preset
+
+if TYPE_CHECKING:  # annotations only: the selection is imported where it runs
+    from wampipe.preprocess.selection import Filters
 
 # ---------------------------------------------------------------- paths, shard builds and shard directories
 
@@ -422,3 +426,233 @@ def assert_good_episode_statistics(metadata: dict, root: Path, good: list[int]) 
         for k in range(24)
     ]
     assert_stats(stats["action"]["joint_position"], direct(np.array(relative)))
+
+
+# ---------------------------------------------------------------- exports, shard paths, imports and the install
+
+
+def edit_export_conf(folder: Path, edit) -> None:
+    """An eval-ready export's experiment_cfg/conf.yaml put through `edit(dict)` in place."""
+    import yaml
+
+    path = folder / "experiment_cfg" / "conf.yaml"
+    conf = yaml.safe_load(path.read_text())
+    edit(conf)
+    path.write_text(yaml.safe_dump(conf))
+
+
+def copy_tree(base: Path, out: Path) -> Path:
+    """A copy of the folder `base` at `out`."""
+    shutil.copytree(base, out)
+    return out
+
+
+def outside_path_refusal(manifest: Path | str, field: str, name: str) -> str:
+    """The refusal of the manifest at `manifest` whose `field` names `name`."""
+    pattern = r".+\.safetensors" if field == "text_table.file" else r".+\.json"
+    return (
+        f"{manifest}: {field} {name!r} is not a relative path of the form {pattern} inside the shard directory "
+        f"(crafted or corrupt): rebuild the shards"
+    )
+
+
+# product package -> the packages it must not import
+FORBIDDEN_IMPORTS = {
+    "train": ("preprocess", "devtools"),
+    "configs": ("train", "preprocess", "devtools"),
+    "preprocess": ("train", "devtools"),
+    "shardformat": ("train", "preprocess", "devtools"),
+    "encoders": ("train", "preprocess", "devtools"),
+}
+
+
+def normalized_name(name: str) -> str:
+    """A distribution name as the packaging rules compare it."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    """Distribution names of `requirements` whose markers hold without any extra asked for."""
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in requirements]
+    return {normalized_name(r.name) for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})}
+
+
+def requirement_closure(names: set[str]) -> set[str]:
+    """`names` and every distribution they require, as installed here."""
+    import importlib.metadata
+
+    seen, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            todo += requirement_names(importlib.metadata.requires(name) or [])
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return seen
+
+
+WHEEL_PACKAGES = ("configs", "encoders", "preprocess", "shardformat", "train")  # what the wheel holds
+
+
+BASE_REQUIREMENTS = requirement_names(PROJECT["dependencies"])
+
+
+EXTRA_REQUIREMENTS = {
+    extra: requirement_names(reqs) - {"wampipe"} for extra, reqs in PROJECT["optional-dependencies"].items()
+}
+
+
+# ---------------------------------------------------------------- LoRA, metrics rows and the loader
+
+
+def merge_lora(state_dict: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """A full state dict with `<layer>.lora_A` / `<layer>.lora_B` folded into `<layer>.weight` (scale alpha / rank,
+    the rank read from lora_A) and the adapter keys dropped: plain weights."""
+    from wampipe.train.dit.lora import ADAPTERS, fold
+
+    out = {k: v for k, v in state_dict.items() if not k.endswith(tuple("." + a for a in ADAPTERS))}
+    for key, a in state_dict.items():
+        if key.endswith(".lora_A"):
+            layer = key[: -len(".lora_A")]
+            out[layer + ".weight"] = fold(
+                state_dict[layer + ".weight"], a, state_dict[layer + ".lora_B"], alpha / a.shape[0]
+            ).to(state_dict[layer + ".weight"].dtype)
+    return out
+
+
+def metrics_row(step: int, loss: float) -> dict:
+    """A metrics.jsonl row with the fields train/metrics.py writes."""
+    return {
+        "step": step,
+        "loss": loss,
+        "loss_dynamics": 0.9 * loss,
+        "loss_action": 0.1 * loss,
+        "grad_norm": 1.0,
+        "lr": 1e-4 * min(1, step / 4),
+        "samples_per_s_per_gpu": 3.0 + step % 3,
+        "data_wait_pct": 0.5,
+        "time": 1.0e9 + step,
+    }
+
+
+# ---------------------------------------------------------------- DreamZero's DROID episode selection
+
+DROID_KEY = "{recording_folderpath}--{file_path}"  # how DreamZero's keep-ranges file names an episode
+LANGUAGE_KEYS = ("language_instruction", "language_instruction_2", "language_instruction_3")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def official_selection(root: Path, ranges_file: Path, filter_failed: bool = True) -> dict[int, list]:
+    """DreamZero's first pass over DROID (dreamzero0/dreamzero scripts/data/convert_droid.py:448-497), re-stated over
+    the LeRobot files read directly: every episode in read order; with --filter-failed an episode whose rewards are
+    all zero is filtered; each of the three instructions at step 0 registers in one run-wide table, seeded with "not
+    provided", when it is longer than one character and not yet in it, and an episode none of whose instructions
+    registered is filtered (the check runs on filtered episodes too); the keep ranges are looked up by
+    f"{recording_folderpath}--{file_path}" (a missing key raises) and an empty list filters the episode. Returns the
+    kept episodes' ranges, in read order."""
+    import pyarrow.parquet as pq
+
+    tasks = {row["task_index"]: row["task"] for row in read_jsonl(root / "meta/tasks.jsonl")}
+    all_tasks = {"not provided": 0}
+    all_keep_ranges = json.loads(ranges_file.read_text())
+    kept = {}
+    for row in read_jsonl(root / "meta/episodes.jsonl"):
+        table = pq.read_table(root / f"data/chunk-000/episode_{row['episode_index']:06d}.parquet")
+        filtered = False
+        if filter_failed and not np.any(table.column("next.reward").to_numpy() != 0):
+            filtered = True
+        has_lang = False
+        for lang_key in LANGUAGE_KEYS:
+            task = tasks[table.column(f"annotation.language.{lang_key}")[0].as_py()]
+            if task and len(task) > 1 and task not in all_tasks:
+                has_lang = True
+                all_tasks[task] = len(all_tasks)
+        if not has_lang:
+            filtered = True
+        keep_ranges = all_keep_ranges[f"{row['recording_folderpath']}--{row['file_path']}"]
+        if len(keep_ranges) == 0:
+            filtered = True
+        if not filtered:
+            kept[row["episode_index"]] = keep_ranges
+    return kept
+
+
+def official_rows(ranges) -> np.ndarray:
+    """The rows a kept episode keeps (convert_droid.py:253-257, 294-313): each [start, end) slice, concatenated."""
+    return np.concatenate([np.arange(start, end) for start, end in ranges])
+
+
+def official_filters(ranges_file: Path, **overrides) -> Filters:
+    """The selection's filters as DreamZero's DROID conversion applies them, with `overrides`."""
+    from wampipe.preprocess.selection import Filters
+
+    return Filters(
+        **{
+            "keep_ranges": str(ranges_file),
+            "keep_ranges_key": DROID_KEY,
+            "drop_failed": True,
+            "require_language": "official",
+            **overrides,
+        }
+    )
+
+
+def select_episodes(root: Path, filters: Filters, episodes: list[int] | None = None):
+    """The selection of `episodes` (all by default) of the dataset at `root` under `filters`, in this process."""
+    from wampipe.preprocess.lerobot import LeRobotDataset
+    from wampipe.preprocess.selection import select
+
+    ds = LeRobotDataset(root)
+    return select(ds, filters, ds.episode_indices if episodes is None else episodes, workers=1)
+
+
+def write_ranges(tmp_path: Path, content) -> Path:
+    """A keep-ranges file holding `content` (text, or what JSON encodes)."""
+    path = tmp_path / "ranges.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+# ---------------------------------------------------------------- foreign files, and the loader
+
+# files at the names a build writes that no build of ours wrote, and how a tool refuses them
+FOREIGN = {
+    "manifest.json": b"{}\n",
+    "metadata.json": b'{"mine": 1}\n',
+    "wids.json": b"{}\n",
+    "shard-000000.tar": b"not a wampipe shard",
+}
+
+
+FOREIGN_REFUSAL = (
+    "{where} holds files that no wampipe build recorded, at names a build writes: {names}. Nothing was "
+    "deleted; move them away or use another --out (--overwrite deletes only a build's own files)"
+)
+
+
+def tiny_loader(shards, rank=0, world=2, workers=0, **kw):
+    """The trainer's loader over `shards` for the tiny DiT: micro-batches of 2, rank `rank` of `world`."""
+    from wampipe.train.config import DataConfig
+    from wampipe.train.data import ShardLoader
+
+    return ShardLoader(
+        DataConfig(shards=shards, micro_batch_size=2, num_workers=workers, **kw),
+        TINY,
+        rank,
+        world,
+        torch.device("cpu"),
+    )
+
+
+def take(it, n):
+    """The next `n` items of the iterator `it`."""
+    return [next(it) for _ in range(n)]

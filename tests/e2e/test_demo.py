@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
-from tests.helpers import unexpected
+from tests.helpers import ROOT, unexpected
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # the Makefile's thread setting
 

@@ -13,9 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from wampipe.train.evaluation.curves import read_metrics
-from tests.helpers import tiny_torchrun
-
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tiny_torchrun
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29647"}

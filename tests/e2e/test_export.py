@@ -20,12 +20,11 @@ from typing import cast
 import pytest
 import torch
 import torch.distributed as dist
-import yaml
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import start_processes
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, copy_tree, edit_export_conf
 from devtools import tiny_base
 from wampipe.train.config import CheckpointConfig, Config, DataConfig, ModelConfig
 from wampipe.train.dit.export import export_run, export_weights
@@ -154,18 +153,6 @@ def test_eval_ready_export_from_two_ranks(small_shards, official_base, small_dit
             assert h.metadata()["format"] == "pt" and h.metadata()["step"] == "7"
 
 
-def _edit_conf(folder: Path, edit) -> None:
-    path = folder / "experiment_cfg" / "conf.yaml"
-    conf = yaml.safe_load(path.read_text())
-    edit(conf)
-    path.write_text(yaml.safe_dump(conf))
-
-
-def _copy(base: Path, out: Path) -> Path:
-    shutil.copytree(base, out)
-    return out
-
-
 P = DREAMZERO_PREFIX
 
 
@@ -193,8 +180,8 @@ def test_trainer_writes_an_eval_ready_export_and_refuses_a_bad_base_at_start(
         "0",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29633"}
-    bad = _copy(official_base, tmp_path / "bad")
-    _edit_conf(bad, lambda c: c["modality_configs"].clear())
+    bad = copy_tree(official_base, tmp_path / "bad")
+    edit_export_conf(bad, lambda c: c["modality_configs"].clear())
     done = subprocess.run(
         [sys.executable, *common, "--checkpoint.dir", str(tmp_path / "refused"), "--checkpoint.export-base", str(bad)],
         capture_output=True,

@@ -19,11 +19,10 @@ import torch
 from devtools.sample_data import write_sample_dataset
 from wampipe.preprocess.check import check
 from wampipe.preprocess.lerobot import LeRobotDataset
-from tests.helpers import build, manifest, tiny_model
+from tests.helpers import ROOT, build, manifest, tiny_model
 from wampipe.train.dit.loss import FlowMatchScheduler, LossConfig, flow_matching_loss, sample_timestep_ids
 from wampipe.train.dit.model import random_batch
 
-from tests.helpers import ROOT
 
 MEMORY = 4 << 30  # address space of a CLI under test: torch's import fits, an alias bomb's expansion does not
 LAUGHS = "".join(f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))

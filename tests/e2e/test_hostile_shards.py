@@ -22,9 +22,8 @@ from wampipe.train.data import ShardLoader
 from wampipe.train.dit.export import shard_statistics
 from wampipe.train.dit.model import preset
 from wampipe.train.dit.weights import WeightsError
-from tests.helpers import refused, reseal
+from tests.helpers import ROOT, outside_path_refusal, refused, reseal
 
-from tests.helpers import ROOT
 
 ESCAPE = "../../../../tmp/x"  # below <cache>/<bucket>/<prefix>/: <cache>/../../tmp/x
 
@@ -35,15 +34,6 @@ def copy(small_shards, tmp_path) -> Path:
     return Path(shutil.copytree(small_shards, tmp_path / "a" / "shards"))
 
 
-def outside_path(manifest: Path | str, field: str, name: str) -> str:
-    """The refusal of the manifest at `manifest` whose `field` names `name`."""
-    pattern = r".+\.safetensors" if field == "text_table.file" else r".+\.json"
-    return (
-        f"{manifest}: {field} {name!r} is not a relative path of the form {pattern} inside the shard directory "
-        f"(crafted or corrupt): rebuild the shards"
-    )
-
-
 def test_a_text_table_outside_the_directory_is_never_fetched_from_s3(copy, s3_bucket, tmp_path):
     """Trainer with a cache directory and `preprocess check` (a temporary directory per process): the crafted name
     would put the attacker's object at <tmp_path>/tmp/x from either."""
@@ -52,7 +42,7 @@ def test_a_text_table_outside_the_directory_is_never_fetched_from_s3(copy, s3_bu
     sync_up(copy, url)
     ShardStore(url).fs.pipe_file(f"{url.removeprefix('s3://')}/{ESCAPE}", b"attacker")  # where the name points
     landing = tmp_path / "tmp"
-    message = outside_path(f"{url}/manifest.json", "text_table.file", ESCAPE)
+    message = outside_path_refusal(f"{url}/manifest.json", "text_table.file", ESCAPE)
 
     assert refused(url, tmp_path / "c" / "cache") == message
     done = subprocess.run(

@@ -21,9 +21,8 @@ from wampipe.train.config import ParallelConfig
 from wampipe.train.dit.model import DiTConfig, build_model
 from wampipe.train.parallel import parallelize
 from wampipe.train.dit.weights import DREAMZERO_PREFIX, WeightsError, allowed_absent, load_weights, save_weights
-from tests.helpers import rewrite_weights
+from tests.helpers import ROOT, rewrite_weights
 
-from tests.helpers import ROOT
 
 WORLD = 2
 SEED = 3

@@ -14,8 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PROJECT, ROOT, console_script, shards_cmd
-from tests.helpers import unexpected
+from tests.helpers import (
+    BASE_REQUIREMENTS,
+    EXTRA_REQUIREMENTS,
+    ROOT,
+    WHEEL_PACKAGES,
+    console_script,
+    normalized_name,
+    requirement_closure,
+    shards_cmd,
+    unexpected,
+)
 
 
 def _python(code: str, *argv: str, cwd=ROOT) -> subprocess.CompletedProcess:
@@ -101,48 +110,16 @@ def test_train_script_launches_two_ranks(tiny_shards, tmp_path):
     assert [json.loads((run_dir / f"summary-rank{r:05d}.json").read_text())["steps"] for r in range(2)] == [2, 2]
 
 
-def normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def requirement_names(requirements: list[str]) -> set[str]:
-    """Distribution names of `requirements` whose markers hold without any extra asked for."""
-    from packaging.requirements import Requirement
-
-    reqs = [Requirement(r) for r in requirements]
-    return {normalized(r.name) for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})}
-
-
-def closure(names: set[str]) -> set[str]:
-    """`names` and every distribution they require, as installed here."""
-    seen, todo = set(), list(names)
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            todo += requirement_names(importlib.metadata.requires(name) or [])
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return seen
-
-
-PACKAGES = ("configs", "encoders", "preprocess", "shardformat", "train")  # what the wheel holds
-BASE = requirement_names(PROJECT["dependencies"])
-EXTRAS = {extra: requirement_names(reqs) - {"wampipe"} for extra, reqs in PROJECT["optional-dependencies"].items()}
-
-
 def hide_extras(folder: Path) -> Path:
     """A sitecustomize.py in `folder` that makes every module of the extras, and of what they alone bring, absent
     for the interpreter (and the processes it starts, through PYTHONPATH): `import x` raises ImportError and
     importlib.util.find_spec(x) says None, as in an environment installed without them."""
-    hidden = closure(set().union(*EXTRAS.values())) - closure(BASE)
+    hidden = requirement_closure(set().union(*EXTRA_REQUIREMENTS.values())) - requirement_closure(BASE_REQUIREMENTS)
     modules = sorted(
         {
             m
             for m, dists in importlib.metadata.packages_distributions().items()
-            if any(normalized(d) in hidden for d in dists) and m.isidentifier()
+            if any(normalized_name(d) in hidden for d in dists) and m.isidentifier()
         }
     )
     assert {"s3fs", "ray", "torchao", "wandb", "matplotlib", "tensorboard", "moto", "wids"} <= set(modules)
@@ -170,7 +147,7 @@ def test_the_base_install_builds_shards_and_trains_and_each_extra_is_named_where
     the farm builds and checks shards of local data, a 1-rank run of the tiny recipe trains on them, and each extra's
     feature asked for stops in its one line."""
     source = tmp_path / "source"  # pip builds in the tree it installs: a copy keeps the checkout clean
-    for package in ("wampipe", *PACKAGES):
+    for package in ("wampipe", *WHEEL_PACKAGES):
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)

@@ -19,25 +19,12 @@ import yaml
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from wampipe.train.dit.lora import ADAPTERS, PEFT_PREFIX, TRAINABLE, fold
+from wampipe.train.dit.lora import ADAPTERS, PEFT_PREFIX, TRAINABLE
 from wampipe.train.dit.weights import DREAMZERO_PREFIX
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, merge_lora
 
 STEPS = 6
-
-
-def merge_lora(state_dict: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
-    """A full state dict with `<layer>.lora_A` / `<layer>.lora_B` folded into `<layer>.weight` (scale alpha / rank,
-    the rank read from lora_A) and the adapter keys dropped: plain weights."""
-    out = {k: v for k, v in state_dict.items() if not k.endswith(tuple("." + a for a in ADAPTERS))}
-    for key, a in state_dict.items():
-        if key.endswith(".lora_A"):
-            layer = key[: -len(".lora_A")]
-            out[layer + ".weight"] = fold(
-                state_dict[layer + ".weight"], a, state_dict[layer + ".lora_B"], alpha / a.shape[0]
-            ).to(state_dict[layer + ".weight"].dtype)
-    return out
 
 
 # ---------------------------------------------------------------- the trainer under torchrun

@@ -30,9 +30,8 @@ from wampipe.train.builder import model_config
 from wampipe.train.config import DataConfig, ShardSet, file_config, parse_args, save_config
 from wampipe.train.evaluation.curves import plot
 from wampipe.train.data import SampleReader, ShardLoader, SetDraws, open_sets
-from tests.helpers import tiny_torchrun
+from tests.helpers import ROOT, tiny_torchrun
 
-from tests.helpers import ROOT
 
 CPU = torch.device("cpu")
 

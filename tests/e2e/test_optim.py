@@ -6,8 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import trainer_command, trainer_env
-from tests.helpers import ROOT
+from tests.helpers import ROOT, trainer_command, trainer_env
 
 
 @pytest.mark.slow

@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import PROJECT, ROOT, console_script
-from tests.helpers import HELP_ENV, check_help, unexpected
+from tests.helpers import HELP_ENV, PROJECT, ROOT, check_help, console_script, unexpected
 
 pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 

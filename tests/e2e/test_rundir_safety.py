@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import trainer_command, descendants, trainer_env, metric_rows
-from tests.helpers import ROOT
-from tests.helpers import fill_disk
+from tests.helpers import ROOT, descendants, fill_disk, metric_rows, trainer_command, trainer_env
 from wampipe.train.checkpoint import LOCK, MARKER, complete_checkpoints, run_identity, step_dir
 
 pytestmark = pytest.mark.slow

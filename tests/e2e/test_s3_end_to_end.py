@@ -21,11 +21,10 @@ from wampipe.shardformat.files import atomic_write_json
 from wampipe.shardformat.shard import ShardRecord
 from wampipe.shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
 from devtools.s3 import upload_then_sigkill
-from tests.helpers import TINY, tiny_torchrun
+from tests.helpers import ROOT, TINY, tiny_torchrun
 from wampipe.train.config import DataConfig
 from wampipe.train.data import SampleReader, ShardIndex, ShardLoader
 
-from tests.helpers import ROOT
 
 STEPS = 4
 

@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import HELP_ENV, check_help
-from tests.helpers import ROOT
+from tests.helpers import HELP_ENV, ROOT, check_help
 
 pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 

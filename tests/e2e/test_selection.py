@@ -14,97 +14,24 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import ROOT, build, manifest, shards_cmd
+from tests.helpers import (
+    DROID_KEY,
+    ROOT,
+    build,
+    manifest,
+    official_filters,
+    official_rows,
+    official_selection,
+    select_episodes,
+    shards_cmd,
+    write_ranges,
+)
 from wampipe.errors import UsageError
-from wampipe.preprocess.lerobot import LeRobotDataset
-from wampipe.preprocess.selection import Filters, select
 from wampipe.preprocess.windows import episode_windows
 from wampipe.shardformat.embodiments import get_embodiment
 
-DROID_KEY = "{recording_folderpath}--{file_path}"
-LANGUAGE_KEYS = ("language_instruction", "language_instruction_2", "language_instruction_3")
-
-
-@pytest.fixture(scope="module")
-def raw_root(tmp_path_factory) -> Path:
-    from devtools.sample_data import write_sample_dataset
-
-    return write_sample_dataset(tmp_path_factory.mktemp("raw") / "droid", "droid-raw", episodes=8)
-
-
-@pytest.fixture(scope="module")
-def ranges_file(raw_root) -> Path:
-    from devtools.sample_data import keep_ranges_path
-
-    return keep_ranges_path(raw_root)
-
-
-def jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def official_selection(root: Path, ranges_file: Path, filter_failed: bool = True) -> dict[int, list]:
-    """DreamZero's first pass over DROID (dreamzero0/dreamzero scripts/data/convert_droid.py:448-497), re-stated over
-    the LeRobot files read directly: every episode in read order; with --filter-failed an episode whose rewards are
-    all zero is filtered; each of the three instructions at step 0 registers in one run-wide table, seeded with "not
-    provided", when it is longer than one character and not yet in it, and an episode none of whose instructions
-    registered is filtered (the check runs on filtered episodes too); the keep ranges are looked up by
-    f"{recording_folderpath}--{file_path}" (a missing key raises) and an empty list filters the episode. Returns the
-    kept episodes' ranges, in read order."""
-    tasks = {row["task_index"]: row["task"] for row in jsonl(root / "meta/tasks.jsonl")}
-    all_tasks = {"not provided": 0}
-    all_keep_ranges = json.loads(ranges_file.read_text())
-    kept = {}
-    for row in jsonl(root / "meta/episodes.jsonl"):
-        table = pq.read_table(root / f"data/chunk-000/episode_{row['episode_index']:06d}.parquet")
-        filtered = False
-        if filter_failed and not np.any(table.column("next.reward").to_numpy() != 0):
-            filtered = True
-        has_lang = False
-        for lang_key in LANGUAGE_KEYS:
-            task = tasks[table.column(f"annotation.language.{lang_key}")[0].as_py()]
-            if task and len(task) > 1 and task not in all_tasks:
-                has_lang = True
-                all_tasks[task] = len(all_tasks)
-        if not has_lang:
-            filtered = True
-        keep_ranges = all_keep_ranges[f"{row['recording_folderpath']}--{row['file_path']}"]
-        if len(keep_ranges) == 0:
-            filtered = True
-        if not filtered:
-            kept[row["episode_index"]] = keep_ranges
-    return kept
-
-
-def official_rows(ranges) -> np.ndarray:
-    """The rows a kept episode keeps (convert_droid.py:253-257, 294-313): each [start, end) slice, concatenated."""
-    return np.concatenate([np.arange(start, end) for start, end in ranges])
-
-
-def official(ranges_file: Path, **overrides) -> Filters:
-    return Filters(
-        **{
-            "keep_ranges": str(ranges_file),
-            "keep_ranges_key": DROID_KEY,
-            "drop_failed": True,
-            "require_language": "official",
-            **overrides,
-        }
-    )
-
-
-def chosen(root: Path, filters: Filters, episodes: list[int] | None = None):
-    ds = LeRobotDataset(root)
-    return select(ds, filters, ds.episode_indices if episodes is None else episodes, workers=1)
-
 
 # ---------------------------------------------------------------- bad filter inputs: one line each
-
-
-def write(tmp_path: Path, content) -> Path:
-    path = tmp_path / "ranges.json"
-    path.write_text(content if isinstance(content, str) else json.dumps(content))
-    return path
 
 
 # ---------------------------------------------------------------- the build (end to end)
@@ -161,7 +88,7 @@ def test_the_build_holds_the_official_windows_and_records_the_selection(raw_shar
     assert crossing >= 2  # windows across a seam, where the official conversion makes them
 
     m = manifest(raw_shards)
-    assert m["selection"]["counts"] == chosen(raw_root, official(ranges_file)).counts
+    assert m["selection"]["counts"] == select_episodes(raw_root, official_filters(ranges_file)).counts
     assert m["selection"]["filters"] == {
         "keep_ranges": {"path": str(ranges_file), "sha256": sha256_file(ranges_file), "key": DROID_KEY},
         "drop_failed": {"reward_field": "next.reward"},
@@ -185,7 +112,7 @@ def test_a_rerun_with_another_keep_ranges_file_is_refused_in_one_line(
 
     changed = json.loads(ranges_file.read_text())
     changed[next(iter(changed))] = [[0, 100]]
-    other = write(tmp_path, changed)
+    other = write_ranges(tmp_path, changed)
     before = sorted(p.name for p in raw_shards.rglob("*"))
     done = subprocess.run(
         shards_cmd(raw_root, raw_shards, "droid", tiny_checkpoints, "--official-filters", "--keep-ranges", str(other)),

@@ -15,11 +15,19 @@ import pytest
 from wampipe.preprocess.__main__ import main
 from wampipe.preprocess.check import check
 from wampipe.preprocess.outdir import INPUTS, LOCK
-from tests.helpers import ROOT, build, manifest, shards_cmd
-from tests.helpers import corrupt_droid
-from tests.helpers import alive, children, refusal, tree, wait_for
-
-from tests.helpers import assert_good_episode_statistics
+from tests.helpers import (
+    ROOT,
+    alive,
+    assert_good_episode_statistics,
+    build,
+    children,
+    corrupt_droid,
+    manifest,
+    refusal,
+    shards_cmd,
+    tree,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 import multiprocessing
 import os
-import shutil
 import tarfile
 from pathlib import Path
 
@@ -11,16 +10,6 @@ import pytest
 from wampipe.shardformat.files import sha256_file
 from wampipe.shardformat.storage import MANIFEST, ShardStore, sync_up, upload_order
 from devtools.s3 import upload_then_sigkill
-
-
-@pytest.fixture(scope="module")
-def shard_dir(tmp_path_factory, tiny_shards) -> Path:
-    """A finished synthetic shard directory (4 shards, text table, statistics, manifest, work/ spills), plus the
-    leftovers an interrupted writer may leave: a hidden temporary file and a lock file."""
-    out = Path(shutil.copytree(tiny_shards, tmp_path_factory.mktemp("shards") / "tiny"))
-    (out / ".shard-000009.tar.123.0a1b2c3d.tmp").write_bytes(b"partial")
-    (out / "finalize.lock").write_text("123")
-    return out
 
 
 def _members(tar: Path) -> list[tuple[int, int]]:

@@ -25,21 +25,10 @@ from wampipe.preprocess.remote import AT_START, publish
 from wampipe.shardformat.files import atomic_write_json
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.storage import ShardStore, upload_order
-from tests.helpers import ROOT, shards_cmd
+from tests.helpers import FOREIGN, FOREIGN_REFUSAL, ROOT, refusal, shards_cmd
 from devtools.s3 import CREDENTIALS, S3Server
-from tests.helpers import refusal
 
 # Another tool's shard directory: files at the names a build writes, none of them recorded by a build.
-FOREIGN = {
-    "manifest.json": b"{}\n",
-    "metadata.json": b'{"mine": 1}\n',
-    "wids.json": b"{}\n",
-    "shard-000000.tar": b"not a wampipe shard",
-}
-FOREIGN_REFUSAL = (
-    "{where} holds files that no wampipe build recorded, at names a build writes: {names}. Nothing was "
-    "deleted; move them away or use another --out (--overwrite deletes only a build's own files)"
-)
 
 
 def failed_at_start(cmd: list[str]) -> str:

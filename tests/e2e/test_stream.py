@@ -14,8 +14,7 @@ import time
 import pytest
 
 from wampipe.preprocess.check import check
-from tests.helpers import ROOT, build, manifest, shards_cmd
-from tests.helpers import alive, children, wait_for
+from tests.helpers import ROOT, alive, build, children, manifest, shards_cmd, wait_for
 
 pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 

@@ -11,70 +11,44 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from devtools import synthetic
 from wampipe.shardformat.index import Window
 from wampipe.shardformat.keys import parse_key
 from wampipe.shardformat.manifest import ShardFormatError
 from wampipe.shardformat.shard import ShardRecord, json_path
-from wampipe.train.config import DataConfig
 from wampipe.train.data import (
     SampleReader,
     ShardIndex,
-    ShardLoader,
     collate,
 )
-from tests.helpers import TINY
-
-from tests.helpers import ROOT
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    """25 windows x 2 variants in shards of 7 (the last one short), 5 synthetic episodes; each episode's first and last
-    windows have anchor multiplicity 3 and 2, so an anchor-weighted epoch visits 5 x 8 = 40 windows."""
-    out = tmp_path_factory.mktemp("shards") / "tiny"
-    synthetic.make_synthetic_shards(
-        out, "tiny", episodes=5, windows_per_episode=5, augment_variants=2, samples_per_shard=7, seed=3
-    )
-    return out
-
-
-def _loader(shards, rank=0, world=2, workers=0, **kw):
-    return ShardLoader(
-        DataConfig(shards=shards, micro_batch_size=2, num_workers=workers, **kw), TINY, rank, world, torch.device("cpu")
-    )
-
-
-def _take(it, n):
-    return [next(it) for _ in range(n)]
+from tests.helpers import ROOT, TINY, take, tiny_loader
 
 
 @pytest.mark.e2e
-def test_order_is_independent_of_workers_and_resume_is_exact(shards):
-    ref = _take(iter(_loader(shards, workers=0)), 9)
-    multi = _take(iter(_loader(shards, workers=2)), 9)
+def test_order_is_independent_of_workers_and_resume_is_exact(loader_shards):
+    ref = take(iter(tiny_loader(loader_shards, workers=0)), 9)
+    multi = take(iter(tiny_loader(loader_shards, workers=2)), 9)
     for a, b in zip(ref, multi):
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
-    first = _loader(shards, workers=2)
+    first = tiny_loader(loader_shards, workers=2)
     it = iter(first)
-    _take(it, 4)
+    take(it, 4)
     state = first.state_dict()
-    resumed = _loader(shards, workers=2)
+    resumed = tiny_loader(loader_shards, workers=2)
     resumed.load_state_dict(state)
-    for a, b in zip(ref[4:], _take(iter(resumed), 5)):
+    for a, b in zip(ref[4:], take(iter(resumed), 5)):
         assert int(a["batch"]) == int(b["batch"])
         torch.testing.assert_close(a["latents"], b["latents"], rtol=0, atol=0)
         torch.testing.assert_close(a["text"], b["text"], rtol=0, atol=0)
 
 
 @pytest.mark.e2e
-def test_workers_build_batches_in_shared_memory_with_the_main_process_values(shards):
+def test_workers_build_batches_in_shared_memory_with_the_main_process_values(loader_shards):
     """Inside a worker, collate writes every sample tensor straight into shared memory (the hand-off copies only a few
     bytes of bookkeeping); the
     512-row text layout, like the compact one above, equals what the main process builds."""
-    index = ShardIndex(shards)
+    index = ShardIndex(loader_shards)
     reader = SampleReader(index, TINY)
     samples = [reader.sample(w, np.random.default_rng(0)) for w in cast(list[Window], index.windows[:3])]
     reader.close()
@@ -88,8 +62,8 @@ def test_workers_build_batches_in_shared_memory_with_the_main_process_values(sha
     for flags in DataLoader(Probe(), batch_size=None, num_workers=1):
         assert flags.keys() == {"latents", "clip", "text", "state", "actions", "action_mask"} and all(flags.values())
     assert not any(v.is_shared() for v in collate(samples, TINY.text_len).values())  # main process: plain memory
-    ref = _take(iter(_loader(shards, workers=0, compact_text=False)), 3)
-    for a, b in zip(ref, _take(iter(_loader(shards, workers=2, compact_text=False)), 3)):
+    ref = take(iter(tiny_loader(loader_shards, workers=0, compact_text=False)), 3)
+    for a, b in zip(ref, take(iter(tiny_loader(loader_shards, workers=2, compact_text=False)), 3)):
         assert a["text"].shape == (2, TINY.text_len, TINY.text_dim) and "text_lengths" not in a
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
@@ -118,11 +92,11 @@ def _flip_member_byte(root: Path, member: str) -> tuple[Path, str]:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_flipped_byte_stops_training_with_the_member_named(shards, tmp_path, workers):
+def test_a_flipped_byte_stops_training_with_the_member_named(loader_shards, tmp_path, workers):
     import shutil
 
     corrupt = tmp_path / "corrupt"
-    shutil.copytree(shards, corrupt)
+    shutil.copytree(loader_shards, corrupt)
     shard, key = _flip_member_byte(corrupt, "clip.npy")
     message = f"{shard}: sample {key}: member clip.npy checksum mismatch (corrupt shard)"
     index = ShardIndex(corrupt)
@@ -131,7 +105,7 @@ def test_a_flipped_byte_stops_training_with_the_member_named(shards, tmp_path, w
         reader.raw(0, key)
     assert str(err.value) == message
     reader.close()
-    loader = _loader(corrupt, workers=workers, variant=parse_key(key).variant)
+    loader = tiny_loader(corrupt, workers=workers, variant=parse_key(key).variant)
     with pytest.raises(ShardFormatError) as stop:
-        _take(iter(loader), 40)  # 4 epochs of rank 0: the corrupt sample's window comes up (at the latest) there
+        take(iter(loader), 40)  # 4 epochs of rank 0: the corrupt sample's window comes up (at the latest) there
     assert str(stop.value) == message

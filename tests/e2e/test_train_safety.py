@@ -20,9 +20,7 @@ from devtools import synthetic
 from wampipe.shardformat.index import Window
 from wampipe.shardformat.members import checksum, npy_bytes
 from wampipe.shardformat.shard import ShardRecord, json_path
-from tests.helpers import reindex
-from tests.helpers import trainer_command, trainer_env, metric_rows
-from tests.helpers import ROOT
+from tests.helpers import ROOT, metric_rows, reindex, trainer_command, trainer_env
 from wampipe.train import checkpoint
 from wampipe.train.builder import model_config
 from wampipe.train.config import parse_args

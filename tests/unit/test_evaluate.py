@@ -1,5 +1,5 @@
-"""`python -m train.evaluate` on a real 2-rank torchrun run (its DCP checkpoint and its eval-ready export) and the
-trainer's periodic action error (--metrics.action-interval) of the same run."""
+"""The evaluation flags of the trainer: a bad action-error setting stops with one line before anything runs (the
+evaluation of a trained run is in tests/e2e/test_evaluate.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import rewrite_weights
+from tests.helpers import copy_tree, edit_export_conf, rewrite_weights
 from wampipe.shardformat.index import Window
 from wampipe.train.dit.export import check_base
 from wampipe.train.dit.model import build_model
@@ -27,18 +27,6 @@ def _edit_config(folder: Path, edit) -> None:
     config = json.loads((folder / "config.json").read_text())
     edit(config)
     (folder / "config.json").write_text(json.dumps(config))
-
-
-def _edit_conf(folder: Path, edit) -> None:
-    path = folder / "experiment_cfg" / "conf.yaml"
-    conf = yaml.safe_load(path.read_text())
-    edit(conf)
-    path.write_text(yaml.safe_dump(conf))
-
-
-def _copy(base: Path, out: Path) -> Path:
-    shutil.copytree(base, out)
-    return out
 
 
 def _with_tensors(edit):
@@ -69,21 +57,21 @@ BAD_BASES = {
         _with_tensors(lambda sd: {**sd, P + "blocks.0.self_attn.q.lora_A.weight": torch.zeros(2)}),
         "PEFT/LoRA keys",
     ),
-    "no config": (lambda b, o: (_copy(b, o) / "config.json").unlink() or o, "no config.json"),
+    "no config": (lambda b, o: (copy_tree(b, o) / "config.json").unlink() or o, "no config.json"),
     "not dreamzero": (
-        lambda b, o: _edit_config(_copy(b, o), lambda c: c.pop("action_head_cfg")) or o,
+        lambda b, o: _edit_config(copy_tree(b, o), lambda c: c.pop("action_head_cfg")) or o,
         "no action_head_cfg.config.diffusion_model_cfg",
     ),
     "other embodiment": (
-        lambda b, o: _edit_conf(_copy(b, o), lambda c: c["transforms"].clear()) or o,
+        lambda b, o: edit_export_conf(copy_tree(b, o), lambda c: c["transforms"].clear()) or o,
         "no transforms.libero_sim (the shards' embodiment)",
     ),
     "lora only": (
-        lambda b, o: _edit_conf(_copy(b, o), lambda c: c.update(save_lora_only=True)) or o,
+        lambda b, o: edit_export_conf(copy_tree(b, o), lambda c: c.update(save_lora_only=True)) or o,
         "save_lora_only is true",
     ),
     "stale index": (
-        lambda b, o: (_copy(b, o) / "model-00002-of-00010.safetensors").unlink() or o,
+        lambda b, o: (copy_tree(b, o) / "model-00002-of-00010.safetensors").unlink() or o,
         "lists model-00002-of-00010.safetensors, which is missing",
     ),
 }
@@ -191,7 +179,7 @@ def test_config_json_carries_every_field_the_official_constructors_read(
             head.pop(key)
         head["diffusion_model_cfg"].pop("hidden_size")
 
-    stale = _copy(official_base, tmp_path / "stale")
+    stale = copy_tree(official_base, tmp_path / "stale")
     _edit_config(stale, drop_new_fields)
     for folder in (
         official_base,

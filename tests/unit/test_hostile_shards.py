@@ -22,8 +22,7 @@ from wampipe.shardformat.shard import ShardRecord
 from wampipe.shardformat.storage import ShardStore
 from wampipe.train.data import SampleReader, ShardIndex
 from wampipe.train.dit.model import preset
-from tests.helpers import edit_index, reindex
-from tests.helpers import refused, reseal
+from tests.helpers import edit_index, outside_path_refusal, refused, reindex, reseal
 
 ESCAPE = "../../../../tmp/x"  # below <cache>/<bucket>/<prefix>/: <cache>/../../tmp/x
 
@@ -34,18 +33,9 @@ def copy(small_shards, tmp_path) -> Path:
     return Path(shutil.copytree(small_shards, tmp_path / "a" / "shards"))
 
 
-def outside_path(manifest: Path | str, field: str, name: str) -> str:
-    """The refusal of the manifest at `manifest` whose `field` names `name`."""
-    pattern = r".+\.safetensors" if field == "text_table.file" else r".+\.json"
-    return (
-        f"{manifest}: {field} {name!r} is not a relative path of the form {pattern} inside the shard directory "
-        f"(crafted or corrupt): rebuild the shards"
-    )
-
-
 def test_a_text_table_outside_the_directory_is_refused_locally(copy, tmp_path):
     reseal(copy / "manifest.json", lambda m: m["text_table"].update(file=ESCAPE))
-    message = outside_path(copy / "manifest.json", "text_table.file", ESCAPE)
+    message = outside_path_refusal(copy / "manifest.json", "text_table.file", ESCAPE)
     assert refused(copy) == message
     assert check(copy) == [message]
     with pytest.raises(ShardFormatError, match="is not a relative path"):
@@ -60,7 +50,7 @@ def test_statistics_outside_the_directory_are_refused(copy, tmp_path):
         copy / "manifest.json",
         lambda m: m["statistics"].update(file=name, sha256=hashlib.sha256(outside.read_bytes()).hexdigest()),
     )
-    message = outside_path(copy / "manifest.json", "statistics.file", name)
+    message = outside_path_refusal(copy / "manifest.json", "statistics.file", name)
     assert refused(copy) == message
     assert check(copy) == [message]
 

@@ -17,22 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import FORBIDDEN_IMPORTS, ROOT
 
-FORBIDDEN = {
-    "train": ("preprocess", "devtools"),
-    "configs": ("train", "preprocess", "devtools"),
-    "preprocess": ("train", "devtools"),
-    "shardformat": ("train", "preprocess", "devtools"),
-    "encoders": ("train", "preprocess", "devtools"),
-}
 MOVED = {"wampipe.preprocess.synthetic": "devtools.synthetic"}  # fixtures: synthetic shards for tests and benchmarks
-CHECKOUT = (*FORBIDDEN, "devtools", "scripts", "tests")
+CHECKOUT = (*FORBIDDEN_IMPORTS, "devtools", "scripts", "tests")
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_IMPORTS))
 def test_no_import_statement_names_a_package_it_must_not_import(package):
-    statement = re.compile(rf"^\s*(?:from|import)\s+(?:wampipe\.)?(?:{'|'.join(FORBIDDEN[package])})\b", re.MULTILINE)
+    statement = re.compile(
+        rf"^\s*(?:from|import)\s+(?:wampipe\.)?(?:{'|'.join(FORBIDDEN_IMPORTS[package])})\b", re.MULTILINE
+    )
     found = [
         f"{path.relative_to(ROOT)}: {m.group().strip()}"
         for path in sorted((ROOT / package).rglob("*.py"))
@@ -44,7 +39,7 @@ def test_no_import_statement_names_a_package_it_must_not_import(package):
 def product_modules() -> dict[str, Path]:
     """Every product module by its installed name."""
     out = {}
-    for path in sorted(p for package in FORBIDDEN for p in (ROOT / package).rglob("*.py")):
+    for path in sorted(p for package in FORBIDDEN_IMPORTS for p in (ROOT / package).rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
         out[".".join(("wampipe",) + (parts[:-1] if parts[-1] == "__init__" else parts))] = path
     return out
@@ -96,7 +91,7 @@ def test_no_product_module_imports_itself_through_others():
 def test_no_product_file_uses_a_private_name_of_another_file():
     """`from wampipe.x import _name` or `x._name` of an imported product module: a private name is the file's own."""
     found = []
-    for path in sorted(p for package in FORBIDDEN for p in (ROOT / package).rglob("*.py")):
+    for path in sorted(p for package in FORBIDDEN_IMPORTS for p in (ROOT / package).rglob("*.py")):
         tree = ast.parse(path.read_text())
         modules = set()
         for node in ast.walk(tree):
@@ -124,11 +119,13 @@ def test_no_product_file_uses_a_private_name_of_another_file():
 def test_the_wheel_ships_every_product_package_under_wampipe_and_no_fixture():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     shipped = {name.split(".")[1] for name in setuptools["packages"] if name != "wampipe"}
-    assert shipped == set(FORBIDDEN) and (ROOT / "devtools" / "__init__.py").is_file()
-    assert setuptools["package-dir"] == {f"wampipe.{name}": name for name in FORBIDDEN}  # the folders stay on top
+    assert shipped == set(FORBIDDEN_IMPORTS) and (ROOT / "devtools" / "__init__.py").is_file()
+    assert setuptools["package-dir"] == {
+        f"wampipe.{name}": name for name in FORBIDDEN_IMPORTS
+    }  # the folders stay on top
     every = {
         p.parent.relative_to(ROOT).as_posix().replace("/", ".")
-        for name in FORBIDDEN
+        for name in FORBIDDEN_IMPORTS
         for p in (ROOT / name).rglob("__init__.py")
     }
     assert {f"wampipe.{name}" for name in every} == set(setuptools["packages"]) - {"wampipe"}  # subpackages too
@@ -136,7 +133,7 @@ def test_the_wheel_ships_every_product_package_under_wampipe_and_no_fixture():
 
 def test_every_import_of_a_product_package_goes_through_wampipe():
     """A bare `import train` would load a second copy of the module (or a user's own train.py)."""
-    statement = re.compile(rf"^\s*(?:from|import)\s+(?:{'|'.join(FORBIDDEN)})\b", re.MULTILINE)
+    statement = re.compile(rf"^\s*(?:from|import)\s+(?:{'|'.join(FORBIDDEN_IMPORTS)})\b", re.MULTILINE)
     paths = [path for package in CHECKOUT for path in sorted((ROOT / package).rglob("*.py"))]
     found = [
         f"{path.relative_to(ROOT)}: {m.group().strip()}" for path in paths for m in statement.finditer(path.read_text())
@@ -146,7 +143,7 @@ def test_every_import_of_a_product_package_goes_through_wampipe():
 
 def test_each_product_folder_is_linked_into_the_wampipe_folder():
     """Tools that follow files (pyright, go-to-definition) resolve `wampipe.train.x` through these links."""
-    for name in FORBIDDEN:
+    for name in FORBIDDEN_IMPORTS:
         link = ROOT / "wampipe" / name
         assert link.is_symlink() and link.resolve() == (ROOT / name).resolve(), link
 
@@ -249,7 +246,7 @@ def test_only_the_entry_points_end_the_process():
     `if __name__ == "__main__":`, or a `__main__.py`) turns one into its exit status, through the EXIT_HELPERS."""
     found = [
         where
-        for package in (*FORBIDDEN, "wampipe")
+        for package in (*FORBIDDEN_IMPORTS, "wampipe")
         for path in sorted((ROOT / package).rglob("*.py"))
         for where in exits_outside_entry_points(path.relative_to(ROOT).as_posix(), path.read_text())
     ]

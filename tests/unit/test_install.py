@@ -4,11 +4,18 @@ are what the code imports, and a shards command that needs its source."""
 
 import importlib
 import importlib.metadata
-import re
 import sys
 
 
-from tests.helpers import PROJECT, ROOT
+from tests.helpers import (
+    BASE_REQUIREMENTS,
+    EXTRA_REQUIREMENTS,
+    PROJECT,
+    ROOT,
+    WHEEL_PACKAGES,
+    normalized_name,
+    requirement_closure,
+)
 from wampipe.train.launch import split_arguments
 
 
@@ -37,45 +44,13 @@ def test_train_script_splits_torchrun_options_from_trainer_flags():
     )
 
 
-def normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def requirement_names(requirements: list[str]) -> set[str]:
-    """Distribution names of `requirements` whose markers hold without any extra asked for."""
-    from packaging.requirements import Requirement
-
-    reqs = [Requirement(r) for r in requirements]
-    return {normalized(r.name) for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})}
-
-
-def closure(names: set[str]) -> set[str]:
-    """`names` and every distribution they require, as installed here."""
-    seen, todo = set(), list(names)
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            todo += requirement_names(importlib.metadata.requires(name) or [])
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return seen
-
-
-PACKAGES = ("configs", "encoders", "preprocess", "shardformat", "train")  # what the wheel holds
-BASE = requirement_names(PROJECT["dependencies"])
-EXTRAS = {extra: requirement_names(reqs) - {"wampipe"} for extra, reqs in PROJECT["optional-dependencies"].items()}
-
-
 def imported_distributions() -> dict[str, set[str]]:
     """Distribution -> the project's files that import one of its modules (at the top or in a function)."""
     import ast
 
     owners = importlib.metadata.packages_distributions()
     found: dict[str, set[str]] = {}
-    for path in sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
+    for path in sorted(p for package in WHEEL_PACKAGES for p in (ROOT / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = (
                 [a.name for a in node.names]
@@ -86,7 +61,7 @@ def imported_distributions() -> dict[str, set[str]]:
             )
             for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names):
                 for dist in owners.get(top, []):
-                    found.setdefault(normalized(dist), set()).add(str(path.relative_to(ROOT)))
+                    found.setdefault(normalized_name(dist), set()).add(str(path.relative_to(ROOT)))
     return found
 
 
@@ -99,6 +74,6 @@ def test_base_dependencies_are_what_the_code_imports():
     import is of an extra or of what an extra brings (botocore, aiohttp: s3fs's), each behind its ImportError."""
     imported = imported_distributions()
     imported.pop("wampipe", None)
-    assert BASE - set(imported) == LOADED_BY_OTHERS
-    from_extras = closure(set().union(*EXTRAS.values())) - BASE
-    assert {dist: files for dist, files in imported.items() if dist not in BASE | from_extras} == {}
+    assert BASE_REQUIREMENTS - set(imported) == LOADED_BY_OTHERS
+    from_extras = requirement_closure(set().union(*EXTRA_REQUIREMENTS.values())) - BASE_REQUIREMENTS
+    assert {dist: files for dist, files in imported.items() if dist not in BASE_REQUIREMENTS | from_extras} == {}

@@ -14,24 +14,12 @@ import torch.nn as nn
 from safetensors.torch import load_file
 
 from wampipe.train.dit.export import export_weights
-from wampipe.train.dit.lora import ADAPTERS, TRAINABLE, LoRAConfig, LoRALinear, apply_lora, fold, init_lora
+from wampipe.train.dit.lora import ADAPTERS, TRAINABLE, LoRAConfig, LoRALinear, apply_lora, init_lora
 from wampipe.train.dit.loss import FlowMatchScheduler, LossConfig, flow_matching_loss
 from wampipe.train.dit.model import Block, CausalWanModel, build_model, random_batch
+from tests.helpers import merge_lora
 
 RECIPE = LoRAConfig(rank=4, alpha=4.0)
-
-
-def merge_lora(state_dict: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
-    """A full state dict with `<layer>.lora_A` / `<layer>.lora_B` folded into `<layer>.weight` (scale alpha / rank,
-    the rank read from lora_A) and the adapter keys dropped: plain weights."""
-    out = {k: v for k, v in state_dict.items() if not k.endswith(tuple("." + a for a in ADAPTERS))}
-    for key, a in state_dict.items():
-        if key.endswith(".lora_A"):
-            layer = key[: -len(".lora_A")]
-            out[layer + ".weight"] = fold(
-                state_dict[layer + ".weight"], a, state_dict[layer + ".lora_B"], alpha / a.shape[0]
-            ).to(state_dict[layer + ".weight"].dtype)
-    return out
 
 
 def _lora_model(cfg: LoRAConfig = RECIPE, seed: int = 0) -> CausalWanModel:

@@ -8,6 +8,7 @@ from PIL import Image
 
 from wampipe.errors import UsageError
 from wampipe.train.evaluation.curves import panels_of, plot_run, read_metrics
+from tests.helpers import metrics_row
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -17,21 +18,6 @@ def font_cache():
     from matplotlib import font_manager
 
     font_manager.findfont("DejaVu Sans")
-
-
-def _row(step: int, loss: float) -> dict:
-    # the fields train/metrics.py writes
-    return {
-        "step": step,
-        "loss": loss,
-        "loss_dynamics": 0.9 * loss,
-        "loss_action": 0.1 * loss,
-        "grad_norm": 1.0,
-        "lr": 1e-4 * min(1, step / 4),
-        "samples_per_s_per_gpu": 3.0 + step % 3,
-        "data_wait_pct": 0.5,
-        "time": 1.0e9 + step,
-    }
 
 
 def test_missing_or_broken_metrics_name_the_file(tmp_path):
@@ -48,7 +34,9 @@ def read_rows(rows: list[dict], tmp_path) -> list[dict]:
 
 
 def test_the_validation_loss_and_the_action_error_get_their_panels(tmp_path):
-    rows = [_row(s, 1.0) | {"loss/a": 1.0, "loss/b": 2.0, "samples_seen/a": s, "samples_seen/b": s} for s in (1, 2)]
+    rows = [
+        metrics_row(s, 1.0) | {"loss/a": 1.0, "loss/b": 2.0, "samples_seen/a": s, "samples_seen/b": s} for s in (1, 2)
+    ]
     rows[1] |= {"val_loss": 1.5, "val_loss/a": 1.4, "val_loss/b": 1.6}  # train/validate.py, on its steps
     fields = {title: f for title, f, _ in panels_of(rows)}
     assert "val_loss" in fields["loss"] and {"val_loss/a", "val_loss/b"} <= set(fields["loss per set"])

@@ -15,8 +15,7 @@ from wampipe.shardformat.samples import index_rows
 from wampipe.shardformat.shard import MemberRef, SampleRecord
 from wampipe.train.data import SampleReader, ShardIndex
 from wampipe.train.dit.model import preset
-from tests.helpers import edit_index
-from tests.helpers import refused, reseal
+from tests.helpers import edit_index, refused, reseal
 
 
 @pytest.fixture

@@ -7,94 +7,16 @@ keep ranges, a failed episode, repeated, missing and one-character instructions,
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import shards_cmd
+from tests.helpers import official_filters, official_rows, official_selection, select_episodes, shards_cmd, write_ranges
 from wampipe.preprocess.errors import DatasetError
 from wampipe.preprocess.lerobot import LeRobotDataset
-from wampipe.preprocess.selection import Filters, parse_ids, read_keep_ranges, select, show_ids
+from wampipe.preprocess.selection import Filters, parse_ids, read_keep_ranges, show_ids
 from wampipe.preprocess.windows import episode_windows
 from wampipe.shardformat.embodiments import get_embodiment
-
-DROID_KEY = "{recording_folderpath}--{file_path}"
-LANGUAGE_KEYS = ("language_instruction", "language_instruction_2", "language_instruction_3")
-
-
-@pytest.fixture(scope="module")
-def raw_root(tmp_path_factory) -> Path:
-    from devtools.sample_data import write_sample_dataset
-
-    return write_sample_dataset(tmp_path_factory.mktemp("raw") / "droid", "droid-raw", episodes=8)
-
-
-@pytest.fixture(scope="module")
-def ranges_file(raw_root) -> Path:
-    from devtools.sample_data import keep_ranges_path
-
-    return keep_ranges_path(raw_root)
-
-
-def jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def official_selection(root: Path, ranges_file: Path, filter_failed: bool = True) -> dict[int, list]:
-    """DreamZero's first pass over DROID (dreamzero0/dreamzero scripts/data/convert_droid.py:448-497), re-stated over
-    the LeRobot files read directly: every episode in read order; with --filter-failed an episode whose rewards are
-    all zero is filtered; each of the three instructions at step 0 registers in one run-wide table, seeded with "not
-    provided", when it is longer than one character and not yet in it, and an episode none of whose instructions
-    registered is filtered (the check runs on filtered episodes too); the keep ranges are looked up by
-    f"{recording_folderpath}--{file_path}" (a missing key raises) and an empty list filters the episode. Returns the
-    kept episodes' ranges, in read order."""
-    tasks = {row["task_index"]: row["task"] for row in jsonl(root / "meta/tasks.jsonl")}
-    all_tasks = {"not provided": 0}
-    all_keep_ranges = json.loads(ranges_file.read_text())
-    kept = {}
-    for row in jsonl(root / "meta/episodes.jsonl"):
-        table = pq.read_table(root / f"data/chunk-000/episode_{row['episode_index']:06d}.parquet")
-        filtered = False
-        if filter_failed and not np.any(table.column("next.reward").to_numpy() != 0):
-            filtered = True
-        has_lang = False
-        for lang_key in LANGUAGE_KEYS:
-            task = tasks[table.column(f"annotation.language.{lang_key}")[0].as_py()]
-            if task and len(task) > 1 and task not in all_tasks:
-                has_lang = True
-                all_tasks[task] = len(all_tasks)
-        if not has_lang:
-            filtered = True
-        keep_ranges = all_keep_ranges[f"{row['recording_folderpath']}--{row['file_path']}"]
-        if len(keep_ranges) == 0:
-            filtered = True
-        if not filtered:
-            kept[row["episode_index"]] = keep_ranges
-    return kept
-
-
-def official_rows(ranges) -> np.ndarray:
-    """The rows a kept episode keeps (convert_droid.py:253-257, 294-313): each [start, end) slice, concatenated."""
-    return np.concatenate([np.arange(start, end) for start, end in ranges])
-
-
-def official(ranges_file: Path, **overrides) -> Filters:
-    return Filters(
-        **{
-            "keep_ranges": str(ranges_file),
-            "keep_ranges_key": DROID_KEY,
-            "drop_failed": True,
-            "require_language": "official",
-            **overrides,
-        }
-    )
-
-
-def chosen(root: Path, filters: Filters, episodes: list[int] | None = None):
-    ds = LeRobotDataset(root)
-    return select(ds, filters, ds.episode_indices if episodes is None else episodes, workers=1)
 
 
 # ---------------------------------------------------------------- the official rule
@@ -102,7 +24,7 @@ def chosen(root: Path, filters: Filters, episodes: list[int] | None = None):
 
 def test_the_official_filters_keep_what_dreamzero_keeps(raw_root, ranges_file):
     expected = official_selection(raw_root, ranges_file)
-    selection = chosen(raw_root, official(ranges_file))
+    selection = select_episodes(raw_root, official_filters(ranges_file))
     assert {e: [list(r) for r in ranges or ()] for e, ranges in selection.kept.items()} == expected
     assert list(expected) == [0, 5, 7]  # the sample's cases all occur
     # episode 6's only instruction was registered by the failed episode 1: the official rule drops it
@@ -126,27 +48,29 @@ def test_the_official_filters_keep_what_dreamzero_keeps(raw_root, ranges_file):
 
 def test_without_failed_filter_the_failed_episode_is_kept_and_its_instructions_still_count_once(raw_root, ranges_file):
     expected = official_selection(raw_root, ranges_file, filter_failed=False)
-    selection = chosen(raw_root, official(ranges_file, drop_failed=False))
+    selection = select_episodes(raw_root, official_filters(ranges_file, drop_failed=False))
     assert list(selection.kept) == list(expected) == [0, 1, 5, 7]
 
 
 def test_language_any_keeps_repeated_instructions_but_not_missing_ones(raw_root):
-    selection = chosen(raw_root, Filters(require_language="any"))
+    selection = select_episodes(raw_root, Filters(require_language="any"))
     assert selection.dropped == {3: "language"}  # "not provided" and "x" only
     assert all(cut is None for cut in selection.kept.values())  # no keep ranges: whole episodes
 
 
 def test_a_success_field_of_meta_episodes_decides_failure(raw_root):
-    selection = chosen(raw_root, Filters(drop_failed=True, reward_field="success"))
+    selection = select_episodes(raw_root, Filters(drop_failed=True, reward_field="success"))
     assert selection.dropped == {1: "failed"}
 
 
 def test_episode_lists_and_minimum_length(raw_root, ranges_file, tmp_path):
     listing = tmp_path / "ids.txt"
     listing.write_text("# the moving ones\n0, 5\n6-7\n")
-    selection = chosen(
+    selection = select_episodes(
         raw_root,
-        official(ranges_file, episodes=parse_ids(str(listing), "--episodes"), exclude_episodes=(7,), min_length=121),
+        official_filters(
+            ranges_file, episodes=parse_ids(str(listing), "--episodes"), exclude_episodes=(7,), min_length=121
+        ),
     )
     # 5 keeps 140 rows, 0 keeps 120: under the minimum; the first reason that applies is the one recorded
     assert selection.kept == {5: ((12, 72), (102, 182))}
@@ -166,7 +90,7 @@ def test_episode_lists_and_minimum_length(raw_root, ranges_file, tmp_path):
 
 
 def test_a_cut_episode_is_the_concatenation_of_its_ranges(raw_root, ranges_file):
-    kept = chosen(raw_root, official(ranges_file)).kept
+    kept = select_episodes(raw_root, official_filters(ranges_file)).kept
     whole, cut = LeRobotDataset(raw_root), LeRobotDataset(raw_root, kept)
     assert cut.episode_indices == [0, 5, 7] and len(cut) == 3
     rows = official_rows(kept[5])
@@ -189,12 +113,6 @@ def test_a_cut_episode_is_the_concatenation_of_its_ranges(raw_root, ranges_file)
 # ---------------------------------------------------------------- bad filter inputs: one line each
 
 
-def write(tmp_path: Path, content) -> Path:
-    path = tmp_path / "ranges.json"
-    path.write_text(content if isinstance(content, str) else json.dumps(content))
-    return path
-
-
 @pytest.mark.parametrize(
     "content, says",
     [
@@ -207,7 +125,7 @@ def write(tmp_path: Path, content) -> Path:
     ],
 )
 def test_a_malformed_keep_ranges_file_is_one_line_naming_file_and_entry(tmp_path, content, says):
-    path = write(tmp_path, content)
+    path = write_ranges(tmp_path, content)
     with pytest.raises(DatasetError) as err:
         read_keep_ranges(path)
     assert str(err.value).startswith(f"{path}: ") and says in str(err.value) and "\n" not in str(err.value)
@@ -216,27 +134,27 @@ def test_a_malformed_keep_ranges_file_is_one_line_naming_file_and_entry(tmp_path
 def test_keep_ranges_that_do_not_fit_the_dataset_are_refused(raw_root, ranges_file, tmp_path):
     good = json.loads(ranges_file.read_text())
     key = next(iter(good))
-    past = write(tmp_path, {**good, key: [[0, 10_000]]})
+    past = write_ranges(tmp_path, {**good, key: [[0, 10_000]]})
     with pytest.raises(
         DatasetError,
         match=rf"^{past}: entry '{key}': range \[0, 10000\) reaches past the 130 rows "
         rf"of episode 0$",
     ):
-        chosen(raw_root, official(past))
-    extra = write(tmp_path, {**good, "gs://elsewhere--trajectory.h5": [[0, 10]]})
+        select_episodes(raw_root, official_filters(past))
+    extra = write_ranges(tmp_path, {**good, "gs://elsewhere--trajectory.h5": [[0, 10]]})
     with pytest.raises(DatasetError, match=rf"^{extra}: entry 'gs://elsewhere--trajectory.h5' names no episode"):
-        chosen(raw_root, official(extra))
+        select_episodes(raw_root, official_filters(extra))
     with pytest.raises(DatasetError, match="no episode's key is in the file"):
-        chosen(raw_root, official(ranges_file, keep_ranges_key="{episode_index}"))
+        select_episodes(raw_root, official_filters(ranges_file, keep_ranges_key="{episode_index}"))
     # a trial over the first episodes may use a file of the whole dataset
-    assert list(chosen(raw_root, official(ranges_file), episodes=[0, 1, 2]).kept) == [0]
+    assert list(select_episodes(raw_root, official_filters(ranges_file), episodes=[0, 1, 2]).kept) == [0]
 
 
 def test_a_key_field_the_dataset_lacks_is_one_line(raw_root, ranges_file):
     with pytest.raises(DatasetError, match="--keep-ranges-key: no field 'uuid' in meta/episodes or the parquet"):
-        chosen(raw_root, official(ranges_file, keep_ranges_key="{uuid}"))
+        select_episodes(raw_root, official_filters(ranges_file, keep_ranges_key="{uuid}"))
     with pytest.raises(DatasetError, match="--reward-field: no field 'reward' in meta/episodes"):
-        chosen(raw_root, Filters(drop_failed=True, reward_field="reward"))
+        select_episodes(raw_root, Filters(drop_failed=True, reward_field="reward"))
 
 
 def test_bad_filter_flags_stop_the_build_in_one_line_before_any_unit(raw_root, ranges_file, tiny_checkpoints, tmp_path):
@@ -245,7 +163,7 @@ def test_bad_filter_flags_stop_the_build_in_one_line_before_any_unit(raw_root, r
 
     good = json.loads(ranges_file.read_text())
     key = next(iter(good))
-    overlapping = write(tmp_path, {**good, key: [[0, 50], [40, 90]]})
+    overlapping = write_ranges(tmp_path, {**good, key: [[0, 50], [40, 90]]})
     cases = {
         ("--official-filters",): "--official-filters: also give --keep-ranges",
         (

@@ -1,22 +1,9 @@
 """Shard directories on object storage, against a real S3 server on localhost (moto's, in its own process)."""
 
-import shutil
-from pathlib import Path
-
 import pytest
 
 from wampipe.preprocess.check import check
 from wampipe.shardformat.storage import MANIFEST, sync_up, upload_order
-
-
-@pytest.fixture(scope="module")
-def shard_dir(tmp_path_factory, tiny_shards) -> Path:
-    """A finished synthetic shard directory (4 shards, text table, statistics, manifest, work/ spills), plus the
-    leftovers an interrupted writer may leave: a hidden temporary file and a lock file."""
-    out = Path(shutil.copytree(tiny_shards, tmp_path_factory.mktemp("shards") / "tiny"))
-    (out / ".shard-000009.tar.123.0a1b2c3d.tmp").write_bytes(b"partial")
-    (out / "finalize.lock").write_text("123")
-    return out
 
 
 def test_upload_order_puts_tars_first_manifest_last_and_leaves_out_spills(shard_dir):

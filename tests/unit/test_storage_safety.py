@@ -15,20 +15,9 @@ from wampipe.errors import UsageError
 from wampipe.preprocess import outdir
 from wampipe.preprocess.remote import staging_dir
 from wampipe.shardformat.storage import s3_options_from_env
-from tests.helpers import shards_cmd
-from tests.helpers import refusal, tree
+from tests.helpers import FOREIGN, FOREIGN_REFUSAL, refusal, shards_cmd, tree
 
 # Another tool's shard directory: files at the names a build writes, none of them recorded by a build.
-FOREIGN = {
-    "manifest.json": b"{}\n",
-    "metadata.json": b'{"mine": 1}\n',
-    "wids.json": b"{}\n",
-    "shard-000000.tar": b"not a wampipe shard",
-}
-FOREIGN_REFUSAL = (
-    "{where} holds files that no wampipe build recorded, at names a build writes: {names}. Nothing was "
-    "deleted; move them away or use another --out (--overwrite deletes only a build's own files)"
-)
 
 
 def test_the_default_staging_folder_is_private_to_the_user_and_a_planted_one_is_refused(tmp_path, monkeypatch):

@@ -2,7 +2,6 @@
 verified reads, decoding."""
 
 import json
-from pathlib import Path
 from typing import cast
 
 import numpy as np
@@ -24,35 +23,14 @@ from wampipe.train.data import (
     batches_per_epoch,
     epoch_order,
 )
-from tests.helpers import TINY
+from tests.helpers import TINY, take, tiny_loader
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    """25 windows x 2 variants in shards of 7 (the last one short), 5 synthetic episodes; each episode's first and last
-    windows have anchor multiplicity 3 and 2, so an anchor-weighted epoch visits 5 x 8 = 40 windows."""
-    out = tmp_path_factory.mktemp("shards") / "tiny"
-    synthetic.make_synthetic_shards(
-        out, "tiny", episodes=5, windows_per_episode=5, augment_variants=2, samples_per_shard=7, seed=3
-    )
-    return out
-
-
-def _loader(shards, rank=0, world=2, workers=0, **kw):
-    return ShardLoader(
-        DataConfig(shards=shards, micro_batch_size=2, num_workers=workers, **kw), TINY, rank, world, torch.device("cpu")
-    )
-
-
-def _take(it, n):
-    return [next(it) for _ in range(n)]
-
-
-def test_synthetic_shards_pass_the_integrity_check(shards):
-    assert check(shards) == []
-    manifest = json.loads((shards / "manifest.json").read_text())
+def test_synthetic_shards_pass_the_integrity_check(loader_shards):
+    assert check(loader_shards) == []
+    manifest = json.loads((loader_shards / "manifest.json").read_text())
     assert [s["count"] for s in manifest["shards"]] == [7] * 7 + [1]
-    index = ShardIndex(shards)
+    index = ShardIndex(loader_shards)
     assert len(index) == 25
     assert all(len(w.variants) == 2 for w in index.windows)
     assert index.weights("anchor").tolist() == [3, 1, 1, 1, 2] * 5 and index.weights("uniform").tolist() == [1] * 25
@@ -97,47 +75,47 @@ def test_anchor_sampling_visits_each_window_as_often_as_its_multiplicity():
     np.testing.assert_array_equal(uniform, np.random.default_rng([7, 3]).permutation(200))
 
 
-def test_loader_draws_windows_by_anchor_multiplicity(shards):
+def test_loader_draws_windows_by_anchor_multiplicity(loader_shards):
     """Both ranks of one anchor-weighted epoch together visit each window as often as its multiplicity (40 visits,
     10 micro-batches of 2 per rank: nothing rests); --data.sampling uniform visits each window once (one rests)."""
-    index = ShardIndex(shards)
+    index = ShardIndex(loader_shards)
     visits = np.zeros(len(index), np.int64)
     for rank in range(2):
-        loader = _loader(shards, rank=rank)
+        loader = tiny_loader(loader_shards, rank=rank)
         assert (loader.epoch_length, loader.batches_per_epoch) == (40, 10)
-        for batch in _take(iter(loader), loader.batches_per_epoch):
+        for batch in take(iter(loader), loader.batches_per_epoch):
             np.add.at(visits, batch["window"].numpy(), 1)
     np.testing.assert_array_equal(visits, index.weights("anchor"))
     uniform = np.concatenate(
         [
             b["window"].numpy()
             for rank in range(2)
-            for b in _take(iter(_loader(shards, rank=rank, sampling="uniform")), 6)
+            for b in take(iter(tiny_loader(loader_shards, rank=rank, sampling="uniform")), 6)
         ]
     )
     assert len(uniform) == len(set(uniform.tolist())) == 24
 
 
-def test_world_size_change_is_refused_unless_reshuffle(shards):
-    first = _loader(shards)
+def test_world_size_change_is_refused_unless_reshuffle(loader_shards):
+    first = tiny_loader(loader_shards)
     it = iter(first)
-    _take(it, 3)
+    take(it, 3)
     state = first.state_dict()
     with pytest.raises(UsageError, match="reshuffle-on-resize"):
-        _loader(shards, world=1).load_state_dict(state)
-    single = _loader(shards, world=1, reshuffle_on_resize=True)
+        tiny_loader(loader_shards, world=1).load_state_dict(state)
+    single = tiny_loader(loader_shards, world=1, reshuffle_on_resize=True)
     single.load_state_dict(state)
     assert single.next_batch == single.batches_per_epoch  # the next epoch's permutation, under the new world size
     with pytest.raises(UsageError, match="anchor sampling of 40 visits"):
-        _loader(shards, sampling="uniform").load_state_dict(state)
+        tiny_loader(loader_shards, sampling="uniform").load_state_dict(state)
     before_weights = {k: v for k, v in state.items() if k not in ("sampling", "epoch_length")}  # an older checkpoint
-    uniform = _loader(shards, sampling="uniform")
+    uniform = tiny_loader(loader_shards, sampling="uniform")
     uniform.load_state_dict(before_weights)
     assert uniform.next_batch == 3
 
 
-def test_batch_is_normalized_padded_and_text_is_a_table_row(shards):
-    index = ShardIndex(shards)
+def test_batch_is_normalized_padded_and_text_is_a_table_row(loader_shards):
+    index = ShardIndex(loader_shards)
     reader = SampleReader(index, TINY)
     window = cast(Window, index.windows[0])
     rng = np.random.default_rng(0)
@@ -153,7 +131,7 @@ def test_batch_is_normalized_padded_and_text_is_a_table_row(shards):
     assert sample["actions"].abs().max() <= 1
     torch.testing.assert_close(sample["latents"], raw["latents"], rtol=0, atol=0)
     assert sample["latents"].dtype == torch.bfloat16
-    batch = next(iter(_loader(shards)))
+    batch = next(iter(tiny_loader(loader_shards)))
     text = batch["text"]
     assert text.shape == (2, TINY.text_len, TINY.text_dim) and text.dtype == torch.bfloat16
     for i, w in enumerate(batch["window"].tolist()):
@@ -164,8 +142,8 @@ def test_batch_is_normalized_padded_and_text_is_a_table_row(shards):
     reader.close()
 
 
-def test_variant_is_drawn_per_visit(shards):
-    index = ShardIndex(shards)
+def test_variant_is_drawn_per_visit(loader_shards):
+    index = ShardIndex(loader_shards)
     reader = SampleReader(index, TINY)
     window = cast(Window, index.windows[3])
     seen = {
@@ -176,12 +154,12 @@ def test_variant_is_drawn_per_visit(shards):
     reader.close()
 
 
-def test_model_config_takes_widths_from_the_shards_and_overrides_depth(shards):
+def test_model_config_takes_widths_from_the_shards_and_overrides_depth(loader_shards):
     from wampipe.train.builder import model_config
     from wampipe.train.config import parse_args
 
-    base = model_config(parse_args(["--data.shards", str(shards)]))
-    deeper = model_config(parse_args(["--data.shards", str(shards), "--model.num-layers", "5"]))
+    base = model_config(parse_args(["--data.shards", str(loader_shards)]))
+    deeper = model_config(parse_args(["--data.shards", str(loader_shards), "--model.num-layers", "5"]))
     assert base.num_layers == TINY.num_layers != 5 and deeper.num_layers == 5
     assert (base.text_dim, base.image_dim) == (32, 24)  # tiny synthetic shards: 32-wide text, 24-wide CLIP
     assert {k: v for k, v in vars(deeper).items() if k != "num_layers"} == {
@@ -189,20 +167,20 @@ def test_model_config_takes_widths_from_the_shards_and_overrides_depth(shards):
     }
 
 
-def test_old_or_edited_manifests_are_refused_in_one_line(shards, tmp_path):
+def test_old_or_edited_manifests_are_refused_in_one_line(loader_shards, tmp_path):
     import shutil
 
     old = tmp_path / "old"
-    shutil.copytree(shards, old)
+    shutil.copytree(loader_shards, old)
     manifest = json.loads((old / "manifest.json").read_text())
     (old / "manifest.json").write_text(json.dumps({**manifest, "format": "wampipe-shards/1"}))
     with pytest.raises(
         ShardFormatError, match=r"format 'wampipe-shards/1', this code reads 'wampipe-shards/4': rebuild"
     ):
-        _loader(old)
+        tiny_loader(old)
     (old / "manifest.json").write_text(json.dumps({**manifest, "seed": manifest["seed"] + 1}))
     with pytest.raises(ShardFormatError, match="content_sha256 does not match the content"):
-        _loader(old)
+        tiny_loader(old)
 
 
 def test_a_resume_over_rebuilt_shards_is_refused_unless_said(tmp_path):
