@@ -413,9 +413,7 @@ def file_config(name_or_file: str, preset: str | None = None) -> Config:
     train = configs.section(data, "train", path)
     own = path.stem if path.parent.resolve() == configs.DIR else "tiny"
     if isinstance(train.get("optim"), dict) and "fused" in train["optim"] and train["optim"]["fused"] is None:
-        train["optim"]["fused"] = AUTO  # its spelling of auto before it was one word
-    if train.get("stop_after") == 0:
-        train["stop_after"] = None
+        train["optim"]["fused"] = AUTO  # its spelling of auto before it was one word (None fails its type)
     return from_legacy(configs.apply(preset_config(preset or train.get("preset") or own), train, f"{path}: train"))
 
 
