@@ -124,11 +124,12 @@ class Args:
     threads_per_worker: int | None = None
     """Torch threads per unit (default: CPU cores / workers). Float reductions depend on it, so byte-identical
     reruns need the same value; it is recorded with the build's inputs."""
-    executor: Literal["stream", "local", "ray"] = "stream"
+    executor: Literal["auto", "stream", "local", "ray"] = "auto"
     """stream: --workers CPU processes decode, window and transform while one process per device (every local GPU
     with --device cuda) holds the encoders for the whole run; local: a process pool whose workers each decode and
     encode their units; ray: the stream's stages on a Ray cluster, CPU tasks per unit feeding one encoder actor per
-    GPU (pip install 'wampipe[ray]'). The same bytes either way."""
+    GPU (pip install 'wampipe[ray]'). The same bytes either way. auto: stream with --device cuda, local on CPU
+    (where the encoders, not decoding, bound the run, so they get every core)."""
     ray_address: str | None = None
     """Ray cluster address (default: start or join a local instance)."""
     unit_index: int | None = None
@@ -253,6 +254,8 @@ def prepare_defaults(args: Args) -> Args:
         args.dtype = "bfloat16" if cuda else "float32"
     if args.vae_compile == "auto":
         args.vae_compile = "on" if cuda else "off"
+    if args.executor == "auto":
+        args.executor = "stream" if cuda else "local"
     if args.compile_cache is None:
         args.compile_cache = Path(
             os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -437,6 +440,7 @@ def build_units(spec: BuildSpec, units: list[list[int]], args: Args) -> None:
         for u in range(len(units))
         if not write.unit_done(Path(spec.out), u) and (args.num_units is None or u % args.num_units == args.unit_index)
     }
+    assert args.executor != "auto"  # prepare_defaults chose it
     bar = tqdm(total=len(todo), desc="units", unit="unit")
     start, samples = time.perf_counter(), 0
     try:

@@ -61,7 +61,7 @@ def tiny_checkpoints(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def droid_shards(tmp_path_factory, droid_root, tiny_checkpoints) -> Path:
-    """The sample DROID dataset built by the CLI (default executor) with the tiny checkpoints."""
+    """The sample DROID dataset built by the CLI (default executor: the local pool on CPU) with the tiny checkpoints."""
 
     def make(folder: Path) -> Path:
         done = build(droid_root, folder / "droid", "droid", tiny_checkpoints)

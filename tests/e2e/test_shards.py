@@ -121,9 +121,14 @@ def test_rerun_is_byte_identical_and_array_jobs_match(droid_shards, droid_root, 
 
 
 def test_kill_and_resume(droid_shards, droid_root, tiny_checkpoints, tmp_path):
+    """A stream killed mid-build, resumed by the default executor (the local pool on CPU): the session build's
+    bytes, whichever executor wrote which unit."""
     out = tmp_path / "killed"
+    threads = json.loads((droid_shards / "inputs.json").read_text())["threads_per_worker"]
     proc = subprocess.Popen(
-        shards_cmd(droid_root, out, "droid", tiny_checkpoints),
+        shards_cmd(
+            droid_root, out, "droid", tiny_checkpoints, "--executor", "stream", "--threads-per-worker", str(threads)
+        ),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -14,39 +14,30 @@ import time
 import pytest
 
 from wampipe.preprocess.check import check
-from tests.helpers import ROOT, alive, build, children, manifest, shards_cmd, wait_for
+from tests.helpers import ROOT, alive, build, children, manifest, shards_cmd, unexpected, wait_for
 
 pytestmark = pytest.mark.e2e  # every test runs the tools in processes of their own
 
 
 def test_stream_gives_the_bytes_of_the_local_pool(droid_shards, droid_root, tiny_checkpoints, tmp_path):
-    # droid_shards was built by the default executor (stream); the local pool with the same torch threads (the
-    # encoders' and the resize's rounding depend on the count) must give the same shards
+    # droid_shards was built by the default executor on CPU (the local pool); the stream with the same torch threads
+    # (the encoders' and the resize's rounding depend on the count) must give the same shards
     threads = json.loads((droid_shards / "inputs.json").read_text())["threads_per_worker"]
-    out = tmp_path / "local"
-    build(
-        droid_root,
-        out,
-        "droid",
-        tiny_checkpoints,
-        "--executor",
-        "local",
-        "--workers",
-        "1",
-        "--threads-per-worker",
-        str(threads),
+    out = tmp_path / "stream"
+    done = build(
+        droid_root, out, "droid", tiny_checkpoints, "--executor", "stream", "--threads-per-worker", str(threads)
     )
     assert check(out) == []
     assert manifest(out)["shards"] == manifest(droid_shards)["shards"]
+    assert unexpected(done.stderr) == []  # the encoder's process prints no library warning either
     # the stream says where its start went: weight checks and hashing, then each encoder's process start and load
-    said = (droid_shards.parent / "build-stdout.txt").read_text()
-    assert re.search(r"^start: encoder weights checked in [\d.]+ s, inputs hashed in [\d.]+ s$", said, re.M), said
+    assert re.search(r"^start: encoder weights checked in [\d.]+ s, inputs hashed in [\d.]+ s$", done.stdout, re.M)
     assert re.search(
         r"^encoders on cpu: ready [\d.]+ s after the run started it \(process start [\d.]+ s, "
         r"loading [\d.]+ s: diffusers import [\d.]+ s, VAE weights [\d.]+ s, CLIP weights [\d.]+ s\)$",
-        said,
+        done.stdout,
         re.M,
-    ), said
+    ), done.stdout
 
 
 def test_the_compiled_vae_gives_the_same_bytes_on_every_executor_and_batch_cut(droid_root, tiny_checkpoints, tmp_path):
@@ -60,7 +51,9 @@ def test_the_compiled_vae_gives_the_same_bytes_on_every_executor_and_batch_cut(d
     stream, local = tmp_path / "stream", tmp_path / "local"
     build(droid_root, local, "droid", tiny_checkpoints, *common, "--executor", "local", "--workers", "1")
     assert any(cache.iterdir()) and cache.stat().st_mode & 0o077 == 0
-    said = build(droid_root, stream, "droid", tiny_checkpoints, *common, "--workers", "2").stdout
+    said = build(
+        droid_root, stream, "droid", tiny_checkpoints, *common, "--executor", "stream", "--workers", "2"
+    ).stdout
     assert check(stream) == [] and check(local) == []
     assert manifest(stream)["shards"] == manifest(local)["shards"]
     assert json.loads((stream / "inputs.json").read_text())["vae_compile"] is True  # recorded like any byte-changer
@@ -124,7 +117,7 @@ def test_killing_the_run_stops_every_worker_and_encoder(droid_root, tiny_checkpo
     files = sorted(p.name for p in (out / "work").iterdir())
     time.sleep(1)
     assert sorted(p.name for p in (out / "work").iterdir()) == files  # nothing writes on
-    # (resuming a killed build, now with the stream as the default executor: test_shards.py::test_kill_and_resume)
+    # (resuming a killed stream with the local pool: test_shards.py::test_kill_and_resume)
 
 
 def spawned(pid: int) -> list[int]:
