@@ -11,6 +11,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Iterator, Literal
 
+from wampipe.preprocess.errors import OutOfSpace, out_of_space
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.preprocess.tasks import die_with_parent
 
@@ -29,18 +30,29 @@ def run_units(
     if executor == "stream":
         from wampipe.preprocess.stream import run_stream
 
-        yield from run_stream(spec, units, workers)
+        yield from run_stream(spec, units, workers)  # its children name the output in a full disk's line
     elif executor == "ray":
         from wampipe.preprocess.stream import run_ray
 
         yield from run_ray(spec, units, ray_address)
-    elif workers <= 1:
-        from wampipe.preprocess.pipeline import process_unit
-
-        for unit, episodes in units.items():
-            yield process_unit(spec, unit, episodes)
     else:
+        try:
+            yield from _local(spec, units, workers)
+        except OSError as err:
+            if not out_of_space(err):
+                raise
+            # a unit's write fails without a file name (the temporary file is written through its handle)
+            raise OutOfSpace.from_os_error(err, f"{spec.out}: ") from None
+
+
+def _local(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> Iterator[dict]:
+    if workers > 1:
         yield from _pool(spec, units, workers)
+        return
+    from wampipe.preprocess.pipeline import process_unit
+
+    for unit, episodes in units.items():
+        yield process_unit(spec, unit, episodes)
 
 
 def _pool(spec: BuildSpec, units: dict[int, list[int]], workers: int) -> Iterator[dict]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.process
+import os
 import subprocess
 import uuid
 from pathlib import Path
@@ -20,6 +21,11 @@ import pytest
 
 from wampipe.train.dit.model import DiTConfig
 from tests.helpers import build, once
+
+# Two test processes on two cores each start builds and trainers whose torch threads fill the cores: OpenMP's
+# threads, spinning while they wait for work (its default), then take the cores from each other's processes (two
+# concurrent sample builds: 43 s instead of 23 s). Sleeping instead changes no result: the thread counts are the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # what makes a test end-to-end besides its own mark (`e2e`, or `slow`: multi-process trainer runs): a fixture that
 # builds shards through the CLI or serves S3
