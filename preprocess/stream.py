@@ -36,7 +36,7 @@ from wampipe.errors import UsageError
 from wampipe.errors import WampipeError
 from wampipe.preprocess import write
 from wampipe.preprocess.errors import OutOfSpace, out_of_space
-from wampipe.preprocess.tasks import ChildDied, die_with_parent, leave_child
+from wampipe.preprocess.tasks import ChildDied, die_with_parent, leave_child, thread_only_progress_lock
 from wampipe.preprocess.pipeline import Encoders, WindowSample, stack_clips, timed, unit_report, unit_samples
 from wampipe.preprocess.spec import BuildSpec
 from wampipe.shardformat.members import encode_sample
@@ -176,6 +176,7 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
     the next request and prepares it (CLIP's resize on the host, the copy to the device on a side stream) while the
     device runs the current one, so the device does not wait on the host between batches."""
     die_with_parent(parent)
+    thread_only_progress_lock()
     torch.set_num_threads(spec.threads_per_worker)  # a CPU encoder's reductions (and so the stored bits) depend on it
     try:
         cuda = device.startswith("cuda")
@@ -256,6 +257,7 @@ def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bo
 def _worker_main(spec: BuildSpec, worker: int, todo, requests, replies, results, parent: int) -> None:
     """Take units until the queue says stop; spill each one with codes from the encoder processes."""
     die_with_parent(parent)
+    thread_only_progress_lock()
     # the encoder processes first when every core is busy: their start (imports, compiling) and the batches they
     # prepare for the device; a worker is ahead of them anyway and then waits on the bounded request queue. Before
     # any thread starts: on Linux a thread takes its creator's niceness when made, later changes are its own

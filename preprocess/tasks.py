@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any, Callable, Iterator, NoReturn
@@ -137,6 +138,13 @@ def leave_child(*queues) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def thread_only_progress_lock() -> None:
+    """Give tqdm a thread lock in a stream child. Left alone, the first bar a library shows there (inductor's, while
+    it compiles) makes a semaphore that only this process could ever share, and leave_child's os._exit leaves it
+    registered: the resource tracker then warns of a "leaked semaphore" at the end of every such run."""
+    tqdm.set_lock(threading.RLock())
 
 
 def die_with_parent(parent: int) -> None:
