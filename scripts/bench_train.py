@@ -168,6 +168,7 @@ def _time_bound_once(
     steps: int,
     ac_others: str = "none",
     float8: str = "none",
+    float8_linears: str = "all",
 ) -> dict:
     nf, h, w = latent_fhw
     grid = (h // 2, w // 2)
@@ -176,7 +177,7 @@ def _time_bound_once(
     dtype = torch.bfloat16
     torch.manual_seed(0)
     stack = BlockStack(cfg, device, dtype)
-    apply_float8(stack, float8)  # the trainer's order: float8 linears, recompute wrapper, then compile
+    apply_float8(stack, float8, float8_linears)  # the trainer's order: float8 linears, recompute wrapper, then compile
     apply_ac(stack, ac, ac_blocks, ac_others)
     if compile_:
         apply_compile(stack)
@@ -238,6 +239,7 @@ def time_bound(
     steps: int,
     ac_others: str = "none",
     float8: str = "none",
+    float8_linears: str = "all",
 ) -> dict:
     """Bound samples/s; a batch that runs out of device memory is halved (per-sample rate, so comparable); {} with a
     note when not even one sample fits."""
@@ -262,6 +264,7 @@ def time_bound(
                 steps,
                 ac_others,
                 float8,
+                float8_linears,
             )
         except Exception as e:  # noqa: BLE001 - compiled code may wrap the OOM in its own exception type
             if "out of memory" not in str(e).lower():
@@ -356,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
         "reshard_after_forward": cfg.parallel.reshard_after_forward,
         "reduce_every_micro_batch": cfg.parallel.reduce_every_micro_batch,
         "float8": cfg.parallel.float8,
+        "float8_linears": cfg.parallel.float8_linears,
         "cpu_offload": cfg.parallel.cpu_offload,
         "auto": auto,
         "warmup_steps": args.warmup_steps,
@@ -443,6 +447,7 @@ def main(argv: list[str] | None = None) -> dict:
                     args.bound_steps,
                     cfg.parallel.ac_others,
                     cfg.parallel.float8,
+                    cfg.parallel.float8_linears,
                 )
                 print(f"{name}: {bounds[name]}", flush=True)
         sps = result["samples_per_s_per_gpu"]

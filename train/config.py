@@ -278,6 +278,10 @@ class ParallelConfig:
     """Float8 matmuls in the DiT blocks' linears (torchao float8 training; pip install -e '.[fp8]'; CUDA compute
     capability >= 8.9): tensorwise = one scale per tensor, FSDP all-gathers the weights in float8; rowwise = one
     scale per row (closer to bf16, slower). Embeddings, head, encoders and norms stay bf16."""
+    float8_linears: Literal["all", "tokens", "ffn"] = "all"
+    """Which of a block's linears --parallel.float8 converts: all; tokens = those whose rows are the sequence's
+    tokens (self-attention, the cross-attention's query and output, the FFN), not the cross-attention's key and value
+    projections of the few text and image rows; ffn = the FFN's two (the widest)."""
     cpu_offload: bool = False
     """Keep the fp32 master weights, their gradients and AdamW's moments in host memory (FSDP2's CPUOffloadPolicy):
     the GPUs hold only the gathered bf16 weights and the activations, and the optimizer steps on the CPU (with the

@@ -268,15 +268,29 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def float8_filter(module: nn.Module, fqn: str) -> bool:
+# the cross-attention's projections of the context (text and CLIP rows: a few hundred per sample, against the
+# thousand-odd token rows of every other linear), left out by --parallel.float8-linears tokens
+CONTEXT_LINEARS = ("cross_attn.k", "cross_attn.v", "cross_attn.k_img", "cross_attn.v_img")
+FFN_LINEARS = ("ffn.0", "ffn.2")
+
+
+def float8_filter(module: nn.Module, fqn: str, linears: str = "all") -> bool:
     """The linears float8 training converts: those inside the DiT blocks whose widths are multiples of 16 (float8
-    matmul kernels need them); the embeddings, head and action/state encoders stay in bf16."""
-    return (
+    matmul kernels need them) and that `linears` names (all, tokens or ffn: --parallel.float8-linears); the
+    embeddings, head and action/state encoders stay in bf16."""
+    if linears not in ("all", "tokens", "ffn"):
+        raise ValueError(f"float8 linears must be all, tokens or ffn, got {linears!r}")
+    if not (
         fqn.startswith("blocks.")
         and isinstance(module, nn.Linear)
         and module.in_features % 16 == 0
         and module.out_features % 16 == 0
-    )
+    ):
+        return False
+    name = fqn.split(".", 2)[2]  # blocks.<i>.<name in the block>
+    if linears == "tokens":
+        return name not in CONTEXT_LINEARS
+    return linears == "all" or name in FFN_LINEARS
 
 
 def check_float8(mode: str, capability: tuple[int, int] | None) -> None:
@@ -295,7 +309,7 @@ def check_float8(mode: str, capability: tuple[int, int] | None) -> None:
         )
 
 
-def apply_float8(model: nn.Module, mode: str) -> int:
+def apply_float8(model: nn.Module, mode: str, linears: str = "all") -> int:
     """Swap `float8_filter`'s linears for torchao's Float8Linear (same parameter names, so checkpoints and exports do
     not change) with the `mode` recipe; tensorwise lets FSDP all-gather the weights in float8 (then call
     `float8_after_step` after each optimizer step). Returns the number of converted linears."""
@@ -315,7 +329,9 @@ def apply_float8(model: nn.Module, mode: str) -> int:
         import torch._inductor.config
 
         torch._inductor.config.emulate_precision_casts = True
-    convert_to_float8_training(model, module_filter_fn=float8_filter, config=config)
+    convert_to_float8_training(
+        model, module_filter_fn=lambda module, fqn: float8_filter(module, fqn, linears), config=config
+    )
     return sum(isinstance(m, Float8Linear) for m in model.modules())
 
 
@@ -331,7 +347,7 @@ def float8_after_step(model: nn.Module, mode: str) -> None:
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh=None) -> nn.Module:
     if cfg.activation_checkpoint == "auto" or cfg.reshard_after_forward is None:
         raise ValueError("auto settings are unresolved: pass the config through train.planning.auto.resolve_auto first")
-    apply_float8(model, cfg.float8)
+    apply_float8(model, cfg.float8, cfg.float8_linears)
     apply_ac(model, cfg.activation_checkpoint, cfg.ac_blocks, cfg.ac_others)
     if cfg.compile:
         apply_compile(model)

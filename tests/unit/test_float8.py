@@ -49,6 +49,24 @@ def test_only_the_blocks_linears_convert_and_the_names_stay(mode):
     assert apply_float8(tiny_model(), "none") == 0
 
 
+def test_float8_linears_chooses_which_of_a_blocks_linears_convert():
+    def converted(linears):
+        model = tiny_model()
+        n = apply_float8(model, "tensorwise", linears)
+        names = {k.split(".", 2)[2] for k, m in model.named_modules() if isinstance(m, Float8Linear)}
+        assert n == len(names) * model.cfg.num_layers  # the same linears in every block
+        return names
+
+    every = converted("all")
+    assert len(every) == PER_BLOCK
+    # tokens: not the cross-attention's projections of the text and image rows
+    context = {"cross_attn.k", "cross_attn.v", "cross_attn.k_img", "cross_attn.v_img"}
+    assert converted("tokens") == every - context
+    assert converted("ffn") == {"ffn.0", "ffn.2"}
+    with pytest.raises(ValueError, match="float8 linears must be all, tokens or ffn, got 'attn'"):
+        apply_float8(tiny_model(), "tensorwise", "attn")
+
+
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
 def test_float8_trains_close_to_bf16_and_selective_recompute_keeps_its_gradients(mode):
     ref_loss, ref_grads = _loss_and_grads(tiny_model())
