@@ -309,10 +309,10 @@ def check_float8(mode: str, capability: tuple[int, int] | None) -> None:
         )
 
 
-def apply_float8(model: nn.Module, mode: str, linears: str = "all") -> int:
+def apply_float8(model: nn.Module, mode: str, linears: str = "all", all_gather: bool = True) -> int:
     """Swap `float8_filter`'s linears for torchao's Float8Linear (same parameter names, so checkpoints and exports do
-    not change) with the `mode` recipe; tensorwise lets FSDP all-gather the weights in float8 (then call
-    `float8_after_step` after each optimizer step). Returns the number of converted linears."""
+    not change) with the `mode` recipe; tensorwise with `all_gather` lets FSDP all-gather the weights in float8 (then
+    call `float8_after_step` after each optimizer step). Returns the number of converted linears."""
     if mode == "none":
         return 0
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -322,7 +322,7 @@ def apply_float8(model: nn.Module, mode: str, linears: str = "all") -> int:
     # which float8 kernels need in multiples of 16; zero rows are exact
     config = replace(
         Float8LinearConfig.from_recipe_name(mode),
-        enable_fsdp_float8_all_gather=mode == "tensorwise",
+        enable_fsdp_float8_all_gather=mode == "tensorwise" and all_gather,
         pad_inner_dim=True,
     )
     if mode == "rowwise":  # compiled float8 casts then round as eager ones do (torchtitan sets it too)
@@ -336,8 +336,8 @@ def apply_float8(model: nn.Module, mode: str, linears: str = "all") -> int:
 
 
 def float8_after_step(model: nn.Module, mode: str) -> None:
-    """After an optimizer step with tensorwise float8: every float8 weight's scale for the next all-gathers, in one
-    all-reduce (instead of one per weight during forward)."""
+    """After an optimizer step with tensorwise float8: every float8-gathered weight's scale for the next all-gathers,
+    in one all-reduce (instead of one per weight during forward); nothing when FSDP gathers them in bf16."""
     if mode == "tensorwise":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -347,7 +347,7 @@ def float8_after_step(model: nn.Module, mode: str) -> None:
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh=None) -> nn.Module:
     if cfg.activation_checkpoint == "auto" or cfg.reshard_after_forward is None:
         raise ValueError("auto settings are unresolved: pass the config through train.planning.auto.resolve_auto first")
-    apply_float8(model, cfg.float8, cfg.float8_linears)
+    apply_float8(model, cfg.float8, cfg.float8_linears, cfg.float8_all_gather)
     apply_ac(model, cfg.activation_checkpoint, cfg.ac_blocks, cfg.ac_others)
     if cfg.compile:
         apply_compile(model)

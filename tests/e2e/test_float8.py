@@ -119,6 +119,15 @@ def _worker(rank: int, tmp: str) -> None:
             ],
         }
         out["losses"], opt = _train_steps(fp8, rank, 2, "tensorwise")
+        cfg = Config()  # --parallel.no-float8-all-gather: FSDP gathers bf16, the linears cast in their forward
+        cfg.model.init_device, cfg.parallel.float8, cfg.parallel.float8_all_gather = "meta", "tensorwise", False
+        bf16_gather = sharded_model(preset("tiny"), cfg, torch.device("cpu"))
+        out["bf16_gather"] = [
+            type(cast(DTensor, m.weight)._local_tensor) is torch.Tensor
+            for m in bf16_gather.modules()
+            if isinstance(m, Float8Linear)
+        ]
+        out["bf16_gather_losses"] = _train_steps(bf16_gather, rank, 2, "tensorwise")[0]
         out["scales_precomputed"] = all(
             cast(WeightWithDynamicFloat8CastTensor, cast(DTensor, m.weight)._local_tensor)._precomputed_scale
             is not None
@@ -160,6 +169,11 @@ def test_fsdp2_gathers_float8_weights_and_checkpoints_exports_and_reloads_offici
         assert torch.equal(fp8_init[k], bf16_init[k]), k
     assert len(out["float8_gather"]) == PER_BLOCK * 2 and all(out["float8_gather"])  # tensorwise: float8 all-gather
     assert out["scales_precomputed"]  # one all-reduce after each optimizer step
+    # without the float8 all-gather: plain weights, the same training up to where the weights round (fp32 -> float8
+    # directly, or through bf16)
+    assert len(out["bf16_gather"]) == PER_BLOCK * 2 and all(out["bf16_gather"])
+    for loss, ref in zip(out["bf16_gather_losses"], out["losses"], strict=True):
+        assert loss == pytest.approx(ref, rel=1e-2)
     assert all(math.isfinite(loss) for loss in out["losses"])
     assert not torch.equal(out["trained"]["blocks.0.ffn.0.weight"], fp8_init["blocks.0.ffn.0.weight"])  # it trained
     assert out["restored"] and out["reloaded"]  # DCP round trip; export -> --model.init-from
