@@ -276,8 +276,9 @@ class ParallelConfig:
     presets) = as --parallel.activation-checkpoint auto (never with resharding after forward)."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """Float8 matmuls in the DiT blocks' linears (torchao float8 training; pip install -e '.[fp8]'; CUDA compute
-    capability >= 8.9): tensorwise = one scale per tensor, FSDP all-gathers the weights in float8; rowwise = one
-    scale per row (closer to bf16, slower). Embeddings, head, encoders and norms stay bf16."""
+    capability >= 8.9): tensorwise = one scale per tensor, FSDP all-gathers the weights in float8 (unless
+    --parallel.no-float8-all-gather); rowwise = one scale per row (closer to bf16, slower). Embeddings, head,
+    encoders and norms stay bf16."""
     float8_linears: Literal["all", "tokens", "ffn"] = "all"
     """Which of a block's linears --parallel.float8 converts: all; tokens = those whose rows are the sequence's
     tokens (self-attention, the cross-attention's query and output, the FFN), not the cross-attention's key and value

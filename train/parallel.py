@@ -278,8 +278,6 @@ def float8_filter(module: nn.Module, fqn: str, linears: str = "all") -> bool:
     """The linears float8 training converts: those inside the DiT blocks whose widths are multiples of 16 (float8
     matmul kernels need them) and that `linears` names (all, tokens or ffn: --parallel.float8-linears); the
     embeddings, head and action/state encoders stay in bf16."""
-    if linears not in ("all", "tokens", "ffn"):
-        raise ValueError(f"float8 linears must be all, tokens or ffn, got {linears!r}")
     if not (
         fqn.startswith("blocks.")
         and isinstance(module, nn.Linear)
@@ -315,6 +313,8 @@ def apply_float8(model: nn.Module, mode: str, linears: str = "all", all_gather: 
     call `float8_after_step` after each optimizer step). Returns the number of converted linears."""
     if mode == "none":
         return 0
+    if linears not in ("all", "tokens", "ffn"):  # once here, not in the filter torchao calls for every module
+        raise ValueError(f"float8 linears must be all, tokens or ffn, got {linears!r}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
