@@ -283,10 +283,12 @@ class ParallelConfig:
     """Which of a block's linears --parallel.float8 converts: all; tokens = those whose rows are the sequence's
     tokens (self-attention, the cross-attention's query and output, the FFN), not the cross-attention's key and value
     projections of the few text and image rows; ffn = the FFN's two (the widest)."""
-    float8_all_gather: bool = True
+    float8_all_gather: tyro.conf.DisallowNone[bool | None] = True
     """With --parallel.float8 tensorwise: FSDP all-gathers the weights in float8 (half of bf16's bytes; each weight is
     cast eagerly before its gather, with the scale computed after the optimizer step). Off: FSDP gathers bf16 and the
-    compiled linears cast the weights to float8 inside their graphs (no eager casts, the gather's bytes of bf16)."""
+    compiled linears cast the weights to float8 inside their graphs (no eager casts, the gather's bytes of bf16).
+    auto (in a config file; the 5B/14B presets) = on with several GPUs, off on one, where no bytes cross a link and
+    the eager casts only cost time."""
     cpu_offload: bool = False
     """Keep the fp32 master weights, their gradients and AdamW's moments in host memory (FSDP2's CPUOffloadPolicy):
     the GPUs hold only the gathered bf16 weights and the activations, and the optimizer steps on the CPU (with the

@@ -345,7 +345,7 @@ def float8_after_step(model: nn.Module, mode: str) -> None:
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh=None) -> nn.Module:
-    if cfg.activation_checkpoint == "auto" or cfg.reshard_after_forward is None:
+    if cfg.activation_checkpoint == "auto" or cfg.reshard_after_forward is None or cfg.float8_all_gather is None:
         raise ValueError("auto settings are unresolved: pass the config through train.planning.auto.resolve_auto first")
     apply_float8(model, cfg.float8, cfg.float8_linears, cfg.float8_all_gather)
     apply_ac(model, cfg.activation_checkpoint, cfg.ac_blocks, cfg.ac_others)

@@ -117,6 +117,7 @@ def test_given_flags_win_part_by_part(tmp_path):
         "--parallel.reshard-after-forward",
         "--parallel.no-reduce-every-micro-batch",
         "--parallel.no-gather-once-per-step",
+        "--parallel.float8-all-gather",
     )
     assert resolve_auto(every, H200, 1) == (every, None)  # nothing auto: nothing to say
     # tiny keeps its explicit recipe; asking it for auto gives that recipe
@@ -159,9 +160,29 @@ def test_an_auto_micro_batch_keeps_the_global_batch(tmp_path):
 def test_unresolved_settings_are_refused_where_they_would_be_used(tmp_path):
     with pytest.raises(UsageError, match=r"--data.micro-batch-size -1 \(must be >= 1\)"):
         _cfg(tmp_path, "--data.micro-batch-size", "-1")
-    for unresolved in (ParallelConfig(activation_checkpoint="auto"), ParallelConfig(reshard_after_forward=None)):
+    for unresolved in (
+        ParallelConfig(activation_checkpoint="auto"),
+        ParallelConfig(reshard_after_forward=None),
+        ParallelConfig(float8_all_gather=None),
+    ):
         with pytest.raises(ValueError, match="resolve_auto"):
             parallelize(build_model("tiny"), unresolved)
+
+
+@pytest.mark.parametrize("preset", ["libero-5b", "droid-5b"])
+def test_float8_weights_are_gathered_in_float8_only_where_a_gather_crosses_a_link(tmp_path, preset):
+    """auto: float8 all-gathers halve the bytes between GPUs; on one GPU only their eager casts are left."""
+    fp8 = ("--parallel.float8", "tensorwise")
+    for name in ("libero-5b", "droid-5b", "droid-14b"):  # the presets leave it to auto
+        assert _cfg(tmp_path, *fp8, preset=name).parallel.float8_all_gather is None
+    one, line = resolve_auto(_cfg(tmp_path, *fp8, preset=preset), H200, 1)
+    assert one.parallel.float8_all_gather is False and "the float8 linears' weights gathered in bf16" in str(line)
+    several, line = resolve_auto(_cfg(tmp_path, *fp8, preset=preset), H200, 4)
+    assert several.parallel.float8_all_gather is True and "gathered in float8" in str(line)
+    given, _ = resolve_auto(_cfg(tmp_path, *fp8, "--parallel.float8-all-gather", preset=preset), H200, 1)
+    assert given.parallel.float8_all_gather is True
+    bf16, line = resolve_auto(_cfg(tmp_path, preset=preset), H200, 1)  # resolved, but nothing to say without float8
+    assert bf16.parallel.float8_all_gather is False and "gathered" not in str(line)
 
 
 def _mix(cfg):

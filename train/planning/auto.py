@@ -112,7 +112,13 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     not take more memory where both were measured). The recompute mode brings its entry's --parallel.ac-blocks and
     --parallel.ac-others unless those are given. Given parts are kept. Returns the copy and one line saying what was
     chosen and why (None when nothing was auto). With --parallel.cpu-offload the gradients are reduced every
-    micro-batch unless that is given."""
+    micro-batch unless that is given. An auto --parallel.[no-]float8-all-gather is on with several GPUs, off on one."""
+    gather8 = ""
+    if cfg.parallel.float8_all_gather is None:  # on one GPU no bytes cross a link: the eager casts would only cost
+        cfg = copy.deepcopy(cfg)
+        cfg.parallel.float8_all_gather = world_size > 1
+        if cfg.parallel.float8 == "tensorwise":
+            gather8 = f", the float8 linears' weights gathered in {'float8' if world_size > 1 else 'bf16'}"
     p, d = cfg.parallel, cfg.data
     auto = {
         "ac": p.activation_checkpoint == "auto",
@@ -216,7 +222,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     ]
     batch = "" if p.global_batch_size == AUTO else f", global batch {p.global_batch_size}"
     return out, (
-        f"auto settings for {cfg.preset} on {where}: {result.describe()}{batch} ({why})"
+        f"auto settings for {cfg.preset} on {where}: {result.describe()}{gather8}{batch} ({why})"
         + (f"; given: {', '.join(given)}" if given else "")
     )
 
