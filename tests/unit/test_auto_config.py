@@ -185,6 +185,21 @@ def test_float8_weights_are_gathered_in_float8_only_where_a_gather_crosses_a_lin
     assert bf16.parallel.float8_all_gather is False and "gathered" not in str(line)
 
 
+def test_a_setting_measured_on_one_gpu_with_float8_is_taken_there_alone(tmp_path):
+    """libero-5b's float8 entry reduces and keeps the gathered weights every micro-batch: local copies on one GPU,
+    traffic on several, where the bf16 entries measured there are taken instead."""
+    fp8 = ("--parallel.float8", "tensorwise")
+    one, line = resolve_auto(_cfg(tmp_path, *fp8), H200, 1)
+    p = one.parallel
+    assert (p.activation_checkpoint, p.ac_blocks, p.ac_others, one.data.micro_batch_size) == ("full", 2, "selective", 8)
+    assert (p.reduce_every_micro_batch, p.gather_once_per_step) == (True, True) and "measured 17.84" in str(line)
+    bf16, line = resolve_auto(_cfg(tmp_path), H200, 1)  # without float8: the bf16 entry
+    assert (bf16.parallel.reduce_every_micro_batch, bf16.parallel.gather_once_per_step) == (False, False)
+    assert "measured 15.70" in str(line)
+    two, line = resolve_auto(_cfg(tmp_path, *fp8), H200, 2)
+    assert _parts(two) == ("selective", 16, False) and "measured 16.39" in str(line)
+
+
 def _mix(cfg):
     p = cfg.parallel
     return p.activation_checkpoint, p.ac_blocks, p.ac_others, p.reduce_every_micro_batch, cfg.data.micro_batch_size

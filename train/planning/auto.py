@@ -51,7 +51,8 @@ class Throughput:
 class Measured:
     """A setting measured to fit (scripts/bench_train.py, docs/PERFORMANCE.md) on `min_gpus` GPUs of `min_gib`
     each with --parallel.float8 `float8` and --parallel.cpu-offload `cpu_offload`; it also fits more GPUs (less
-    sharded state per GPU) and larger ones."""
+    sharded state per GPU) and larger ones, and is taken on at most `max_gpus` (None: any number), for a setting
+    whose speed depends on what crosses no link (one GPU's gathers and reductions are local copies)."""
 
     preset: str
     min_gpus: int
@@ -60,6 +61,7 @@ class Measured:
     evidence: str
     float8: str = "none"
     cpu_offload: bool = False
+    max_gpus: int | None = None
 
 
 def _measured(name: str, entry: dict) -> Measured:
@@ -82,6 +84,7 @@ def _measured(name: str, entry: dict) -> Measured:
         entry["evidence"],
         entry.get("float8", "none"),
         entry.get("cpu_offload", False),
+        entry.get("max_gpus"),
     )
 
 
@@ -137,7 +140,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
         for m in measured
         if m.preset == cfg.preset
         and gpu_mem_gib is not None
-        and world_size >= m.min_gpus
+        and m.min_gpus <= world_size <= (m.max_gpus or world_size)
         and gpu_mem_gib >= m.min_gib
         and m.float8 in (p.float8, "none")
         and moments in ("auto", m.setting.moments, "bf16" if m.setting.moments == "fp32" else "")
