@@ -11,10 +11,10 @@ from wampipe.train.evaluation.curves import panels_of, plot_run, read_metrics
 from tests.helpers import metrics_row
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def font_cache():
     """matplotlib lists the system fonts with fc-list the first time it draws on a machine; that process is the
-    library's setup, not the code under test, so it runs before the unit tests' no-process check."""
+    library's setup, not the code under test, so it runs as session setup, which the no-process checks leave out."""
     from matplotlib import font_manager
 
     font_manager.findfont("DejaVu Sans")
