@@ -121,7 +121,9 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
         cfg = copy.deepcopy(cfg)
         cfg.parallel.float8_all_gather = world_size > 1
         if cfg.parallel.float8 == "tensorwise":
-            gather8 = f", the float8 linears' weights gathered in {'float8' if world_size > 1 else 'bf16'}"
+            gather8 = (
+                f", the float8 linears' weights gathered in {'float8' if cfg.parallel.float8_all_gather else 'bf16'}"
+            )
     p, d = cfg.parallel, cfg.data
     auto = {
         "ac": p.activation_checkpoint == "auto",
