@@ -207,8 +207,24 @@ KIND_OF_VARIANT = {"wan2.1": "wan2.1-vae", "wan2.2": "wan2.2-vae"}
 # inductor settings of the compiled encoder: keep eager's bf16 rounding between the ops it fuses. Measured with
 # scripts/check_vae_variation.py: the compiled latents' distance from eager's fell from 1.2-1.7x the eager encoder's
 # own spread over batch sizes to 1.03x (Wan2.2) and 1.4x (Wan2.1) of it; with the RMS norms' normalize left to eager's
-# kernels too (`rms_normalize`), to 0.96x (Wan2.2) and to eager's own bits (Wan2.1) (docs/PERFORMANCE.md)
+# kernels too (`rms_normalize`), Wan2.1's encoder gives eager's own bits (docs/PERFORMANCE.md)
 COMPILE_OPTIONS: dict = {"emulate_precision_casts": True}
+
+# How each VAE's compiled encoder runs: variant -> (RMS norms fused, channels-last). Chosen with
+# scripts/check_vae_variation.py (docs/PERFORMANCE.md). Wan2.2's fuses its norms in channels-last: 1.45x the clips/s
+# of eager norms in the default layout, and its latents' error against a float32 copy of the encoder lies inside the
+# range the eager encoder's own batch sizes give. Wan2.1's keeps the norms on eager's kernels in the default layout,
+# which gives eager's own bits; its faster layouts land up to 1.39x eager's batch-size spread away from them.
+COMPILED_LAYOUT = {"wan2.1": (False, False), "wan2.2": (True, True)}
+
+
+def compiled_kernels(variant: str) -> str | None:
+    """The name of the compiled encoder's kernels for `variant` where they are not the first compiled encoder's (the
+    norms on eager's kernels, the default layout), else None: what a build records beside --vae-compile, so units
+    encoded by other kernels never resume into one build."""
+    fuse_norms, channels_last = COMPILED_LAYOUT[variant]
+    name = "-".join(["fused-norms"] * fuse_norms + ["channels-last"] * channels_last)
+    return name or None
 
 
 @torch.library.custom_op("wampipe::rms_normalize", mutates_args=())
@@ -423,20 +439,27 @@ class WanVAE:
         self.memory_format = memory_format
 
     def compile(
-        self, batch_size: int, options: dict | None = None, fuse_norms: bool = False, channels_last: bool = False
+        self,
+        batch_size: int,
+        options: dict | None = None,
+        fuse_norms: bool | None = None,
+        channels_last: bool | None = None,
     ) -> None:
-        """torch.compile the encoder (fuses the activations, the norms' scaling and the cache copies between its
-        convolutions: +34-35 % clips/s on an H200 as a CUDA graph, docs/PERFORMANCE.md). Every call is
-        padded to `batch_size` clips and compiled for that one static shape (`dynamic=False`): three graphs in all
-        (first chunk, second chunk, the rest), and the bits of a clip never depend on how many others share its
-        batch or which shapes came first, so reruns and executors stay byte-identical. `options`: inductor settings
+        """torch.compile the encoder (fuses the activations, the norms and the cache copies between its
+        convolutions: on an H200 as a CUDA graph 1.9x eager's clips/s for Wan2.2, 1.34x for Wan2.1,
+        docs/PERFORMANCE.md). Every call is padded to `batch_size` clips and compiled for that one static shape
+        (`dynamic=False`): three graphs in all (first chunk, second chunk, the rest), and the bits of a clip never
+        depend on how many others share its batch or which shapes came first, so reruns and executors stay
+        byte-identical. `options`: inductor settings
         (default `compile_options()`: eager's bf16 roundings kept). The RMS norms normalize through eager's kernels
-        (`rms_normalize`) unless `fuse_norms`: so the Wan2.1 encoder gives eager's bits, the Wan2.2 one lands closer
-        to eager's than eager's batch of 1 does to its batch of 16. `channels_last`: weights and inputs in
-        channels_last_3d (`set_memory_format`). Both off by default: with both on, the encoder runs 1.42x (Wan2.2)
-        and 1.45x (Wan2.1) faster, but its latents land 1.03x and 1.39x eager's own batch-size spread away, and
-        channels-last alone 1.00-1.01x and 1.22x (its norms sum in another order)."""
+        (`rms_normalize`) unless `fuse_norms`. `channels_last`: weights and inputs in channels_last_3d
+        (`set_memory_format`). Either left None: the variant's COMPILED_LAYOUT (Wan2.2 both on, Wan2.1 both off,
+        which gives eager's bits)."""
         import torch._dynamo.config
+
+        default_fuse, default_channels_last = COMPILED_LAYOUT[self.info.variant]
+        fuse_norms = default_fuse if fuse_norms is None else fuse_norms
+        channels_last = default_channels_last if channels_last is None else channels_last
 
         # a new shape past the limit would fall back to eager and silently change the bits
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)

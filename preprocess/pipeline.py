@@ -13,7 +13,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from wampipe.preprocess.errors import DatasetError, EncoderOutputError
 from wampipe.preprocess.lerobot import LeRobotDataset
 from wampipe.preprocess.prompts import prompt_id, window_prompts
 from wampipe.preprocess.selection import source
-from wampipe.preprocess.spec import BuildSpec
+from wampipe.preprocess.spec import VAE_OF_MODEL, BuildSpec
 from wampipe.preprocess.state_action import columns_for, slice_keys, window_state_action
 from wampipe.preprocess.views import episode_canvas, episode_model_video, eval_params, sample_video
 from wampipe.preprocess.windows import episode_windows
@@ -31,9 +31,6 @@ from wampipe.shardformat.embodiments import Embodiment, get_embodiment
 from wampipe.shardformat.keys import sample_key
 from wampipe.shardformat.layout import ACTION, CLIP, CLIP_PIXELS, IMAGE_MEMBER, LATENTS, STATE, Y
 from wampipe.shardformat.members import encode_sample
-
-# Which Wan VAE a model recipe uses; the 14B's (wan2.1) also needs the first-frame input y.
-VAE_OF_MODEL = {"5b": "wan2.2", "5b-wan22": "wan2.2", "14b": "wan2.1"}
 
 
 @dataclass
@@ -214,22 +211,45 @@ class Encoders:
     def run(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The device half: VAE latents, CLIP features (and the 14B's y) as bf16 on the host; or, in place of the
         features, CLIP's input pixels on the host in the compute dtype."""
+        return self.finish(self.launch(inputs))
+
+    def launch(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """`run` up to its wait: the encoders' work and the copies of their outputs to pinned host memory queued on
+        the device; `finish` waits for them. A streaming encoder launches the next batch before it finishes this
+        one, so the device never waits while the host checks and sends a batch's codes."""
         videos = inputs["videos"]
         out = {LATENTS: self.vae.encode(videos)}
         if self.image_member == CLIP:
             out[CLIP] = self.clip.encode_pixels(inputs["pixels"])
         if self.needs_y:
             out[Y] = self.vae.encode_first_frame(videos[:, :, 0], videos.shape[2])
-        out = {k: v.to(torch.bfloat16).cpu() for k, v in out.items()}
-        for name, value in out.items():  # as stored: a broken encoder must not fill a build with NaN
-            if not torch.isfinite(value).all():
+        if self.image_member == CLIP_PIXELS:
+            out[CLIP_PIXELS] = inputs["pixels"]
+        cuda = self.device.type == "cuda"
+        host = {}
+        for name, value in out.items():
+            dtype = value.dtype if name == CLIP_PIXELS else torch.bfloat16
+            host[name] = torch.empty(value.shape, dtype=dtype, pin_memory=cuda)
+            host[name].copy_(value, non_blocking=cuda)
+        done = torch.cuda.Event() if cuda else None
+        if done is not None:
+            done.record()
+        # the device tensors stay referenced until the copies ran: their memory is not reused before
+        return {"host": host, "device": out, "done": done, "batch": len(videos)}
+
+    def finish(self, launched: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Wait for a `launch`'s copies; its codes on the host, checked: a broken encoder must not fill a build with
+        NaN."""
+        if launched["done"] is not None:
+            launched["done"].synchronize()
+        out = launched["host"]
+        for name, value in out.items():  # as stored
+            if name != CLIP_PIXELS and not torch.isfinite(value).all():
                 raise EncoderOutputError(
-                    f"the encoders' {name} of a batch of {len(videos)} clips hold NaN or inf (as "
+                    f"the encoders' {name} of a batch of {launched['batch']} clips hold NaN or inf (as "
                     f"bf16): check the {'VAE' if name in (LATENTS, Y) else 'image encoder'}'s "
                     f"weights and --dtype"
                 )
-        if self.image_member == CLIP_PIXELS:
-            out[CLIP_PIXELS] = inputs["pixels"].cpu()
         return out
 
 

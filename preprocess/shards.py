@@ -158,10 +158,11 @@ class Args:
     `clip_pixels` member; CLIP does not run here) and the trainer runs CLIP (--model.image-encoder): fewer bytes per
     sample, the same features (docs/FORMAT.md)."""
     vae_compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the VAE encoder and, on a GPU, replay it as a CUDA graph: +34-35 % VAE clips/s on an H200
-    (docs/PERFORMANCE.md), a minute or two of compiling per encoder process on a cold --compile-cache. Its latents
-    stay within the eager encoder's own variation over batch sizes (the 14B's VAE gives eager's bits); within a
-    build, a clip's bits depend neither on its batch nor on the executor. auto: on with --device cuda, off on CPU
+    """torch.compile the VAE encoder and, on a GPU, replay it as a CUDA graph: 1.9x the eager VAE's clips/s on an
+    H200 for the 5B, 1.34x for the 14B (docs/PERFORMANCE.md), a minute or two of compiling per encoder process on a
+    cold --compile-cache. The 14B's VAE gives eager's bits; the 5B's latents, whose norms are fused, err from a
+    float32 encoder within the range the eager encoder's own batch sizes give. Within a build, a clip's bits depend
+    neither on its batch nor on the executor. auto: on with --device cuda, off on CPU
     (where compiling costs more than it saves on short runs); off: the eager encoder."""
     compile_cache: Path | None = None
     """With the compiled VAE: where the compiler keeps what it built between runs, so a later run's encoders start in

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 # statistics.
 UNIT, FINALIZE = "unit", "finalize"
 ENCODERS = ("vae", "image_encoder", "text_encoder", "tokenizer")
+# which Wan VAE a model recipe uses; the 14B's (wan2.1) also needs the first-frame input y
+VAE_OF_MODEL = {"5b": "wan2.2", "5b-wan22": "wan2.2", "14b": "wan2.1"}
 
 
 def arg(
@@ -56,6 +58,14 @@ def _device_type(spec: BuildSpec, name: str) -> str:
     return torch.device(spec.device).type
 
 
+def _vae_kernels(spec: BuildSpec, name: str) -> bool | str:
+    """The compiled VAE is recorded by the name of its kernels where they are not the first compiled encoder's
+    (true): their latents' bits differ, so units encoded by either never resume into one build."""
+    from wampipe.encoders.vae import compiled_kernels
+
+    return (spec.vae_compile and compiled_kernels(VAE_OF_MODEL[spec.model])) or spec.vae_compile
+
+
 @dataclass(frozen=True, kw_only=True)
 class BuildSpec:
     """The arguments of preprocess.shards.Args of the same names (their help says what each does), resolved."""
@@ -82,7 +92,7 @@ class BuildSpec:
     compress: str = arg(UNIT, manifest="")
     decode_backend: str = arg(UNIT, manifest="transform")
     image_features: str = arg(UNIT, manifest="")
-    vae_compile: bool = arg(UNIT)
+    vae_compile: bool = arg(UNIT, _vae_kernels)
     compile_cache: str = arg(default="")  # where compiled kernels are kept: a cached kernel is the kernel compiled
     samples_per_shard: int = arg(FINALIZE, manifest="")
     # which episodes and rows (preprocess.selection); episode lists as their shortest text (selection.show_ids)

@@ -27,7 +27,7 @@ import traceback
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal, cast
 
 import torch
 from tqdm import tqdm
@@ -174,7 +174,8 @@ def _report_failure(results, where: str, err: BaseException, out: str = "") -> N
 def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, parent: int, started: float) -> None:
     """Load the encoders once; encode each request's batch and send the codes back to its worker. A thread takes
     the next request and prepares it (CLIP's resize on the host, the copy to the device on a side stream) while the
-    device runs the current one, so the device does not wait on the host between batches."""
+    device runs the current one, and each batch is launched before the previous one's codes are checked and sent, so
+    the device does not wait on the host between batches."""
     die_with_parent(parent)
     thread_only_progress_lock()
     torch.set_num_threads(spec.threads_per_worker)  # a CPU encoder's reductions (and so the stored bits) depend on it
@@ -203,23 +204,39 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
         )
         threading.Thread(target=_prepare_ahead, args=(encoders, requests, prepared, cuda, spent), daemon=True).start()
         batches = 0
+        pending = None  # (worker, seq, launched): the batch on the device while the next one is launched
+
+        def send_pending() -> None:
+            nonlocal batches
+            assert pending is not None
+            worker, seq, launched = pending
+            replies[worker].put((seq, encoders.finish(launched)))  # waits for its copy to the host
+            batches += 1
+
         while True:
             with timed(spent, "waiting for a prepared batch"):
-                item = prepared.get()
-            if item is None:
-                break
+                item = _next_prepared(prepared, None if pending is None else pending[2]["done"] or True)
             if isinstance(item, BaseException):
                 raise item
-            worker, seq, inputs, ready = item
             with timed(spent, "encoding"):
-                if ready is not None:
-                    torch.cuda.current_stream().wait_event(ready)
-                    for tensor in inputs.values():
-                        tensor.record_stream(torch.cuda.current_stream())  # made on the side stream, freed after use
-                with torch.inference_mode():
-                    codes = encoders.run(inputs)  # ends with the copy to the host: the device's time is in here
-            replies[worker].put((seq, codes))
-            batches += 1
+                if item is _DEVICE_IDLE:  # no batch came while the device ran the last one: its codes go now
+                    send_pending()
+                    pending = None
+                    continue
+                launched = None
+                if item is not None:
+                    worker, seq, inputs, ready = cast(tuple, item)
+                    if ready is not None:
+                        torch.cuda.current_stream().wait_event(ready)
+                        for tensor in inputs.values():
+                            tensor.record_stream(torch.cuda.current_stream())  # made on the side stream
+                    with torch.inference_mode():
+                        launched = (worker, seq, encoders.launch(inputs))
+                if pending is not None:  # the previous batch's codes, while the device runs this one
+                    send_pending()
+            pending = launched
+            if item is None:
+                break
         # where the encoder process's time went: a device waiting on preparation or on the CPU workers shows here
         print(
             f"encoder on {device}: {batches} batches; " + ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()),
@@ -228,6 +245,23 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
     except BaseException as err:  # noqa: BLE001 — reported to the run, which stops every process
         _report_failure(results, f"encoder on {device}", err)
     leave_child(results)  # every reply was taken: the workers wait for theirs before they finish
+
+
+_DEVICE_IDLE = object()  # what _next_prepared gives when the device finished its batch before another came
+
+
+def _next_prepared(prepared: queue.Queue, running: torch.cuda.Event | Literal[True] | None):
+    """The next prepared batch. While a launched batch is unfinished (`running`: its CUDA event; True on a CPU,
+    where a launch has run already) only as long as the device still runs it: then _DEVICE_IDLE, and its codes go to
+    their worker first (the worker may be waiting for them before it sends another batch)."""
+    if running is None:
+        return prepared.get()
+    while True:
+        try:
+            return prepared.get(timeout=0.002)
+        except queue.Empty:
+            if running is True or running.query():
+                return _DEVICE_IDLE
 
 
 def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bool, spent: dict[str, float]) -> None:

@@ -159,14 +159,15 @@ def clips(n: int, t: int, h: int, w: int) -> torch.Tensor:
     return torch.cat([noise, torch.stack(smooth)]) if smooth else noise
 
 
-def build(recipe: str, args):
-    """The VAE of `recipe` (seeded random init, the same on every machine) on the device, and its clip shape."""
+def build(recipe: str, args, dtype: torch.dtype | None = None):
+    """The VAE of `recipe` (seeded random init, the same on every machine) on the device, and its clip shape; in
+    `dtype` (default: bf16 on CUDA, float32 elsewhere)."""
     variant, t, h, w = SHAPES[recipe]
     if args.quick:
         t, h, w = 9, 32, 64
     torch.manual_seed(0)
     vae = build_vae(variant, "cpu", args.quick)  # the same weights on every machine ...
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = dtype or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     # ... then on the device in the encoder's dtype. diffusers' .to is typed through functools.wraps of the unbound
     # Module.to, so pyright misses its `self`
     vae.model.to(device=args.device, dtype=dtype)  # pyright: ignore[reportCallIssue]
@@ -238,6 +239,32 @@ def warm_in_parallel(args) -> None:
             print(f"warmed {line}", file=sys.stderr, flush=True)
 
 
+def fp32_latents(recipe: str, args, x: torch.Tensor) -> torch.Tensor:
+    """The clips `x` through a float32 copy of the same encoder, eager, with TF32 off: a reference two orders of
+    magnitude closer to the exact latents than any bf16 run, so each bf16 run's distance from it is its own error."""
+    vae, _, _ = build(recipe, args, torch.float32)
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        out = torch.cat([vae.encode(x[i : i + 1]).float().cpu() for i in range(len(x))])
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    del vae
+    if x.is_cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def rel_error(latents: torch.Tensor, reference: torch.Tensor) -> dict:
+    """RMS of `latents` minus the float32 `reference` over the reference's RMS, noise clips and smooth ones."""
+    half = len(latents) - len(latents) // 2
+    out = {}
+    for name, part in (("noise", slice(None, half)), ("smooth", slice(half, None))):
+        ref = reference[part]
+        out[name] = round(((latents[part].float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item(), 6)
+    return out
+
+
 def measure(recipe: str, args) -> tuple[dict, dict]:
     vae, variant, (t, h, w) = build(recipe, args)
     cuda = args.device.startswith("cuda")
@@ -272,6 +299,10 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
         for b in eager[i + 1 :]
     }
     spread = {half: max((p[half] for p in pairs.values()), default=0.0) for half in ("noise", "smooth")}
+    # each eager batch size's own error against float32, and the largest: what "as faithful as eager" allows
+    reference = fp32_latents(recipe, args, x) if args.fp32_reference else None
+    errors = {name: rel_error(latents[name], reference) for name in eager} if reference is not None else {}
+    eager_error = {half: max(e[half] for e in errors.values()) for half in ("noise", "smooth")} if errors else {}
     same_bits = {}
     if cuda:  # the eager encoder replayed as a CUDA graph: expected the same bits
         vae.padded_batch = batch
@@ -304,6 +335,15 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
                     half: round(d[half]["rel_rms"] / spread[half], 3) if spread[half] else None for half in d
                 },
             )
+            if reference is not None:
+                errors[key] = rel_error(latents[key], reference)
+                row.update(
+                    error_vs_fp32=errors[key],
+                    over_eager_error={
+                        half: round(errors[key][half] / eager_error[half], 3) if eager_error[half] else None
+                        for half in eager_error
+                    },
+                )
             settings[name] = row
             print(json.dumps({"recipe": recipe, "setting": name, **row}), flush=True)  # compiling takes minutes
         torch.backends.cudnn.benchmark = False
@@ -323,6 +363,8 @@ def measure(recipe: str, args) -> tuple[dict, dict]:
             out[f"{name}_vs_{base}"] = distances(value, latents[base])
     out["eager_pairs_rel_rms"] = {k: {half: round(v, 6) for half, v in p.items()} for k, p in pairs.items()}
     out["eager_spread_rel_rms"] = {half: round(v, 6) for half, v in spread.items()}
+    out["error_vs_fp32"] = errors
+    out["eager_error_vs_fp32"] = eager_error
     out["settings"] = settings  # each against eager at the first batch size, and over the eager spread
     keep = torch.tensor([*range(args.save_clips // 2), *range(len(x) - args.save_clips // 2, len(x))])
     return out, {name: value[keep] for name, value in latents.items()}
@@ -379,6 +421,10 @@ class Args:
     warm_jobs: int = 0
     """Compile the settings first in this many processes at once (sharing the compile cache), then measure them one
     by one from the cache (0: compile each as it is measured)."""
+    fp32_reference: bool = True
+    """Also encode the clips with a float32 copy of the encoder (eager, TF32 off) and give each bf16 run's
+    error against it: a setting is as faithful as eager when its error is no larger than eager's largest over
+    --batch-sizes (`over_eager_error` <= 1)."""
     warm_only: bool = False
     """Compile the settings into the compile cache and measure nothing (what each --warm-jobs process does)."""
 
@@ -421,6 +467,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"  {name:36} {s['clips_per_s']:8.2f} {s.get('graph_clips_per_s', 0):8.2f} clips/s  "
                     f"{100 * s['rel_rms_vs_eager']['noise']:.3f} % / {100 * s['rel_rms_vs_eager']['smooth']:.3f} %  "
                     f"{s['over_eager_spread']['noise']} / {s['over_eager_spread']['smooth']}x spread"
+                    + (
+                        f"  error {s['over_eager_error']['noise']} / {s['over_eager_error']['smooth']}x eager's"
+                        if "over_eager_error" in s
+                        else ""
+                    )
                 )
     return rows
 

@@ -206,7 +206,8 @@ OTHER_INPUTS = {
     "model": (["--model", "5b-wan22"], "--model: 5b -> 5b-wan22"),
     "episodes_per_unit": (["--episodes-per-unit", "3"], "--episodes-per-unit: 2 -> 3"),
     "seed": (["--seed", "1"], "--seed: 0 -> 1"),
-    "vae_compile": (["--vae-compile", "on"], "--vae-compile: False -> True"),  # other latents (compiled kernels)
+    # other latents (compiled kernels): the 5B's encoder recorded by its kernels' name
+    "vae_compile": (["--vae-compile", "on"], "--vae-compile: False -> fused-norms-channels-last"),
 }
 
 

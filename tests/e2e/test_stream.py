@@ -58,7 +58,8 @@ def test_the_compiled_vae_gives_the_same_bytes_on_every_executor_and_batch_cut(d
     said = done.stdout
     assert check(stream) == [] and check(local) == []
     assert manifest(stream)["shards"] == manifest(local)["shards"]
-    assert json.loads((stream / "inputs.json").read_text())["vae_compile"] is True  # recorded like any byte-changer
+    # recorded like any byte-changer, by the kernels' name: the 5B's encoder fuses its norms in channels-last
+    assert json.loads((stream / "inputs.json").read_text())["vae_compile"] == "fused-norms-channels-last"
     ready = re.search(
         r"^encoders on cpu: ready .*: diffusers import [\d.]+ s, VAE weights [\d.]+ s, "
         r"compiling [\d.]+ s, CLIP weights [\d.]+ s; (\d+) of (\d+) graphs from the compile cache\)$",

@@ -164,3 +164,56 @@ def test_a_batch_cast_by_the_worker_encodes_as_one_cast_by_the_encoder(tiny_chec
     with torch.inference_mode():
         sent, here = encoders(batch), encoders(uncast)
     assert sent.keys() == here.keys() and all(torch.equal(sent[k], here[k]) for k in sent)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's import
+@pytest.mark.parametrize("variant", ["wan2.1", "wan2.2"])
+def test_compile_runs_each_variants_measured_kernels_unless_told(tiny_checkpoints, variant):
+    """`compile` with no layout given takes the variant's COMPILED_LAYOUT: Wan2.2 fuses its norms in channels-last
+    (its error against a float32 encoder inside eager's own range), Wan2.1 keeps the norms on eager's kernels in the
+    default layout (eager's bits); a build records the kernels by `compiled_kernels`' name. Given flags win."""
+    from wampipe.encoders.vae import COMPILED_LAYOUT, compiled_kernels, rms_norms
+
+    def compiled(**flags):
+        vae = load_vae(tiny_checkpoints / FILES[variant], variant)
+        vae.compile(4, **flags)
+        eager_norms = all("forward" in m.__dict__ for m in rms_norms(vae.model))
+        return not eager_norms, vae.memory_format == torch.channels_last_3d
+
+    assert compiled() == COMPILED_LAYOUT[variant] == {"wan2.1": (False, False), "wan2.2": (True, True)}[variant]
+    assert compiled(fuse_norms=False, channels_last=False) == (False, False)
+    assert compiled(fuse_norms=True, channels_last=True) == (True, True)
+    assert compiled_kernels(variant) == {"wan2.1": None, "wan2.2": "fused-norms-channels-last"}[variant]
+
+
+def test_batches_launched_ahead_finish_with_the_codes_one_at_a_time_gives(tiny_checkpoints):
+    """The streaming encoder launches a batch before it finishes the previous one: each batch's codes (latents,
+    CLIP features, the 14B's y) are those the batch gets alone, and a non-finite output is still refused."""
+    from types import SimpleNamespace
+
+    from wampipe.preprocess.errors import EncoderOutputError
+    from wampipe.preprocess.pipeline import Encoders, stack_clips
+
+    spec = SimpleNamespace(
+        vae=str(tiny_checkpoints / FILES["wan2.1"]),
+        model="14b",
+        device="cpu",
+        dtype="float32",
+        image_features="encoded",
+        vae_compile=False,
+        batch_size=2,
+        compile_cache="",
+        image_encoder=str(tiny_checkpoints / "clip" / "image_encoder"),
+    )
+    encoders = Encoders(spec)  # pyright: ignore[reportArgumentType]  # a stand-in: the fields Encoders reads
+    first, second = (encoders.prepare(stack_clips(list(clip(b=2, seed=s)), torch.float32)) for s in (1, 2))
+    with torch.inference_mode():
+        alone = [encoders.run(first), encoders.run(second)]
+        launched = [encoders.launch(first), encoders.launch(second)]
+        ahead = [encoders.finish(x) for x in launched]
+        for one, other in zip(alone, ahead):
+            assert one.keys() == other.keys() == {"latents", "clip", "y"}
+            assert all(torch.equal(one[k], other[k]) and one[k].dtype == torch.bfloat16 for k in one)
+        broken = {**first, "videos": first["videos"].clone().fill_(float("nan"))}
+        with pytest.raises(EncoderOutputError, match="latents of a batch of 2 clips hold NaN"):
+            encoders.finish(encoders.launch(broken))
