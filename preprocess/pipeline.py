@@ -232,8 +232,8 @@ class Encoders:
             host[name] = torch.empty(value.shape, dtype=dtype, pin_memory=cuda)
             host[name].copy_(value, non_blocking=cuda)
         done = torch.cuda.Event() if cuda else None
-        if done is not None:
-            done.record()
+        if done is not None:  # on the encoders' device's stream, which ran the copies (not the process's current one)
+            done.record(torch.cuda.current_stream(self.device))
         # the device tensors stay referenced until the copies ran: their memory is not reused before
         return {"host": host, "device": out, "done": done, "batch": len(videos)}
 

@@ -27,7 +27,7 @@ import traceback
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, cast
+from typing import Any, Callable, Iterator, cast
 
 import torch
 from tqdm import tqdm
@@ -214,8 +214,9 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
             batches += 1
 
         while True:
-            with timed(spent, "waiting for a prepared batch"):
-                item = _next_prepared(prepared, None if pending is None else pending[2]["done"] or True)
+            # with a batch on the device the wait is the device's time; without one the device waits on the host
+            with timed(spent, "waiting for a prepared batch" if pending is None else "encoding"):
+                item = _next_prepared(prepared, None if pending is None else _still_running(pending[2]["done"]))
             if isinstance(item, BaseException):
                 raise item
             with timed(spent, "encoding"):
@@ -234,7 +235,10 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
                         launched = (worker, seq, encoders.launch(inputs))
                 if pending is not None:  # the previous batch's codes, while the device runs this one
                     send_pending()
-            pending = launched
+                pending = launched
+                if pending is not None and pending[2]["done"] is None:  # a CPU launch has run: nothing to overlap
+                    send_pending()
+                    pending = None
             if item is None:
                 break
         # where the encoder process's time went: a device waiting on preparation or on the CPU workers shows here
@@ -250,22 +254,28 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
 _DEVICE_IDLE = object()  # what _next_prepared gives when the device finished its batch before another came
 
 
-def _next_prepared(prepared: queue.Queue, running: torch.cuda.Event | Literal[True] | None):
-    """The next prepared batch. While a launched batch is unfinished (`running`: its CUDA event; True on a CPU,
-    where a launch has run already) only as long as the device still runs it: then _DEVICE_IDLE, and its codes go to
-    their worker first (the worker may be waiting for them before it sends another batch)."""
+def _still_running(done: torch.cuda.Event) -> Callable[[], bool]:
+    return lambda: not done.query()
+
+
+def _next_prepared(prepared: queue.Queue, running: Callable[[], bool] | None):
+    """The next prepared batch. While the device runs a launched batch (`running()` true), only as long as it runs
+    it: then _DEVICE_IDLE, and its codes go to their worker first (the worker may be waiting for them before it
+    sends another batch)."""
     if running is None:
         return prepared.get()
     while True:
         try:
             return prepared.get(timeout=0.002)
         except queue.Empty:
-            if running is True or running.query():
+            if not running():
                 return _DEVICE_IDLE
 
 
 def _prepare_ahead(encoders: Encoders, requests, prepared: queue.Queue, cuda: bool, spent: dict[str, float]) -> None:
-    side = torch.cuda.Stream() if cuda else None
+    if cuda:  # a thread starts on the first GPU: its copies and its side stream belong on the encoders' one
+        torch.cuda.set_device(encoders.device)
+    side = torch.cuda.Stream(encoders.device) if cuda else None
     try:
         while True:
             with timed(spent, "waiting for work"):

@@ -88,7 +88,8 @@ FIRST_NORMS, LATE_NORMS = slice(0, 4), slice(8, None)  # the 4 at full resolutio
 # settings to compare with the eager encoder at the first batch size. inductor's own; eager's bf16 roundings kept
 # (`emulate_precision_casts`); also eager's memory layout for the convolutions; the product's options
 # (encoders.vae.compile_options: the roundings kept, deterministic kernel choice) with the norms fused, and that with
-# SiLU eager; the product (the norms normalize through eager's kernels); that with eager's conv layout, and with
+# SiLU eager; the product's options with the norms normalizing through eager's kernels (`product`, the 14B's shipped
+# setting; the 5B ships `fused-norms-cl`); that with eager's conv layout, and with
 # Wan2.2's average-pooling shortcuts eager. Channels-last (`-cl`): eager itself in that layout (what the layout alone
 # changes); the product; the product with its norms summed in eager's channels-first order; the norms fused; fused
 # but the first four norms (full resolution) or those from the third stage on eager; fused with cuDNN's benchmark

@@ -13,10 +13,12 @@ def test_nothing_pending_waits_for_the_next_batch():
     assert _next_prepared(prepared, None) == "batch"
 
 
-def test_with_a_finished_batch_pending_an_empty_queue_lets_its_codes_go_first():
+def test_with_a_batch_on_the_device_an_empty_queue_waits_only_while_it_runs():
     prepared: queue.Queue = queue.Queue()
-    assert _next_prepared(prepared, True) is _DEVICE_IDLE  # True: a CPU launch, which has run already
-    prepared.put("batch")
-    assert _next_prepared(prepared, True) == "batch"  # one ready is launched before the pending one finishes
+    assert _next_prepared(prepared, lambda: False) is _DEVICE_IDLE  # the device is done: its codes go first
+    polls = iter([True, True, False])  # the device runs the pending batch for two more polls
+    assert _next_prepared(prepared, lambda: next(polls)) is _DEVICE_IDLE
+    threading.Timer(0.05, prepared.put, args=("batch",)).start()
+    assert _next_prepared(prepared, lambda: True) == "batch"  # one coming is launched before the pending one ends
     prepared.put(None)  # the end of the work is taken like a batch
-    assert _next_prepared(prepared, True) is None
+    assert _next_prepared(prepared, lambda: True) is None
