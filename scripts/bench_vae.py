@@ -12,7 +12,7 @@ lever's clips/s with its largest deviation from the baseline latents and whether
 - channels_last: weights and input in channels-last-3d memory order (other cuDNN kernels, same convolutions);
 - cudnn_benchmark: cuDNN times its algorithms and keeps the fastest (the choice may differ between runs);
 - compile: torch.compile of the encoder as `preprocess shards` compiles it (fuses the activation, norm-scaling and
-  cache-copy kernels between convolutions; the norms' normalize stays on eager's kernel).
+  cache-copy kernels between convolutions; Wan2.2's norms too, in channels-last; Wan2.1's normalize on eager's kernel).
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def set_lever(vae: WanVAE, lever: str | None, on: bool, batch_size: int) -> None
         else:
             vae.model.encoder = getattr(vae.model.encoder, "_orig_mod", vae.model.encoder)
             vae.padded_batch = 0
+            vae.set_memory_format(torch.contiguous_format)  # compiling Wan2.2 made it channels-last
 
 
 def encode_with(vae: WanVAE, x: torch.Tensor, lever: str | None) -> torch.Tensor:
