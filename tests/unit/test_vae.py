@@ -136,26 +136,33 @@ def test_missing_unexpected_and_misshaped_keys(tiny_checkpoints, tmp_path):
     )
 
 
-def test_a_batch_cast_by_the_worker_encodes_as_one_cast_by_the_encoder(tiny_checkpoints):
-    """The stream's workers send their clips already in the encoders' compute dtype (half the bytes in bf16) and
-    frame 0 unrounded for CLIP: the encoders' outputs must be those of the uncast clips, cast where they run."""
+def eager_encoders(tiny_checkpoints, model: str, dtype: str):
+    """The farm's `Encoders` (eager, on the CPU) of the tiny checkpoints for `model`."""
     from types import SimpleNamespace
 
-    from wampipe.preprocess.pipeline import Encoders, stack_clips
+    from wampipe.preprocess.pipeline import Encoders
 
-    clips = list(clip(b=2, t=33, h=32, w=64))
     spec = SimpleNamespace(
-        vae=str(tiny_checkpoints / FILES["wan2.2"]),
-        model="5b",
+        vae=str(tiny_checkpoints / FILES["wan2.1" if model == "14b" else "wan2.2"]),
+        model=model,
         device="cpu",
-        dtype="bfloat16",
+        dtype=dtype,
         image_features="encoded",
         vae_compile=False,
         batch_size=2,
         compile_cache="",
         image_encoder=str(tiny_checkpoints / "clip" / "image_encoder"),
     )
-    encoders = Encoders(spec)  # pyright: ignore[reportArgumentType]  # a stand-in: the fields Encoders reads
+    return Encoders(spec)  # pyright: ignore[reportArgumentType]  # a stand-in: the fields Encoders reads
+
+
+def test_a_batch_cast_by_the_worker_encodes_as_one_cast_by_the_encoder(tiny_checkpoints):
+    """The stream's workers send their clips already in the encoders' compute dtype (half the bytes in bf16) and
+    frame 0 unrounded for CLIP: the encoders' outputs must be those of the uncast clips, cast where they run."""
+    from wampipe.preprocess.pipeline import stack_clips
+
+    clips = list(clip(b=2, t=33, h=32, w=64))
+    encoders = eager_encoders(tiny_checkpoints, "5b", "bfloat16")
     batch = stack_clips(clips, torch.bfloat16)
     assert batch["videos"].dtype == torch.bfloat16 and batch["frame0"].dtype == torch.float32
     assert torch.equal(batch["videos"], torch.stack(clips).to(torch.bfloat16))
@@ -189,23 +196,10 @@ def test_compile_runs_each_variants_measured_kernels_unless_told(tiny_checkpoint
 def test_batches_launched_ahead_finish_with_the_codes_one_at_a_time_gives(tiny_checkpoints):
     """The streaming encoder launches a batch before it finishes the previous one: each batch's codes (latents,
     CLIP features, the 14B's y) are those the batch gets alone, and a non-finite output is still refused."""
-    from types import SimpleNamespace
-
     from wampipe.preprocess.errors import EncoderOutputError
-    from wampipe.preprocess.pipeline import Encoders, stack_clips
+    from wampipe.preprocess.pipeline import stack_clips
 
-    spec = SimpleNamespace(
-        vae=str(tiny_checkpoints / FILES["wan2.1"]),
-        model="14b",
-        device="cpu",
-        dtype="float32",
-        image_features="encoded",
-        vae_compile=False,
-        batch_size=2,
-        compile_cache="",
-        image_encoder=str(tiny_checkpoints / "clip" / "image_encoder"),
-    )
-    encoders = Encoders(spec)  # pyright: ignore[reportArgumentType]  # a stand-in: the fields Encoders reads
+    encoders = eager_encoders(tiny_checkpoints, "14b", "float32")
     first, second = (encoders.prepare(stack_clips(list(clip(b=2, seed=s)), torch.float32)) for s in (1, 2))
     with torch.inference_mode():
         alone = [encoders.run(first), encoders.run(second)]
