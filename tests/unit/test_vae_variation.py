@@ -3,7 +3,7 @@ sign, and the RMS of a difference against that of the latents."""
 
 import torch
 
-from scripts.check_vae_variation import distance, distances, ordered_bf16
+from scripts.check_vae_variation import distance, distances, ordered_bf16, rel_error
 
 
 def test_ordered_bf16_counts_representable_steps_across_zero():
@@ -62,6 +62,10 @@ def test_script_reports_every_pair_of_eager_batch_sizes_and_compares_saved_runs(
     assert row["eager_rerun_same_bits"] and set(row["clips_per_s"]) == {"eager_b4", "eager_b1", "eager_b2"}
     assert set(row["eager_pairs_rel_rms"]) == {"eager_b4_vs_eager_b1", "eager_b4_vs_eager_b2", "eager_b1_vs_eager_b2"}
     assert row["graph_same_bits_as_without"] == {}  # CUDA graphs only on CUDA
+    # each batch size's error against the float32 copy: on a CPU the encoder is float32 too, so the batch cut alone
+    assert set(row["error_vs_fp32"]) == {"eager_b4", "eager_b1", "eager_b2"}
+    assert all(e[half] < 1e-5 for e in row["error_vs_fp32"].values() for half in ("noise", "smooth"))
+    assert set(row["eager_error_vs_fp32"]) == {"noise", "smooth"}
     (same,) = main(["--compare", str(tmp_path / "a-libero-5b.pt"), str(tmp_path / "b-libero-5b.pt")])
     assert {name for name in same if name.startswith("eager_b")} == {"eager_b4", "eager_b1", "eager_b2"}
     assert all(
@@ -69,3 +73,11 @@ def test_script_reports_every_pair_of_eager_batch_sizes_and_compares_saved_runs(
         for name in ("eager_b4", "eager_b1", "eager_b2")
         for half in ("noise", "smooth")
     )
+
+
+def test_error_against_the_float32_reference_is_relative_and_split_by_half():
+    ref = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    off = torch.cat([ref[:2] * 1.01, ref[2:] * 0.98])  # the noise half 1 % too large, the smooth half 2 % too small
+    error = rel_error(off, ref)
+    assert abs(error["noise"] - 0.01) < 1e-5 and abs(error["smooth"] - 0.02) < 1e-5
+    assert rel_error(ref, ref) == {"noise": 0.0, "smooth": 0.0}
