@@ -13,7 +13,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -31,6 +31,18 @@ from wampipe.shardformat.embodiments import Embodiment, get_embodiment
 from wampipe.shardformat.keys import sample_key
 from wampipe.shardformat.layout import ACTION, CLIP, CLIP_PIXELS, IMAGE_MEMBER, LATENTS, STATE, Y
 from wampipe.shardformat.members import encode_sample
+
+
+@dataclass
+class Launched:
+    """A batch `Encoders.launch` queued: its codes' pinned host tensors (filled once `done` has passed; None on a
+    CPU, where they are filled already), the device outputs they copy from (referenced so their memory is not reused
+    before the copies ran) and the batch's clip count."""
+
+    host: dict[str, torch.Tensor]
+    device: dict[str, torch.Tensor]
+    done: torch.cuda.Event | None
+    batch: int
 
 
 @dataclass
@@ -213,7 +225,7 @@ class Encoders:
         features, CLIP's input pixels on the host in the compute dtype."""
         return self.finish(self.launch(inputs))
 
-    def launch(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def launch(self, inputs: dict[str, torch.Tensor]) -> Launched:
         """`run` up to its wait: the encoders' work and the copies of their outputs to pinned host memory queued on
         the device; `finish` waits for them. A streaming encoder launches the next batch before it finishes this
         one, so the device never waits while the host checks and sends a batch's codes."""
@@ -234,19 +246,18 @@ class Encoders:
         done = torch.cuda.Event() if cuda else None
         if done is not None:  # on the encoders' device's stream, which ran the copies (not the process's current one)
             done.record(torch.cuda.current_stream(self.device))
-        # the device tensors stay referenced until the copies ran: their memory is not reused before
-        return {"host": host, "device": out, "done": done, "batch": len(videos)}
+        return Launched(host, out, done, len(videos))
 
-    def finish(self, launched: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def finish(self, launched: Launched) -> dict[str, torch.Tensor]:
         """Wait for a `launch`'s copies; its codes on the host, checked: a broken encoder must not fill a build with
         NaN."""
-        if launched["done"] is not None:
-            launched["done"].synchronize()
-        out = launched["host"]
+        if launched.done is not None:
+            launched.done.synchronize()
+        out = launched.host
         for name, value in out.items():  # as stored
             if name != CLIP_PIXELS and not torch.isfinite(value).all():
                 raise EncoderOutputError(
-                    f"the encoders' {name} of a batch of {launched['batch']} clips hold NaN or inf (as "
+                    f"the encoders' {name} of a batch of {launched.batch} clips hold NaN or inf (as "
                     f"bf16): check the {'VAE' if name in (LATENTS, Y) else 'image encoder'}'s "
                     f"weights and --dtype"
                 )

@@ -63,7 +63,9 @@ def _vae_kernels(spec: BuildSpec, name: str) -> bool | str:
     (true): their latents' bits differ, so units encoded by either never resume into one build."""
     from wampipe.encoders.vae import compiled_kernels
 
-    return (spec.vae_compile and compiled_kernels(VAE_OF_MODEL[spec.model])) or spec.vae_compile
+    if not spec.vae_compile:
+        return False
+    return compiled_kernels(VAE_OF_MODEL[spec.model]) or True
 
 
 @dataclass(frozen=True, kw_only=True)

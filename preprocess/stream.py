@@ -216,7 +216,7 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
         while True:
             # with a batch on the device the wait is the device's time; without one the device waits on the host
             with timed(spent, "waiting for a prepared batch" if pending is None else "encoding"):
-                item = _next_prepared(prepared, None if pending is None else _still_running(pending[2]["done"]))
+                item = _next_prepared(prepared, None if pending is None else _still_running(pending[2].done))
             if isinstance(item, BaseException):
                 raise item
             with timed(spent, "encoding"):
@@ -236,7 +236,7 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
                 if pending is not None:  # the previous batch's codes, while the device runs this one
                     send_pending()
                 pending = launched
-                if pending is not None and pending[2]["done"] is None:  # a CPU launch has run: nothing to overlap
+                if pending is not None and pending[2].done is None:  # a CPU launch has run: nothing to overlap
                     send_pending()
                     pending = None
             if item is None:
@@ -254,8 +254,8 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
 _DEVICE_IDLE = object()  # what _next_prepared gives when the device finished its batch before another came
 
 
-def _still_running(done: torch.cuda.Event) -> Callable[[], bool]:
-    return lambda: not done.query()
+def _still_running(done: torch.cuda.Event | None) -> Callable[[], bool]:
+    return lambda: done is not None and not done.query()  # None: a CPU launch, which has run already
 
 
 def _next_prepared(prepared: queue.Queue, running: Callable[[], bool] | None):

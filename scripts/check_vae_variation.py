@@ -257,13 +257,8 @@ def fp32_latents(recipe: str, args, x: torch.Tensor) -> torch.Tensor:
 
 
 def rel_error(latents: torch.Tensor, reference: torch.Tensor) -> dict:
-    """RMS of `latents` minus the float32 `reference` over the reference's RMS, noise clips and smooth ones."""
-    half = len(latents) - len(latents) // 2
-    out = {}
-    for name, part in (("noise", slice(None, half)), ("smooth", slice(half, None))):
-        ref = reference[part]
-        out[name] = round(((latents[part].float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item(), 6)
-    return out
+    """`distances`' rel_rms of `latents` from the float32 `reference` (over the reference's RMS), noise / smooth."""
+    return {half: round(d["rel_rms"], 6) for half, d in distances(reference, latents).items()}
 
 
 def measure(recipe: str, args) -> tuple[dict, dict]:
