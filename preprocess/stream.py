@@ -242,8 +242,9 @@ def _encoder_main(spec: BuildSpec, device: str, requests, replies, results, pare
             if item is None:
                 break
         # where the encoder process's time went: a device waiting on preparation or on the CPU workers shows here
+        peak = f"; peak {torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB reserved" if cuda else ""
         print(
-            f"encoder on {device}: {batches} batches; " + ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()),
+            f"encoder on {device}: {batches} batches; " + ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()) + peak,
             flush=True,
         )
     except BaseException as err:  # noqa: BLE001 — reported to the run, which stops every process

@@ -10,7 +10,8 @@ the same encoders alone on the same device, measured in one run. One JSON line p
 2. `preprocess shards --stage units` on them, in this process (the streaming executor: CPU workers decode, window
    and transform; one encoder process per device). Samples/s over the whole call, encoder loading included.
 3. The bound: the same `Encoders` (VAE, CLIP, the 14B's y) on the same device, on random videos of the recipe's
-   shape, in batches of --batch-size, with nothing else running.
+   shape, in batches of --batch-size, with nothing else running: before the build and after it (a GPU that has
+   run for minutes runs hotter and slower), the higher of the two.
 
 Reported: samples/s per device over the whole call and in the steady state (every sample over the call from the
 start of the GPUs' sustained work on: the call without its start, reported as start_s;
@@ -223,6 +224,9 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
         text_encoder=weights / "umt5" / "text_encoder",
         tokenizer=weights / "umt5" / "tokenizer",
     )
+    # the bound on the idle device before the build too: right after a long build the GPU runs hotter and its
+    # clocks lower, so the ratio is given against the higher of the two
+    bound_before = encoder_bound(shards.prepare_defaults(cli), args.bound_iters) if args.bound_before else None
     gpus = encoder_gpus(args.device)
     devices = len(gpus) or 1  # one encoder process per GPU, or one on the CPU
     cpu0, start, start_epoch = cpu_seconds(), time.perf_counter(), time.time()
@@ -233,6 +237,9 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     units = sorted((out / WORK_DIR).glob("unit-*.json"))
     records = [json.loads(p.read_text()) for p in units]
     samples = sum(r["count"] for r in records)
+    # a worker cuts each unit's samples into batches of the batch size, the last one short; the compiled VAE pads
+    # that one to the full size, so the device encodes this many clip slots for these samples
+    slots = sum(-(-r["count"] // cli.batch_size) * cli.batch_size for r in records)
     spill_bytes = sum((p.with_suffix(".tar")).stat().st_size for p in units)
     # steady state: every sample over the call from the start of the GPUs' sustained work (BusySampler.steady_start)
     # to its end, i.e. the whole call without its start (hashing, weight checks, spawning, encoder loading and
@@ -250,7 +257,8 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     first = busy.steady_start()
     window = (first, end_epoch) if first is not None else None
     steady = samples / (window[1] - window[0]) / devices if window else None
-    bound = encoder_bound(cli, args.bound_iters)
+    bound_after = encoder_bound(cli, args.bound_iters)
+    bound = max(bound_after, bound_before or 0.0)
     rate = samples / wall / devices
     return {
         "bench": "farm",
@@ -259,7 +267,8 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
         "devices": devices,
         "workers": cli.workers,
         "executor": args.executor,
-        "batch_size": args.batch_size,
+        "batch_size": cli.batch_size,
+        "batch_fill": round(samples / max(1, slots), 4),
         "episodes": args.episodes,
         "anchor_stride": args.anchor_stride,
         "episodes_per_unit": args.episodes_per_unit,
@@ -269,6 +278,8 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
         "wall_s": round(wall, 2),
         "samples_per_s_per_device": round(rate, 3),
         "bound_samples_per_s": round(bound, 3),
+        "bound_before_samples_per_s": bound_before and round(bound_before, 3),
+        "bound_after_samples_per_s": round(bound_after, 3),
         "ratio_to_bound": round(rate / bound, 4),
         "busy_pct": busy.mean_pct(),
         "steady_samples_per_s_per_device": steady and round(steady, 3),
@@ -297,12 +308,13 @@ class Args:
     """CPU workers (0: the default of preprocess shards, every core but three per GPU encoder)."""
     executor: Literal["stream", "local"] = "stream"
     """The --executor of preprocess shards."""
-    batch_size: int = 16
-    """Windows per encoder batch."""
+    batch_size: int | None = None
+    """Windows per encoder batch (default: preprocess shards' for the device and model)."""
     decode_backend: Literal["torchcodec", "pyav"] = "torchcodec"
     """Frame decoder (pyav where torchcodec's FFmpeg libraries are missing)."""
-    episodes_per_unit: int = 2
-    """Episodes per work unit (small units: a fine-grained steady-state measurement)."""
+    episodes_per_unit: int = 8
+    """Episodes per work unit (preprocess shards' default). Each unit's last batch is padded to the full batch size,
+    so smaller units spend more of the device on padding (reported as batch_fill)."""
     image_features: Literal["encoded", "pixels"] = "encoded"
     """The --image-features of preprocess shards (pixels: CLIP input pixels stored, CLIP not run)."""
     vae_compile: Literal["auto", "on", "off"] = "auto"
@@ -311,6 +323,8 @@ class Args:
     """Keep every n-th window (fewer samples per episode)."""
     bound_iters: int = 10
     """Timed encoder batches of the bound."""
+    bound_before: bool = True
+    """Measure the bound before the build as well as after it (the ratios are against the higher one)."""
     busy_trace: Path | None = None
     """JSON file to write the sampled GPU utilization to (epoch times and per-GPU %); with several recipes one
     file each, the recipe's name after the stem."""

@@ -80,6 +80,7 @@ def args(tmp_path) -> Args:
         dtype="float32",
         threads_per_worker=2,
         vae_compile="off",
+        batch_size=4,
         **{name: tmp_path / name for name in ("vae", "image_encoder", "text_encoder", "tokenizer")},
     )
 
@@ -172,3 +173,17 @@ def test_the_compiled_vae_is_the_default_on_a_gpu_and_eager_on_cpu(args):
     assert completed(device="cpu", vae_compile="on") == ("float32", "on", fused)
     assert completed(device="cpu", vae_compile="on", model="14b") == ("float32", "on", True)
     assert completed(device="cpu", vae_compile="off", model="14b") == ("float32", "off", False)
+
+
+def test_the_batch_size_default_follows_the_device_and_the_vae_and_is_recorded_resolved(args):
+    from wampipe.preprocess.shards import prepare_defaults
+
+    def batch(**flags):
+        done = prepare_defaults(replace(args, **{"batch_size": None, **flags}))
+        assert spec_of(done).inputs()["batch_size"] == done.batch_size  # a number: a rerun compares it as such
+        return done.batch_size
+
+    assert batch(device="cuda", model="5b") == batch(device="cuda:1", model="5b-wan22") == 32  # Wan2.2's clips
+    assert batch(device="cuda", model="14b") == 16  # Wan2.1's: 53 GiB at 16 (fits an 80 GB card)
+    assert batch(device="cpu", model="5b") == batch(device="cpu", model="14b") == 4
+    assert batch(device="cuda", model="5b", batch_size=8) == 8  # given: kept
