@@ -2,7 +2,7 @@
 the same encoders alone on the same device, measured in one run. One JSON line per recipe.
 
     python scripts/bench_farm.py --device cuda                          # 5B LIBERO, 5B DROID, 14B DROID
-    python scripts/bench_farm.py --device cuda --recipes libero-5b --episodes 48
+    python scripts/bench_farm.py --device cuda --recipes libero-5b --episodes 176
     python scripts/bench_farm.py --device cpu --size tiny --episodes 4 --recipes libero-5b   # smoke run
 
 1. A generated LeRobot dataset of the recipe's layout (scripts/make_sample_dataset.py) and random-init encoders at
@@ -31,7 +31,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 from types import SimpleNamespace
@@ -195,6 +196,19 @@ def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
     return iters * cli.batch_size / (time.perf_counter() - start)
 
 
+def bound_in_a_process(cli, cache: Path, args) -> float:
+    """The bound on the idle device before the build (right after a long build a GPU may run hotter and its clocks
+    lower): in a process of its own, which gives its GPU memory back before the build starts, and with a compile
+    cache of its own, so the build's encoders still compile from a cold cache."""
+    from wampipe.preprocess import shards
+
+    alone = replace(cli, compile_cache=cache)
+    shards.check_arguments(alone)
+    shards.prepare_defaults(alone)
+    with ProcessPoolExecutor(1, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(encoder_bound, alone, args.bound_iters).result()
+
+
 def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     from wampipe.preprocess import shards
 
@@ -224,9 +238,7 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
         text_encoder=weights / "umt5" / "text_encoder",
         tokenizer=weights / "umt5" / "tokenizer",
     )
-    # the bound on the idle device before the build too: right after a long build the GPU runs hotter and its
-    # clocks lower, so the ratio is given against the higher of the two
-    bound_before = encoder_bound(shards.prepare_defaults(cli), args.bound_iters) if args.bound_before else None
+    bound_before = bound_in_a_process(cli, work / f"compile-cache-bound-{recipe}", args) if args.bound_before else None
     gpus = encoder_gpus(args.device)
     devices = len(gpus) or 1  # one encoder process per GPU, or one on the CPU
     cpu0, start, start_epoch = cpu_seconds(), time.perf_counter(), time.time()
@@ -239,7 +251,9 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
     samples = sum(r["count"] for r in records)
     # a worker cuts each unit's samples into batches of the batch size, the last one short; the compiled VAE pads
     # that one to the full size, so the device encodes this many clip slots for these samples
-    slots = sum(-(-r["count"] // cli.batch_size) * cli.batch_size for r in records)
+    slots = sum(-(-r["count"] // cli.batch_size) * cli.batch_size for r in records) if cli.vae_compile == "on" else 0
+    if len(records) < cli.workers:
+        print(f"only {len(records)} units for {cli.workers} workers: give more --episodes", file=sys.stderr)
     spill_bytes = sum((p.with_suffix(".tar")).stat().st_size for p in units)
     # steady state: every sample over the call from the start of the GPUs' sustained work (BusySampler.steady_start)
     # to its end, i.e. the whole call without its start (hashing, weight checks, spawning, encoder loading and
@@ -265,10 +279,10 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
         "recipe": recipe,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
         "devices": devices,
-        "workers": cli.workers,
+        "workers": min(cli.workers, len(records)),  # a run has at most one worker per unit
         "executor": args.executor,
         "batch_size": cli.batch_size,
-        "batch_fill": round(samples / max(1, slots), 4),
+        "batch_fill": round(samples / slots, 4) if slots else 1.0,  # eager batches are not padded
         "episodes": args.episodes,
         "anchor_stride": args.anchor_stride,
         "episodes_per_unit": args.episodes_per_unit,
@@ -302,8 +316,9 @@ class Args:
     """Encoder device: cuda (every local GPU), cuda:N or cpu."""
     size: Literal["full", "tiny"] = "full"
     """Encoder widths (tiny: smoke runs)."""
-    episodes: int = 48
-    """Episodes of each generated dataset."""
+    episodes: int = 176
+    """Episodes of each generated dataset (176: two units of 8 per worker of a 16-core GPU machine, ~11 000 LIBERO
+    samples; give at least workers x 2 x --episodes-per-unit)."""
     workers: int = 0
     """CPU workers (0: the default of preprocess shards, every core but three per GPU encoder)."""
     executor: Literal["stream", "local"] = "stream"
