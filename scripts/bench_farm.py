@@ -196,7 +196,7 @@ def encoder_bound(cli, iters: int, warmup: int = 2) -> float:
     return iters * cli.batch_size / (time.perf_counter() - start)
 
 
-def bound_in_a_process(cli, cache: Path, args) -> float:
+def bound_in_a_process(cli, cache: Path, iters: int) -> float:
     """The bound on the idle device before the build (right after a long build a GPU may run hotter and its clocks
     lower): in a process of its own, which gives its GPU memory back before the build starts, and with a compile
     cache of its own, so the build's encoders still compile from a cold cache."""
@@ -206,7 +206,7 @@ def bound_in_a_process(cli, cache: Path, args) -> float:
     shards.check_arguments(alone)
     shards.prepare_defaults(alone)
     with ProcessPoolExecutor(1, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(encoder_bound, alone, args.bound_iters).result()
+        return pool.submit(encoder_bound, alone, iters).result()
 
 
 def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
@@ -238,7 +238,9 @@ def bench_recipe(recipe: str, work: Path, weights: Path, args) -> dict:
         text_encoder=weights / "umt5" / "text_encoder",
         tokenizer=weights / "umt5" / "tokenizer",
     )
-    bound_before = bound_in_a_process(cli, work / f"compile-cache-bound-{recipe}", args) if args.bound_before else None
+    bound_before = (
+        bound_in_a_process(cli, work / f"compile-cache-bound-{recipe}", args.bound_iters) if args.bound_before else None
+    )
     gpus = encoder_gpus(args.device)
     devices = len(gpus) or 1  # one encoder process per GPU, or one on the CPU
     cpu0, start, start_epoch = cpu_seconds(), time.perf_counter(), time.time()
