@@ -189,10 +189,17 @@ def test_a_setting_measured_on_one_gpu_with_float8_is_taken_there_alone(tmp_path
     """libero-5b's float8 entry reduces and keeps the gathered weights every micro-batch: local copies on one GPU,
     traffic on several, where the bf16 entries measured there are taken instead."""
     fp8 = ("--parallel.float8", "tensorwise")
+    # the fastest: micro-batch 16 with bf16 moments, taken by --optim.moments auto since fp32 ones would not fit it
     one, line = resolve_auto(_cfg(tmp_path, *fp8), H200, 1)
+    p = one.parallel
+    assert (p.activation_checkpoint, one.data.micro_batch_size, one.optim.moments) == ("selective", 16, "bf16")
+    assert (p.reduce_every_micro_batch, p.gather_once_per_step) == (True, True) and "measured 19.68-20.15" in str(line)
+    # fp32 moments given: the fastest setting measured with them
+    one, line = resolve_auto(_cfg(tmp_path, *fp8, "--optim.moments", "fp32"), H200, 1)
     p = one.parallel
     assert (p.activation_checkpoint, p.ac_blocks, p.ac_others, one.data.micro_batch_size) == ("full", 2, "selective", 8)
     assert (p.reduce_every_micro_batch, p.gather_once_per_step) == (True, True) and "measured 17.84" in str(line)
+    assert one.optim.moments == "fp32"
     bf16, line = resolve_auto(_cfg(tmp_path), H200, 1)  # without float8: the bf16 entry
     assert (bf16.parallel.reduce_every_micro_batch, bf16.parallel.gather_once_per_step) == (False, False)
     assert "measured 15.70" in str(line)
