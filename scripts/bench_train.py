@@ -64,7 +64,14 @@ from wampipe.train.dit.flops import dit_flops
 from wampipe.train.planning.memory import Plan, offload_traffic, run_size
 from wampipe.train.metrics import device_peak_flops
 from wampipe.train.dit.model import Block, DiTConfig, rope_tables, text_key_log_weight
-from wampipe.train.parallel import apply_ac, apply_compile, apply_float8, recomputed_blocks, use_expandable_segments
+from wampipe.train.parallel import (
+    apply_ac,
+    apply_compile,
+    apply_float8,
+    float8_missing,
+    recomputed_blocks,
+    use_expandable_segments,
+)
 from wampipe.train.dit.text import compact_text_rows
 
 
@@ -338,7 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
         argv_trainer[i : i + 2] = ["--data.mixture", *(f"{d}=1" for d in sets.values())]
         shards = next(iter(sets.values()))
     cfg = parse_trainer_args(argv_trainer)
-    cfg, auto = resolve_auto(cfg, device_memory_gib(trainer_device(cfg)), args.nproc)
+    device = trainer_device(cfg)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    cfg, auto = resolve_auto(cfg, device_memory_gib(device), args.nproc, float8_missing(capability))
     if auto:
         print(auto, flush=True)
     plan = batch_plan(cfg, args.nproc)

@@ -274,11 +274,14 @@ class ParallelConfig:
     already holds every block gathered. Pays with the gradients reduced every micro-batch, which frees the memory
     that the gathered weights would otherwise squeeze (docs/PERFORMANCE.md). auto (in a config file; the 5B/14B
     presets) = as --parallel.activation-checkpoint auto (never with resharding after forward)."""
-    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    float8: Literal["auto", "none", "tensorwise", "rowwise"] = "none"
     """Float8 matmuls in the DiT blocks' linears (torchao float8 training; pip install -e '.[fp8]'; CUDA compute
     capability >= 8.9): tensorwise = one scale per tensor, FSDP all-gathers the weights in float8 (unless
     --parallel.no-float8-all-gather); rowwise = one scale per row (closer to bf16, slower). Embeddings, head,
-    encoders and norms stay bf16."""
+    encoders and norms stay bf16. auto (the 5B/14B presets) = the float8 of the recipe's fastest setting measured
+    on these GPUs, where torchao and float8 matmuls are there and neither --lora.rank nor --parallel.cpu-offload is
+    given, else none (train/planning/auto.py; loss parity with bf16 in docs/PERFORMANCE.md); none = the official
+    bf16 numerics."""
     float8_linears: Literal["all", "tokens", "ffn"] = "all"
     """Which of a block's linears --parallel.float8 converts: all; tokens = those whose rows are the sequence's
     tokens (self-attention, the cross-attention's query and output, the FFN), not the cross-attention's key and value
@@ -545,13 +548,13 @@ def validate(cfg: Config) -> None:
         (
             "--parallel.float8",
             p.float8,
-            p.float8 == "none" or not cfg.lora.rank,
+            p.float8 in ("none", "auto") or not cfg.lora.rank,
             "none with --lora.rank > 0: float8 swaps out the adapted linears",
         ),
         (
             "--parallel.cpu-offload",
             p.cpu_offload,
-            not p.cpu_offload or p.float8 == "none",
+            not p.cpu_offload or p.float8 in ("none", "auto"),
             "off with --parallel.float8: float8 casts and scales its weights on the GPU",
         ),
         (

@@ -291,20 +291,23 @@ def float8_filter(module: nn.Module, fqn: str, linears: str = "all") -> bool:
     return linears == "all" or name in FFN_LINEARS
 
 
-def check_float8(mode: str, capability: tuple[int, int] | None) -> None:
-    """Refuse --parallel.float8 in one line where it cannot run: without torchao, or without a CUDA device of compute
-    capability >= 8.9 (`capability`; None = no CUDA device), the first with float8 matmuls."""
-    if mode == "none":
-        return
+def float8_missing(capability: tuple[int, int] | None) -> str | None:
+    """Why float8 matmuls cannot run here, as the end of a sentence, or None where they can: torchao is not installed,
+    or there is no CUDA device of compute capability >= 8.9 (`capability`; None = no CUDA device)."""
     try:  # first: the missing extra is named wherever it is asked for, a CPU machine included
         import torchao.float8  # noqa: F401
     except ImportError:
-        raise UsageError(f"--parallel.float8 {mode} needs torchao: pip install 'wampipe[fp8]'") from None
+        return "needs torchao: pip install 'wampipe[fp8]'"
     if capability is None or tuple(capability) < (8, 9):
         found = "no CUDA device" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
-        raise UsageError(
-            f"--parallel.float8 {mode} needs a CUDA GPU of compute capability >= 8.9 (float8 matmuls), found {found}"
-        )
+        return f"needs a CUDA GPU of compute capability >= 8.9 (float8 matmuls), found {found}"
+    return None
+
+
+def check_float8(mode: str, capability: tuple[int, int] | None) -> None:
+    """Refuse --parallel.float8 in one line where it cannot run (`float8_missing`)."""
+    if mode != "none" and (missing := float8_missing(capability)):
+        raise UsageError(f"--parallel.float8 {mode} {missing}")
 
 
 def apply_float8(model: nn.Module, mode: str, linears: str = "all", all_gather: bool = True) -> int:
@@ -345,7 +348,8 @@ def float8_after_step(model: nn.Module, mode: str) -> None:
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh=None) -> nn.Module:
-    if cfg.activation_checkpoint == "auto" or cfg.reshard_after_forward is None or cfg.float8_all_gather is None:
+    unresolved = "auto" in (cfg.activation_checkpoint, cfg.float8) or cfg.reshard_after_forward is None
+    if unresolved or cfg.float8_all_gather is None:
         raise ValueError("auto settings are unresolved: pass the config through train.planning.auto.resolve_auto first")
     apply_float8(model, cfg.float8, cfg.float8_linears, cfg.float8_all_gather)
     apply_ac(model, cfg.activation_checkpoint, cfg.ac_blocks, cfg.ac_others)

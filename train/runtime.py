@@ -30,7 +30,7 @@ from wampipe.train.config import BatchPlan, Config, batch_plan, validate
 from wampipe.train.data import ShardIndex
 from wampipe.train.metrics import check_wandb
 from wampipe.train.dit.model import MODEL_INPUTS
-from wampipe.train.parallel import check_float8, computes_on_cuda, use_expandable_segments
+from wampipe.train.parallel import check_float8, computes_on_cuda, float8_missing, use_expandable_segments
 from wampipe.train.state import TrainState
 
 if TYPE_CHECKING:
@@ -91,10 +91,11 @@ def settle(cfg: Config, device: torch.device, world: int, rank: int) -> tuple[Co
     """`cfg` with its auto settings resolved for these devices, checked again, and its batch plan; a refusal stops
     every rank (they decide alike) with one line from rank 0."""
     with alike():
-        cfg, auto = resolve_auto(cfg, device_memory_gib(device), world)
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        cfg, auto = resolve_auto(cfg, device_memory_gib(device), world, float8_missing(capability))
         validate(cfg)  # again: what auto resolved may not go with a given flag
         plan = batch_plan(cfg, world)
-    check_float8(cfg.parallel.float8, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    check_float8(cfg.parallel.float8, capability)
     check_wandb(cfg.metrics)
     if rank == 0 and auto:
         print(auto, flush=True)

@@ -118,6 +118,8 @@ def test_given_flags_win_part_by_part(tmp_path):
         "--parallel.no-reduce-every-micro-batch",
         "--parallel.no-gather-once-per-step",
         "--parallel.float8-all-gather",
+        "--parallel.float8",
+        "none",
     )
     assert resolve_auto(every, H200, 1) == (every, None)  # nothing auto: nothing to say
     # tiny keeps its explicit recipe; asking it for auto gives that recipe
@@ -224,7 +226,7 @@ def test_float8_runs_take_the_settings_measured_with_float8_then_the_bf16_ones(t
         in line
         and "measured 0.357" in line
     )
-    # the same GPUs in bf16 never take the float8 entry: float8 changes the numerics and is only ever given
+    # the same GPUs where float8 cannot run (these calls' default) keep the bf16 entry
     cfg, line = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4)
     assert line is not None
     assert _mix(cfg) == ("full", "auto", "none", False, 1) and cfg.parallel.float8 == "none"
@@ -312,3 +314,52 @@ def test_gathering_once_per_step_needs_the_gathered_parameters_kept_after_forwar
     resharded, _ = resolve_auto(_cfg(tmp_path, "--parallel.gather-once-per-step", preset="droid-14b"), H200, 4)
     with pytest.raises(UsageError, match="gather-once-per-step"):
         validate(resharded)
+
+
+def test_float8_auto_takes_the_float8_setting_where_it_is_the_fastest_measured_and_can_run(tmp_path):
+    """The presets' --parallel.float8 auto: float8 where the fastest setting measured for these GPUs is a float8
+    one and float8 matmuls run here; bf16 wherever it cannot run, trains adapters or offloads its state."""
+    ready = {"float8_missing": None}  # torchao installed, a GPU of compute capability >= 8.9
+    cfg, line = resolve_auto(_cfg(tmp_path), H200, 1, **ready)
+    p = cfg.parallel
+    assert (p.float8, p.activation_checkpoint, cfg.data.micro_batch_size, cfg.optim.moments) == (
+        "tensorwise",
+        "selective",
+        16,
+        "bf16",
+    )
+    assert "float8 tensorwise linears" in str(line) and "measured 19.68-20.15" in str(line)
+    # the same card without torchao: the bf16 setting, and the line says what float8 needs
+    cfg, line = resolve_auto(_cfg(tmp_path), H200, 1, float8_missing="needs torchao: pip install 'wampipe[fp8]'")
+    assert cfg.parallel.float8 == "none" and "measured 15.70" in str(line)
+    assert "bf16 linears (the faster float8 setting measured here needs torchao: pip install 'wampipe[fp8]')" in str(
+        line
+    )
+    # the 14B on 4 H200: its float8 entry beats every bf16 one measured there
+    cfg, line = resolve_auto(_cfg(tmp_path, preset="droid-14b"), H200, 4, **ready)
+    assert cfg.parallel.float8 == "tensorwise" and "measured 0.357" in str(line)
+    # where a bf16 setting is the fastest measured (two H200, the H100s) or nothing is measured: bf16
+    for preset, gib, gpus, why in [
+        ("libero-5b", H200, 2, "measured 16.39"),
+        ("droid-14b", H100, 4, "measured 0.251"),
+        ("droid-5b", H200, 1, ""),
+    ]:
+        cfg, line = resolve_auto(_cfg(tmp_path, preset=preset), gib, gpus, **ready)
+        assert cfg.parallel.float8 == "none" and why in str(line) and "linears" not in str(line)
+    # given flags win; adapters and host-offloaded state never take float8; a CPU run neither
+    for flags, preset, gib, gpus in [
+        (("--parallel.float8", "none"), "libero-5b", H200, 1),
+        (("--lora.rank", "8"), "libero-5b", H200, 1),
+        (("--parallel.cpu-offload",), "droid-14b", H200, 4),
+    ]:
+        cfg, line = resolve_auto(_cfg(tmp_path, *flags, preset=preset), gib, gpus, **ready)
+        assert cfg.parallel.float8 == "none" and "linears" not in str(line)
+    assert resolve_auto(_cfg(tmp_path), None, 1, **ready)[0].parallel.float8 == "none"
+    # nothing else auto: float8 still resolved, and said
+    given = ("--parallel.activation-checkpoint", "full", "--data.micro-batch-size", "8")
+    given += ("--parallel.reshard-after-forward", "--parallel.no-reduce-every-micro-batch")
+    given += ("--parallel.no-gather-once-per-step",)
+    cfg, line = resolve_auto(_cfg(tmp_path, *given), H200, 1, **ready)
+    assert cfg.parallel.float8 == "tensorwise" and line == "auto settings for libero-5b: float8 tensorwise linears"
+    with pytest.raises(ValueError, match="resolve_auto"):
+        parallelize(build_model("tiny"), ParallelConfig(float8="auto"))

@@ -1,7 +1,7 @@
-"""Auto settings: the recompute mode, micro-batch, resharding, gradient reduction and its dtype, gathering and AdamW
-moments a run leaves to `auto` take the fastest setting measured for its recipe (configs/<name>.yaml, section
-throughput) that fits the GPUs, else one the memory model (train/planning/memory.py) estimates to fit. The flags stay in
-train/config.py, which parses them without torch."""
+"""Auto settings: the recompute mode, micro-batch, resharding, gradient reduction and its dtype, gathering, AdamW
+moments and float8 linears a run leaves to `auto` take the fastest setting measured for its recipe
+(configs/<name>.yaml, section throughput) that fits the GPUs, else one the memory model (train/planning/memory.py)
+estimates to fit. The flags stay in train/config.py, which parses them without torch."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class Measured:
     min_gib: float
     setting: Throughput
     evidence: str
-    float8: str = "none"
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
     cpu_offload: bool = False
     max_gpus: int | None = None
 
@@ -106,7 +106,40 @@ def _fitting_micro(micro: int, global_batch: int | Auto, world_size: int) -> int
     return next((m for m in range(micro, 0, -1) if global_batch % (m * world_size) == 0), micro)
 
 
-def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tuple[Config, str | None]:
+def _auto_float8(
+    cfg: Config, gpu_mem_gib: float | None, world_size: int, float8_missing: str | None
+) -> tuple[Literal["none", "tensorwise", "rowwise"], str]:
+    """--parallel.float8 auto: the float8 of the recipe's fastest measured setting for these GPUs (a float8 one is
+    listed only where it measured faster than every bf16 one that fits the same GPUs), where float8 can run here
+    (`float8_missing` None) and the run neither trains adapters nor offloads its state; else none. Returns it and
+    what the auto line says about it."""
+    if gpu_mem_gib is None or cfg.lora.rank or cfg.parallel.cpu_offload:
+        return "none", ""
+    measured, _ = throughput_table()
+    fastest = next(
+        (
+            m
+            for m in measured
+            if m.preset == cfg.preset
+            and m.min_gpus <= world_size <= (m.max_gpus or world_size)
+            and gpu_mem_gib >= m.min_gib
+            and not m.cpu_offload
+        ),
+        None,
+    )
+    if fastest is None or fastest.float8 == "none":
+        return "none", ""
+    if float8_missing:
+        return "none", f", bf16 linears (the faster float8 setting measured here {float8_missing})"
+    return fastest.float8, f", float8 {fastest.float8} linears"
+
+
+def resolve_auto(
+    cfg: Config,
+    gpu_mem_gib: float | None,
+    world_size: int,
+    float8_missing: str | None = "needs a CUDA GPU of compute capability >= 8.9",
+) -> tuple[Config, str | None]:
     """A copy of `cfg` whose auto parts (--parallel.activation-checkpoint auto, --data.micro-batch-size auto, auto
     --parallel.[no-]reshard-after-forward, --parallel.[no-]reduce-every-micro-batch and
     --parallel.[no-]gather-once-per-step) take the fastest measured
@@ -115,7 +148,13 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     not take more memory where both were measured). The recompute mode brings its entry's --parallel.ac-blocks and
     --parallel.ac-others unless those are given. Given parts are kept. Returns the copy and one line saying what was
     chosen and why (None when nothing was auto). With --parallel.cpu-offload the gradients are reduced every
-    micro-batch unless that is given. An auto --parallel.[no-]float8-all-gather is on with several GPUs, off on one."""
+    micro-batch unless that is given. An auto --parallel.[no-]float8-all-gather is on with several GPUs, off on one.
+    --parallel.float8 auto is resolved first (`_auto_float8`; `float8_missing`: why float8 cannot run here, None
+    where it can)."""
+    float8 = ""
+    if cfg.parallel.float8 == "auto":
+        cfg = copy.deepcopy(cfg)
+        cfg.parallel.float8, float8 = _auto_float8(cfg, gpu_mem_gib, world_size, float8_missing)
     gather8 = ""
     if cfg.parallel.float8_all_gather is None:  # on one GPU no bytes cross a link: the eager casts would only cost
         cfg = copy.deepcopy(cfg)
@@ -133,8 +172,8 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
         "once": p.gather_once_per_step is None,
     }
     moments = cfg.optim.moments
-    if not any(auto.values()):
-        return cfg, None  # --optim.moments auto stays fp32
+    if not any(auto.values()):  # --optim.moments auto stays fp32
+        return cfg, f"auto settings for {cfg.preset}: {float8.removeprefix(', ')}" if float8 else None
     measured, recipes = throughput_table()
     # a setting measured with fp32 moments fits bf16 ones too; one measured with bf16 moments needs them
     on_gpus = [
@@ -227,7 +266,7 @@ def resolve_auto(cfg: Config, gpu_mem_gib: float | None, world_size: int) -> tup
     ]
     batch = "" if p.global_batch_size == AUTO else f", global batch {p.global_batch_size}"
     return out, (
-        f"auto settings for {cfg.preset} on {where}: {result.describe()}{gather8}{batch} ({why})"
+        f"auto settings for {cfg.preset} on {where}: {result.describe()}{float8}{gather8}{batch} ({why})"
         + (f"; given: {', '.join(given)}" if given else "")
     )
 
