@@ -68,7 +68,7 @@ from wampipe.train.parallel import (
     apply_ac,
     apply_compile,
     apply_float8,
-    float8_missing,
+    auto_float8_missing,
     recomputed_blocks,
     use_expandable_segments,
 )
@@ -347,7 +347,9 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_trainer_args(argv_trainer)
     device = trainer_device(cfg)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    cfg, auto = resolve_auto(cfg, device_memory_gib(device), args.nproc, float8_missing(capability))
+    cfg, auto = resolve_auto(
+        cfg, device_memory_gib(device), args.nproc, auto_float8_missing(cfg.parallel.float8, capability)
+    )
     if auto:
         print(auto, flush=True)
     plan = batch_plan(cfg, args.nproc)

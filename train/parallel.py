@@ -304,6 +304,17 @@ def float8_missing(capability: tuple[int, int] | None) -> str | None:
     return None
 
 
+def auto_float8_missing(mode: str, capability: tuple[int, int] | None) -> str | None:
+    """`float8_missing` as resolve_auto takes it, torchao imported only where --parallel.float8 auto could choose
+    float8 (a CUDA device): on a CPU auto keeps bf16 anyway, and importing torchao there warns on stderr that its CUDA
+    kernels did not load."""
+    if mode != "auto":
+        return None  # not consulted
+    if capability is None:
+        return "needs a CUDA GPU of compute capability >= 8.9 (float8 matmuls), found no CUDA device"
+    return float8_missing(capability)
+
+
 def check_float8(mode: str, capability: tuple[int, int] | None) -> None:
     """Refuse --parallel.float8 in one line where it cannot run (`float8_missing`)."""
     if mode != "none" and (missing := float8_missing(capability)):

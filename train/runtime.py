@@ -30,7 +30,12 @@ from wampipe.train.config import BatchPlan, Config, batch_plan, validate
 from wampipe.train.data import ShardIndex
 from wampipe.train.metrics import check_wandb
 from wampipe.train.dit.model import MODEL_INPUTS
-from wampipe.train.parallel import check_float8, computes_on_cuda, float8_missing, use_expandable_segments
+from wampipe.train.parallel import (
+    auto_float8_missing,
+    check_float8,
+    computes_on_cuda,
+    use_expandable_segments,
+)
 from wampipe.train.state import TrainState
 
 if TYPE_CHECKING:
@@ -92,7 +97,9 @@ def settle(cfg: Config, device: torch.device, world: int, rank: int) -> tuple[Co
     every rank (they decide alike) with one line from rank 0."""
     with alike():
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        cfg, auto = resolve_auto(cfg, device_memory_gib(device), world, float8_missing(capability))
+        cfg, auto = resolve_auto(
+            cfg, device_memory_gib(device), world, auto_float8_missing(cfg.parallel.float8, capability)
+        )
         validate(cfg)  # again: what auto resolved may not go with a given flag
         plan = batch_plan(cfg, world)
     check_float8(cfg.parallel.float8, capability)

@@ -17,7 +17,7 @@ from tests.helpers import tiny_model
 from wampipe.errors import UsageError
 from wampipe.train.dit.loss import FlowMatchScheduler, flow_matching_loss
 from wampipe.train.dit.model import Block, build_model, random_batch
-from wampipe.train.parallel import apply_ac, apply_float8, check_float8
+from wampipe.train.parallel import apply_ac, apply_float8, auto_float8_missing, check_float8
 
 OFFICIAL = set(build_model("tiny").state_dict())
 # per block: self-attention q k v o, cross-attention q k v o + k_img v_img, the two FFN linears
@@ -98,3 +98,15 @@ def test_refusals_name_the_flag_in_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # torchao not installed
     with pytest.raises(UsageError, match=r"^--parallel.float8 rowwise needs torchao: pip install 'wampipe\[fp8\]'$"):
         check_float8("rowwise", (9, 0))
+
+
+def test_auto_asks_torchao_only_on_a_cuda_device(monkeypatch):
+    """On a CPU, auto's reason comes without importing torchao (whose import there warns on stderr about its CUDA
+    kernels); on a GPU it names the missing extra; where float8 is not asked for nothing is consulted."""
+    monkeypatch.setitem(sys.modules, "torchao", None)  # importing it would raise: the CPU answer never does
+    monkeypatch.delitem(sys.modules, "torchao.float8", raising=False)
+    assert auto_float8_missing("auto", None) == (
+        "needs a CUDA GPU of compute capability >= 8.9 (float8 matmuls), found no CUDA device"
+    )
+    assert auto_float8_missing("auto", (9, 0)) == "needs torchao: pip install 'wampipe[fp8]'"
+    assert auto_float8_missing("tensorwise", (9, 0)) is None and auto_float8_missing("none", None) is None
