@@ -192,7 +192,12 @@ def _time_bound_once(
     rope = rope_tables(layout, grid, cfg.head_dim, device, torch.float32)
     # inputs as the trainer's blocks see them: bf16 activations that need gradients (embeddings sit before them)
     x = torch.randn(batch, layout.seq_len, cfg.dim, device=device, dtype=dtype, requires_grad=True)
-    e0 = (0.1 * torch.randn(batch, layout.seq_len, 6, cfg.dim, device=device, dtype=dtype)).requires_grad_()
+    # the time projection's rows (train.dit.model.per_token): the clean copy's, one per noisy frame, one per register
+    register = layout.seq_len - 2 * layout.video_len
+    e0 = tuple(
+        (0.1 * torch.randn(batch, rows, 6, cfg.dim, device=device, dtype=dtype)).requires_grad_()
+        for rows in (1, nf, register)
+    )
     context = torch.randn(batch, n_ctx, cfg.dim, device=device, dtype=dtype, requires_grad=True)
     text_log_weight = None  # compact text: the trainer's weighted kernel, every prompt one row short of text_rows
     if text_rows < cfg.text_len:
@@ -203,7 +208,7 @@ def _time_bound_once(
 
     def step():
         stack(x, e0, context, rope, mask, text_log_weight).backward(grad_out)
-        for t in (x, e0, context, *stack.parameters()):
+        for t in (x, *e0, context, *stack.parameters()):
             t.grad = None
 
     for _ in range(warmup):

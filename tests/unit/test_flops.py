@@ -21,7 +21,7 @@ T = 1e12
     ],
 )
 def test_spec_table(name, shape, fwd, fwd_bwd, recompute, attn):
-    f = dit_flops(preset(name), shape)
+    f = dit_flops(preset(name), shape, per_token_time=True)  # the reference's count
     assert f.forward / T == pytest.approx(fwd, rel=2e-3)
     assert f.fwd_bwd / T == pytest.approx(fwd_bwd, rel=2e-3)
     assert f.train_step(recompute=True) / T == pytest.approx(recompute, rel=2e-3)
@@ -30,11 +30,15 @@ def test_spec_table(name, shape, fwd, fwd_bwd, recompute, attn):
 
 
 def test_5b_libero_breakdown():
-    f = dit_flops(preset("libero-5b"), (9, 10, 20))
+    f = dit_flops(preset("libero-5b"), (9, 10, 20), per_token_time=True)
     assert f.token_linears / T == pytest.approx(8.404, abs=1e-3)
     assert f.context_kv / T == pytest.approx(0.871, abs=1e-3)
     assert f.cross_attention / T == pytest.approx(0.274, abs=1e-3)
     assert f.time_embedding / T == pytest.approx(0.129, abs=1e-3)
+    # once per distinct timestep: the clean copy's, 9 noisy frames', 64 actions' and 4 states' of 968 tokens
+    rows = dit_flops(preset("libero-5b"), (9, 10, 20))
+    assert rows.time_embedding / f.time_embedding == pytest.approx((1 + 9 + 64 + 4) / 968)
+    assert rows.blocks_forward == f.blocks_forward
 
 
 def test_matches_flop_counter_on_tiny_model():

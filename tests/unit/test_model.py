@@ -6,7 +6,17 @@ from typing import cast
 import pytest
 import torch
 
-from wampipe.train.dit.model import build_model, preset, random_batch, rope_tables, text_key_log_weight
+from wampipe.train.dit.attention import make_attention_mask
+from wampipe.train.dit.model import (
+    Block,
+    build_model,
+    per_token,
+    preset,
+    random_batch,
+    rope_tables,
+    sinusoidal_embedding,
+    text_key_log_weight,
+)
 from wampipe.train.dit.text import compact_text, compact_text_rows, pad_text
 from wampipe.train.dit.loss import FlowMatchScheduler, action_ids, sample_timestep_ids
 
@@ -142,6 +152,57 @@ def test_flex_path_matches_dense_path_cpu():
     assert [type(m).__name__ for m in model._masks.values()] == ["Tensor", "BlockMask"]
     torch.testing.assert_close(flex[0], dense[0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(flex[1], dense[1], atol=1e-5, rtol=1e-4)
+
+
+def test_time_rows_stand_for_the_reference_per_token_timesteps():
+    """The model embeds one row per distinct timestep; expanded, they are the reference's per-token embedding."""
+    cfg = preset("tiny")
+    nf, fs, B = 5, 6, 2
+    layout = cfg.layout(nf, fs)
+    k = layout.num_blocks
+    g = torch.Generator().manual_seed(0)
+    t_frames = torch.randint(0, 1000, (B, nf), generator=g).double()
+    t_actions = torch.randint(0, 1000, (B, k * cfg.num_action_per_block), generator=g).double()
+    t_state = t_actions[:, :: cfg.num_action_per_block // cfg.num_state_per_block]
+    # the reference: clean tokens t = 0, each noisy token its frame's t, then actions and states
+    t_noisy = t_frames.repeat_interleave(fs, dim=1)
+    t_tok = torch.cat([torch.zeros_like(t_noisy), t_noisy, t_actions, t_state], dim=1)
+    emb = lambda t: sinusoidal_embedding(cfg.freq_dim, t)  # noqa: E731
+    rows = (emb(torch.zeros(B, 1)), emb(t_frames), emb(torch.cat([t_actions, t_state], dim=1)))
+    assert torch.equal(per_token(rows, layout.seq_len), emb(t_tok))
+
+
+def test_block_modulated_by_rows_equals_per_token_modulation():
+    """A block given the time projection's rows computes what it computes from the per-token tensor, and the rows'
+    gradients are the per-token gradients summed over the tokens each row stands for (fp64)."""
+    torch.manual_seed(0)
+    cfg = preset("tiny")
+    nf, fs, B = 5, 6, 2
+    layout = cfg.layout(nf, fs)
+    L, n_reg = layout.seq_len, layout.seq_len - 2 * layout.video_len
+    block = Block(cfg).double()
+    x = torch.randn(B, L, cfg.dim, dtype=torch.float64)
+    context = torch.randn(B, 40, cfg.dim, dtype=torch.float64)
+    rope = rope_tables(layout, (2, 3), cfg.head_dim, "cpu", torch.float64)
+    mask = make_attention_mask(layout, "cpu")
+    rows = tuple(torch.randn(B, n, 6, cfg.dim, dtype=torch.float64, requires_grad=True) for n in (1, nf, n_reg))
+    out = block(x, rows, context, rope, mask)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    clean_row, noisy_rows, register_rows = (r.detach() for r in rows)
+    tokens = per_token((clean_row, noisy_rows, register_rows), L).clone().requires_grad_()
+    sh1, sc1, g1, sh2, sc2, g2 = (block.modulation.unsqueeze(0) + tokens).unbind(2)  # the reference's block
+    y = x + block.self_attn(block.norm1(x) * (1 + sc1) + sh1, rope, mask) * g1
+    y = y + block.cross_attn(block.norm3(y), context)
+    y = y + block.ffn(block.norm2(y) * (1 + sc2) + sh2) * g2
+    y.backward(grad)
+    torch.testing.assert_close(out, y, rtol=0, atol=1e-12)
+    per_tok = cast(torch.Tensor, tokens.grad)
+    clean, noisy = per_tok[:, : nf * fs], per_tok[:, nf * fs : 2 * nf * fs]
+    want = (clean.sum(1, keepdim=True), noisy.unflatten(1, (nf, fs)).sum(2), per_tok[:, 2 * nf * fs :])
+    for row, expected in zip(rows, want):
+        torch.testing.assert_close(row.grad, expected, rtol=1e-10, atol=1e-10)
 
 
 def test_pad_text_modes():

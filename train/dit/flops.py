@@ -47,9 +47,12 @@ class DiTFlops:
         return self.fwd_bwd + float(recompute) * self.blocks_forward
 
 
-def dit_flops(cfg: DiTConfig, latent_shape: tuple[int, int, int], text_rows: int | None = None) -> DiTFlops:
+def dit_flops(
+    cfg: DiTConfig, latent_shape: tuple[int, int, int], text_rows: int | None = None, per_token_time: bool = False
+) -> DiTFlops:
     """FLOPs per sample for latents of (F, h, w) (e.g. 5B LIBERO: (9, 10, 20)); `text_rows` = umT5 rows the model
-    runs on (compact text, `compact_text_rows`), default the full text_len."""
+    runs on (compact text, `compact_text_rows`), default the full text_len. The time embedding runs once per distinct
+    timestep (`model.per_token`); `per_token_time` counts it once per token, as the reference runs it."""
     text_rows = cfg.text_len if text_rows is None else text_rows
     nf, h, w = latent_shape
     fs = (h // 2) * (w // 2)
@@ -66,7 +69,8 @@ def dit_flops(cfg: DiTConfig, latent_shape: tuple[int, int, int], text_rows: int
     context_kv = 2 * n_ctx * 2 * d * d * nl  # k, v of both context branches, every layer
     self_attention = 4 * count_allowed_pairs(layout) * d * nl
     cross_attention = 4 * L * n_ctx * d * nl
-    time_embedding = 2 * L * (cfg.freq_dim * d + d * d + 6 * d * d)
+    time_rows = L if per_token_time else 1 + nf + n_act + n_state  # clean, noisy frames, actions, states
+    time_embedding = 2 * time_rows * (cfg.freq_dim * d + d * d + 6 * d * d)
     other = (
         2 * text_rows * (cfg.text_dim * d + d * d)
         + (2 * cfg.image_len * (cfg.image_dim**2 + cfg.image_dim * d) if has_img else 0)

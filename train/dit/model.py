@@ -294,6 +294,27 @@ class CrossAttention(nn.Module):
         return self.o(out.transpose(1, 2).flatten(2))
 
 
+def per_token(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tokens: int) -> torch.Tensor:
+    """Rows of the sequence's distinct timesteps -> one per token [B, tokens, ...].
+
+    `rows` = (clean [B, 1, ...]: the clean copy's t = 0, noisy [B, F, ...]: one per noisy frame, register [B, R, ...]:
+    one per action and state token). The clean row stands for all F·fs clean tokens and each noisy row for its
+    frame's fs tokens, as expanded views: inside a compiled block the consumers read the few rows directly, and
+    backward sums each row's tokens there, instead of a [B, L, 6, d] tensor and its gradient per block.
+    """
+    clean, noisy, register = rows
+    B, F = noisy.shape[:2]
+    fs = (tokens - register.shape[1]) // (2 * F)
+    return torch.cat(
+        [
+            clean.expand(B, F * fs, *clean.shape[2:]),
+            noisy.unsqueeze(2).expand(B, F, fs, *noisy.shape[2:]).flatten(1, 2),
+            register,
+        ],
+        dim=1,
+    )
+
+
 class Block(nn.Module):
     """CausalWanAttentionBlock: per-token adaLN modulation around self-attn and FFN; plain cross-attn."""
 
@@ -309,8 +330,10 @@ class Block(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, d))
 
     def forward(self, x, e0, context, rope, mask, text_log_weight=None):
-        """x [B, L, d]; e0 [B, L, 6, d] per-token time projection."""
-        sh1, sc1, g1, sh2, sc2, g2 = (self.modulation.unsqueeze(0) + e0).unbind(2)
+        """x [B, L, d]; e0 the time projection [B, ·, 6, d] of the clean, noisy-frame and register rows
+        (`per_token`)."""
+        rows = tuple(self.modulation.unsqueeze(0) + part for part in e0)
+        sh1, sc1, g1, sh2, sc2, g2 = per_token(rows, x.shape[1]).unbind(2)
         x = x + self.self_attn(self.norm1(x) * (1 + sc1) + sh1, rope, mask) * g1
         x = x + self.cross_attn(self.norm3(x), context, text_log_weight)
         return x + self.ffn(self.norm2(x) * (1 + sc2) + sh2) * g2
@@ -494,13 +517,13 @@ class CausalWanModel(nn.Module):
         )
         x = torch.cat([xc, xn, register], dim=1)
 
-        # per-token timesteps: clean 0, noisy = its frame's, actions their own, state k = its block's action t
-        fs = layout.frame_seqlen
-        t_noisy = t_frames.repeat_interleave(fs, dim=1)
+        # timesteps of the distinct rows (`per_token`): clean 0, each noisy frame its own, actions their own, state
+        # k its block's first action's
         t_state = t_actions[:, :: layout.num_action_per_block // cfg.num_state_per_block]
-        t_tok = torch.cat([torch.zeros_like(t_noisy), t_noisy, t_actions, t_state], dim=1)
-        e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t_tok).to(dtype))  # [B, L, d]
-        e0 = self.time_projection(e).unflatten(2, (6, cfg.dim))
+        t_rows = torch.cat([torch.zeros_like(t_frames[:, :1]), t_frames, t_actions, t_state], dim=1)
+        e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t_rows).to(dtype))  # [B, 1 + F + R, d]
+        e0_rows = self.time_projection(e).unflatten(2, (6, cfg.dim))
+        e0 = (e0_rows[:, :1], e0_rows[:, 1 : 1 + nf], e0_rows[:, 1 + nf :])
 
         context = self.text_embedding(text.to(dtype))
         if cfg.model_type != "t2v":
@@ -515,7 +538,8 @@ class CausalWanModel(nn.Module):
 
         n_video = layout.video_len
         noisy = slice(n_video, 2 * n_video)
-        out = self.head(x[:, noisy], e[:, noisy])
+        e_noisy = e[:, 1 : 1 + nf, None].expand(B, nf, layout.frame_seqlen, cfg.dim).flatten(1, 2)
+        out = self.head(x[:, noisy], e_noisy)
         action_pred = self.action_decoder(x[:, 2 * n_video : 2 * n_video + noisy_actions.shape[1]])
         return self.unpatchify(out, grid), action_pred
 
