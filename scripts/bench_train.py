@@ -193,10 +193,9 @@ def _time_bound_once(
     # inputs as the trainer's blocks see them: bf16 activations that need gradients (embeddings sit before them)
     x = torch.randn(batch, layout.seq_len, cfg.dim, device=device, dtype=dtype, requires_grad=True)
     # the time projection's rows (train.dit.model.per_token): the clean copy's, one per noisy frame, one per register
-    register = layout.seq_len - 2 * layout.video_len
     e0 = tuple(
         (0.1 * torch.randn(batch, rows, 6, cfg.dim, device=device, dtype=dtype)).requires_grad_()
-        for rows in (1, nf, register)
+        for rows in (1, nf, layout.register_len)
     )
     context = torch.randn(batch, n_ctx, cfg.dim, device=device, dtype=dtype, requires_grad=True)
     text_log_weight = None  # compact text: the trainer's weighted kernel, every prompt one row short of text_rows

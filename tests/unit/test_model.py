@@ -179,7 +179,7 @@ def test_block_modulated_by_rows_equals_per_token_modulation():
     cfg = preset("tiny")
     nf, fs, B = 5, 6, 2
     layout = cfg.layout(nf, fs)
-    L, n_reg = layout.seq_len, layout.seq_len - 2 * layout.video_len
+    L, n_reg = layout.seq_len, layout.register_len
     block = Block(cfg).double()
     x = torch.randn(B, L, cfg.dim, dtype=torch.float64)
     context = torch.randn(B, 40, cfg.dim, dtype=torch.float64)

@@ -57,9 +57,13 @@ class TokenLayout:
         return self.num_frames * self.frame_seqlen
 
     @property
+    def register_len(self) -> int:
+        """Action and state tokens after the two video copies."""
+        return self.num_blocks * (self.num_action_per_block + self.num_state_per_block)
+
+    @property
     def seq_len(self) -> int:
-        k = self.num_blocks
-        return 2 * self.video_len + k * (self.num_action_per_block + self.num_state_per_block)
+        return 2 * self.video_len + self.register_len
 
     def token_attributes(self, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(stream, block, frame) per token, each int32 [L]; frame = -1 for action/state tokens."""

@@ -294,6 +294,11 @@ class CrossAttention(nn.Module):
         return self.o(out.transpose(1, 2).flatten(2))
 
 
+def split_rows(rows: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, 1 + F + R, ...] rows in timestep order -> (clean, noisy, register) as `per_token` takes them."""
+    return rows[:, :1], rows[:, 1 : 1 + frames], rows[:, 1 + frames :]
+
+
 def per_token(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tokens: int) -> torch.Tensor:
     """Rows of the sequence's distinct timesteps -> one per token [B, tokens, ...].
 
@@ -522,8 +527,7 @@ class CausalWanModel(nn.Module):
         t_state = t_actions[:, :: layout.num_action_per_block // cfg.num_state_per_block]
         t_rows = torch.cat([torch.zeros_like(t_frames[:, :1]), t_frames, t_actions, t_state], dim=1)
         e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t_rows).to(dtype))  # [B, 1 + F + R, d]
-        e0_rows = self.time_projection(e).unflatten(2, (6, cfg.dim))
-        e0 = (e0_rows[:, :1], e0_rows[:, 1 : 1 + nf], e0_rows[:, 1 + nf :])
+        e0 = split_rows(self.time_projection(e).unflatten(2, (6, cfg.dim)), nf)
 
         context = self.text_embedding(text.to(dtype))
         if cfg.model_type != "t2v":
@@ -538,8 +542,7 @@ class CausalWanModel(nn.Module):
 
         n_video = layout.video_len
         noisy = slice(n_video, 2 * n_video)
-        e_noisy = e[:, 1 : 1 + nf, None].expand(B, nf, layout.frame_seqlen, cfg.dim).flatten(1, 2)
-        out = self.head(x[:, noisy], e_noisy)
+        out = self.head(x[:, noisy], per_token(split_rows(e, nf), layout.seq_len)[:, noisy])
         action_pred = self.action_decoder(x[:, 2 * n_video : 2 * n_video + noisy_actions.shape[1]])
         return self.unpatchify(out, grid), action_pred
 
