@@ -299,6 +299,12 @@ def split_rows(rows: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Ten
     return rows[:, :1], rows[:, 1 : 1 + frames], rows[:, 1 + frames :]
 
 
+def per_frame(rows: torch.Tensor, frame_tokens: int) -> torch.Tensor:
+    """[B, F, ...] one row per frame -> [B, F·frame_tokens, ...], each row repeated for its frame's tokens."""
+    B, F = rows.shape[:2]
+    return rows.unsqueeze(2).expand(B, F, frame_tokens, *rows.shape[2:]).flatten(1, 2)
+
+
 def per_token(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tokens: int) -> torch.Tensor:
     """Rows of the sequence's distinct timesteps -> one per token [B, tokens, ...].
 
@@ -310,14 +316,7 @@ def per_token(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tokens: int
     clean, noisy, register = rows
     B, F = noisy.shape[:2]
     fs = (tokens - register.shape[1]) // (2 * F)
-    return torch.cat(
-        [
-            clean.expand(B, F * fs, *clean.shape[2:]),
-            noisy.unsqueeze(2).expand(B, F, fs, *noisy.shape[2:]).flatten(1, 2),
-            register,
-        ],
-        dim=1,
-    )
+    return torch.cat([clean.expand(B, F * fs, *clean.shape[2:]), per_frame(noisy, fs), register], dim=1)
 
 
 class Block(nn.Module):
@@ -542,7 +541,7 @@ class CausalWanModel(nn.Module):
 
         n_video = layout.video_len
         noisy = slice(n_video, 2 * n_video)
-        out = self.head(x[:, noisy], per_token(split_rows(e, nf), layout.seq_len)[:, noisy])
+        out = self.head(x[:, noisy], per_frame(split_rows(e, nf)[1], layout.frame_seqlen))
         action_pred = self.action_decoder(x[:, 2 * n_video : 2 * n_video + noisy_actions.shape[1]])
         return self.unpatchify(out, grid), action_pred
 
